@@ -1,0 +1,17 @@
+"""tecupy: Transformer Engine's FP8 training blocks on CuPy (and NumPy), in Python.
+
+Functional ops take plain numpy or cupy arrays; `Tape` records them for backward;
+`fp8_autocast` runs the linear-type ops in FP8 with Transformer Engine's delayed scaling.
+"""
+from . import reference  # noqa: F401  (registers the reference backend)
+from . import backends, fp8, recipe  # noqa: F401
+from ._array import bfloat16, gpu_available  # noqa: F401
+from .autocast import FP8State, autocast, fp8_autocast  # noqa: F401
+from .fp8 import FP8Tensor, dequantize, quantize  # noqa: F401
+from .ops import (activation, add, cross_entropy, dot_product_attention, dropout,  # noqa: F401
+                  geglu, gelu, layernorm, layernorm_linear, layernorm_mlp, linear, relu,
+                  reshape, rmsnorm, softmax, split, swiglu)
+from .tape import Tape  # noqa: F401
+from . import nn  # noqa: F401,E402
+
+__version__ = "0.1.0"

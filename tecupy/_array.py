@@ -1,0 +1,96 @@
+"""Array-module helpers: one code path for NumPy and CuPy, and the input checks every op uses."""
+import numpy as np
+import ml_dtypes
+
+try:  # CuPy imports fine on a machine without a GPU; arrays need a device.
+    import cupy
+except ImportError:  # pragma: no cover - cupy is a declared dependency
+    cupy = None
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
+_DTYPE_NAMES = "float16, bfloat16, float32, float64"
+
+
+def gpu_available():
+    """True when CuPy can see at least one CUDA device."""
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_cupy(x):
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def xp_of(x):
+    return cupy if is_cupy(x) else np
+
+
+def array_module(op, **arrays):
+    """The one array module (numpy or cupy) of all non-None `arrays`; mixing is an error."""
+    kinds = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if is_cupy(a):
+            kinds.setdefault("cupy", name)
+        elif isinstance(a, np.ndarray):
+            kinds.setdefault("numpy", name)
+        else:
+            raise TypeError(f"{op}: {name} must be a numpy or cupy array, got {type(a).__name__}")
+    if len(kinds) > 1:
+        raise TypeError(f"{op}: {kinds['numpy']} is a numpy array but {kinds['cupy']} is a cupy "
+                        "array; pass all arrays of one call on the same device")
+    return cupy if "cupy" in kinds else np
+
+
+def check_float(op, dtype=None, **arrays):
+    """Every array in `arrays` is floating (fp16/bf16/fp32/fp64) and of one dtype; returns it."""
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if a.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} has dtype {a.dtype}; accepted: {_DTYPE_NAMES}")
+        if dtype is None:
+            dtype, first = a.dtype, name
+        elif a.dtype != dtype:
+            raise TypeError(f"{op}: {name} has dtype {a.dtype} but {first} has {dtype}; "
+                            "one call takes one floating dtype")
+    return dtype
+
+
+def check_shape(op, name, a, shape):
+    """`a.shape == shape`, where None in `shape` matches any size."""
+    if a is None:
+        return
+    ok = a.ndim == len(shape) and all(s is None or s == d for s, d in zip(shape, a.shape))
+    if not ok:
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{op}: {name} has shape {tuple(a.shape)}, expected {want}")
+
+
+def compute_dtype(dtype):
+    """Low-precision inputs are computed in float32 (as Transformer Engine does); float64 stays."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def to_numpy(x):
+    return cupy.asnumpy(x) if is_cupy(x) else np.asarray(x)
+
+
+def unbroadcast(g, shape):
+    """Sum `g` down to `shape` (the inverse of NumPy broadcasting)."""
+    if g.shape == tuple(shape):
+        return g
+    xp = xp_of(g)
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return xp.reshape(g, shape)

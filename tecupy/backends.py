@@ -1,0 +1,131 @@
+"""Backend registry: op name -> implementations, each with a kind and a priority.
+
+An op name is a kernel name such as ``layernorm_fwd``; its family is the name without the
+``_fwd`` / ``_bwd`` suffix (``layernorm``), which is what TECUPY_OP_BACKENDS speaks of.
+
+Selection for one call: the implementations that support the inputs, ordered by
+  1. TECUPY_OP_BACKENDS="linear=reference,layernorm=cuda|reference" (per op family),
+  2. TECUPY_BACKEND=<kind> (preferred kind for every op),
+  3. priority (cutlass 30 > cuda 20 > reference 0 by default).
+The first one runs; if it raises, the next one is tried with a warning, unless
+TECUPY_STRICT=1, which makes the failure an error. TECUPY_PLUGINS="pkg.mod,other" names
+modules to import (they call `register`); installed packages register through the
+entry-point group ``tecupy.backends`` (each entry point is a module or a callable).
+"""
+import dataclasses
+import importlib
+import os
+import warnings
+from importlib import metadata
+
+DEFAULT_PRIORITY = {"cutlass": 30, "cuda": 20, "reference": 0}
+_registry = {}  # op name -> list of Impl
+_plugins_loaded = False
+
+
+@dataclasses.dataclass
+class Impl:
+    op: str
+    kind: str
+    priority: int
+    fn: object
+    supports: object  # callable(*args, **kwargs) -> bool, or None for "everything"
+
+    def accepts(self, args, kwargs):
+        return self.supports is None or bool(self.supports(*args, **kwargs))
+
+
+def register(op, kind, priority=None, supports=None):
+    """Decorator: register `fn` as the `kind` implementation of `op`."""
+    def deco(fn):
+        prio = DEFAULT_PRIORITY.get(kind, 10) if priority is None else priority
+        impls = [i for i in _registry.get(op, []) if i.kind != kind]
+        impls.append(Impl(op, kind, prio, fn, supports))
+        _registry[op] = impls
+        return fn
+    return deco
+
+
+def family(op):
+    for suffix in ("_fwd", "_bwd"):
+        if op.endswith(suffix):
+            return op[: -len(suffix)]
+    return op
+
+
+def _op_preferences(op):
+    spec = os.environ.get("TECUPY_OP_BACKENDS", "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, kinds = item.partition("=")
+        if not sep:
+            raise ValueError(f"TECUPY_OP_BACKENDS entry {item!r} is not of the form op=kind[|kind]")
+        if name.strip() in (op, family(op)):
+            return [k.strip() for k in kinds.split("|") if k.strip()]
+    return []
+
+
+def _load_plugins():
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for name in filter(None, (s.strip() for s in os.environ.get("TECUPY_PLUGINS", "").split(","))):
+        importlib.import_module(name)
+    for ep in metadata.entry_points(group="tecupy.backends"):
+        obj = ep.load()
+        if callable(obj):
+            obj()
+
+
+def candidates(op, *args, **kwargs):
+    """Implementations of `op` that accept these inputs, in the order they would be tried."""
+    _load_plugins()
+    if op not in _registry:
+        raise KeyError(f"no implementation registered for op {op!r}; registered: {sorted(_registry)}")
+    impls = [i for i in _registry[op] if i.accepts(args, kwargs)]
+    prefs = _op_preferences(op)
+    kind_pref = os.environ.get("TECUPY_BACKEND", "").strip()
+
+    def rank(i):
+        per_op = prefs.index(i.kind) if i.kind in prefs else len(prefs)
+        return (per_op, i.kind != kind_pref if kind_pref else False, -i.priority)
+    return sorted(impls, key=rank)
+
+
+def dispatch(op, *args, **kwargs):
+    """Run the best implementation of `op`; fall back (or raise under TECUPY_STRICT=1)."""
+    impls = candidates(op, *args, **kwargs)
+    if not impls:
+        raise RuntimeError(f"no registered implementation of {op!r} supports these inputs")
+    strict = os.environ.get("TECUPY_STRICT", "0") not in ("", "0")
+    for n, impl in enumerate(impls):
+        try:
+            return impl.fn(*args, **kwargs)
+        except (TypeError, ValueError):
+            raise  # bad input is the caller's error, not the backend's
+        except Exception as err:
+            if strict or n == len(impls) - 1:
+                raise
+            warnings.warn(f"tecupy: {impl.kind} implementation of {op} failed ({err!r}); "
+                          f"falling back to {impls[n + 1].kind}", RuntimeWarning, stacklevel=2)
+
+
+def registered():
+    """{op: [(kind, priority), ...]} for every registered op."""
+    _load_plugins()
+    return {op: sorted(((i.kind, i.priority) for i in impls), key=lambda t: -t[1])
+            for op, impls in sorted(_registry.items())}
+
+
+def chosen(op, *args, **kwargs):
+    """The kind that would run `op` on these inputs, or None."""
+    impls = candidates(op, *args, **kwargs)
+    return impls[0].kind if impls else None
+
+
+def describe():
+    """A printable table of registered ops and implementations."""
+    lines = [f"{'op':28s} implementations (kind:priority, highest first)"]
+    for op, impls in registered().items():
+        lines.append(f"{op:28s} " + ", ".join(f"{k}:{p}" for k, p in impls))
+    return "\n".join(lines)

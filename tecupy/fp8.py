@@ -1,0 +1,117 @@
+"""FP8 formats, the FP8 array container and the cast functions.
+
+CuPy has no float8 dtype, so FP8 data is stored as uint8 with its format and the
+dequantizing factor `scale_inv` beside it: value = decode(data) * scale_inv.
+Cast (Transformer Engine's rule): q = saturate(x * scale) rounded to nearest even,
+computed in float32; overflow and inf saturate to +-max, NaN stays NaN; amax = max|x| of
+the input before scaling, ignoring NaN (as CUDA's fmaxf does).
+"""
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from . import backends
+from ._array import array_module, check_float, xp_of
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Format:
+    name: str
+    max: float       # largest finite value
+    mbits: int       # mantissa bits
+    bias: int        # exponent bias
+    ml_dtype: type   # the ml_dtypes type the NumPy reference decodes with
+
+    def __repr__(self):
+        return f"tecupy.fp8.{self.name.upper()}"
+
+
+E4M3 = FP8Format("e4m3", 448.0, 3, 7, ml_dtypes.float8_e4m3fn)
+E5M2 = FP8Format("e5m2", 57344.0, 2, 15, ml_dtypes.float8_e5m2)
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def as_format(fmt):
+    if isinstance(fmt, FP8Format):
+        return fmt
+    if isinstance(fmt, str) and fmt.lower() in FORMATS:
+        return FORMATS[fmt.lower()]
+    raise ValueError(f"unknown FP8 format {fmt!r}; accepted: 'e4m3', 'e5m2'")
+
+
+class FP8Tensor:
+    """uint8 `data` in format `fmt`, with `scale_inv` (float32, shape (1,)) on the same device."""
+
+    def __init__(self, data, fmt, scale_inv):
+        if data.dtype != np.uint8:
+            raise TypeError(f"FP8Tensor data must be uint8, got {data.dtype}")
+        array_module("FP8Tensor", data=data, scale_inv=scale_inv)
+        self.data, self.fmt, self.scale_inv = data, as_format(fmt), scale_inv
+
+    shape = property(lambda self: self.data.shape)
+    ndim = property(lambda self: self.data.ndim)
+
+    def __repr__(self):
+        return f"FP8Tensor(shape={self.shape}, fmt={self.fmt.name})"
+
+    def dequantize(self, dtype=np.float32):
+        return dequantize(self, dtype)
+
+    def transpose(self):
+        """The column-wise copy (a 2-D transpose, contiguous), as wgrad and dgrad need it."""
+        if self.ndim != 2:
+            raise ValueError(f"FP8Tensor.transpose needs 2-D data, got shape {self.shape}")
+        xp = xp_of(self.data)
+        return FP8Tensor(xp.ascontiguousarray(self.data.T), self.fmt, self.scale_inv)
+
+    T = property(transpose)
+
+
+def _scale_array(xp, scale):
+    if isinstance(scale, (int, float)):
+        return xp.full((1,), scale, dtype=np.float32)
+    if scale.dtype != np.float32 or scale.size != 1:
+        raise TypeError(f"scale must be a float32 array of one element, got {scale.dtype} "
+                        f"shape {tuple(scale.shape)}")
+    return scale.reshape(1)
+
+
+def quantize(x, scale, fmt, amax_out=None):
+    """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element) is given,
+    max(amax_out, amax(x)) is written into it (what the cast kernel's atomicMax does)."""
+    fmt = as_format(fmt)
+    xp = array_module("quantize", x=x, amax_out=amax_out)
+    check_float("quantize", x=x)
+    scale = _scale_array(xp, scale)
+    data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
+    if amax_out is not None:
+        xp.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
+    return FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32))
+
+
+def dequantize(t, dtype=np.float32):
+    return backends.dispatch("fp8_dequantize", t.data, t.fmt, t.scale_inv, np.dtype(dtype))
+
+
+def amax(x):
+    """max |x| over all elements as a float32 array of shape (1,), NaN ignored, 0 if empty."""
+    array_module("amax", x=x)
+    return backends.dispatch("amax", x)
+
+
+def current_scale(amax_arr, fmt):
+    """Per-tensor current scaling: fmt.max / amax; 1 where amax is 0 or not finite; an
+    infinite result (a tiny amax) becomes FLT_MAX."""
+    xp = xp_of(amax_arr)
+    a = amax_arr.astype(np.float32)
+    ok = xp.isfinite(a) & (a > 0)
+    s = xp.where(ok, np.float32(as_format(fmt).max) / xp.where(ok, a, 1), np.float32(1))
+    return xp.where(xp.isinf(s), np.float32(FLT_MAX), s).astype(np.float32)
+
+
+def quantize_current(x, fmt):
+    """Cast with this tensor's own amax (Float8CurrentScaling)."""
+    return quantize(x, current_scale(amax(x), fmt), fmt)

@@ -1,0 +1,80 @@
+"""dot_product_attention: softmax(scale * Q K^T, masked) V, forward and backward.
+
+Layouts (qkv_format): "bshd" = [batch, seq, heads, dim], "sbhd" = [seq, batch, heads, dim].
+The kernels work in bshd; sbhd inputs are viewed as bshd and the output comes back sbhd.
+Maths and masks: reference/attention.py.
+"""
+import numpy as np
+
+from .. import backends
+from .._array import array_module, check_float
+from ..reference.attention import MASK_TYPES
+from ..tape import record
+
+QKV_FORMATS = ("bshd", "sbhd")
+
+
+def _to_bshd(t, fmt):
+    return t if fmt == "bshd" else t.transpose(1, 0, 2, 3)
+
+
+def _check(q, k, v, mask_type, fmt, seqlens_q, seqlens_kv, p):
+    op = "dot_product_attention"
+    xp = array_module(op, q=q, k=k, v=v, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv)
+    check_float(op, q=q, k=k, v=v)
+    if mask_type not in MASK_TYPES:
+        raise ValueError(f"{op}: attn_mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
+    if fmt not in QKV_FORMATS:
+        raise ValueError(f"{op}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"{op}: q, k, v must be 4-D ({fmt}) with k and v of one shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    qb, kb = _to_bshd(q, fmt).shape, _to_bshd(k, fmt).shape
+    if qb[0] != kb[0] or qb[3] != kb[3] or qb[2] % kb[2]:
+        raise ValueError(f"{op}: q {qb} and k {kb} (as bshd) need the same batch and head dim, "
+                         "and q's heads a multiple of k's heads (GQA/MQA)")
+    if not 0 <= p < 1:
+        raise ValueError(f"{op}: attention_dropout must be in [0, 1), got {p}")
+    if "padding" in mask_type:
+        return _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv)
+    return None, None
+
+
+def _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv):
+    op = "dot_product_attention"
+    if seqlens_q is None:
+        raise ValueError(f"{op}: padding masks need seqlens_q (an int array [batch])")
+    seqlens_kv = seqlens_q if seqlens_kv is None else seqlens_kv
+    out = []
+    for name, lens, s in (("seqlens_q", seqlens_q, qb[1]), ("seqlens_kv", seqlens_kv, kb[1])):
+        if lens.shape != (qb[0],) or lens.dtype.kind not in "iu":
+            raise ValueError(f"{op}: {name} must be an int array of shape ({qb[0]},), got "
+                             f"{lens.dtype} {tuple(lens.shape)}")
+        if xp is np and (lens.min() < 0 or lens.max() > s):  # no host sync on the GPU
+            raise ValueError(f"{op}: {name} must lie in [0, {s}], got {lens.tolist()}")
+        out.append(lens)
+    return tuple(out)
+
+
+def dot_product_attention(q, k, v, attn_mask_type="causal", qkv_format="bshd",
+                          softmax_scale=None, attention_dropout=0.0, seqlens_q=None,
+                          seqlens_kv=None, dropout_seed=None):
+    """Attention over q [b, sq, h, d], k and v [b, skv, hk, d] (or sbhd); returns o shaped
+    as q. attn_mask_type: no_mask, causal (top-left), padding, padding_causal; padding
+    takes per-sequence lengths seqlens_q / seqlens_kv (int arrays [b]; kv defaults to q).
+    softmax_scale defaults to 1/sqrt(d). attention_dropout uses Philox with dropout_seed."""
+    p = float(attention_dropout)
+    lq, lkv = _check(q, k, v, attn_mask_type, qkv_format, seqlens_q, seqlens_kv, p)
+    scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if p > 0 and dropout_seed is None:
+        dropout_seed = int(np.random.default_rng().integers(0, 2**63))
+    qb, kb, vb = (_to_bshd(t, qkv_format) for t in (q, k, v))
+    args = (scale, attn_mask_type, lq, lkv, p, dropout_seed)
+    ob, lse = backends.dispatch("attention_fwd", qb, kb, vb, *args)
+    o = _to_bshd(ob, qkv_format)
+
+    def backward(do):
+        return backends.dispatch("attention_bwd", _to_bshd(do, qkv_format), qb, kb, vb, ob,
+                                 lse, *args)
+    record(lambda do: tuple(_to_bshd(g, qkv_format) for g in backward(do)), (q, k, v), (o,))
+    return o

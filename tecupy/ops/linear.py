@@ -1,0 +1,100 @@
+"""linear: y = x @ weight.T + bias, in high precision or (under fp8_autocast) FP8.
+
+FP8 path (Transformer Engine's): x and weight are cast to the forward format (E4M3), the
+GEMM accumulates in float32 and applies scale_inv_x * scale_inv_w; in backward dy is cast
+to the backward format (E5M2 under HYBRID), dgrad = dy8 @ w8 and wgrad = dy8.T @ x8 use the
+transposed FP8 copies, dbias = sum(dy) in high precision. Scales come from the caller's
+FP8State (delayed scaling) or, with no state or under Float8CurrentScaling, from each
+tensor's own amax.
+"""
+from .. import backends
+from .._array import array_module, check_float, check_shape, compute_dtype
+from ..autocast import active_recipe, use_state
+from ..fp8 import quantize_current
+from ..tape import record, recording
+
+FP8_ALIGN = 16
+
+
+def check_fp8_dims(op, m, n, k):
+    bad = {name: v for name, v in (("M", m), ("N", n), ("K", k)) if v % FP8_ALIGN}
+    if bad:
+        raise ValueError(
+            f"{op}: FP8 GEMM needs M (the product of x's leading dims), N (out features) and "
+            f"K (in features) to be multiples of {FP8_ALIGN} (Transformer Engine's rule, plus "
+            f"16-byte rows for wgrad's transposed FP8 copies); got M={m}, N={n}, K={k}")
+
+
+def fp8_gemm(qa, qb, out_dtype, bias=None):
+    """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype."""
+    return backends.dispatch("fp8_gemm", qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
+                             qb.scale_inv, out_dtype, bias)
+
+
+def _check(op, x, weight, bias):
+    xp = array_module(op, x=x, weight=weight, bias=bias)
+    check_float(op, x=x, weight=weight, bias=bias)
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have at least 1 dimension")
+    check_shape(op, "weight", weight, (None, x.shape[-1]))
+    check_shape(op, "bias", bias, (weight.shape[0],))
+    return xp
+
+
+def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
+    """y = x @ weight.T + bias. x [..., in], weight [out, in], bias [out] or None.
+
+    Under fp8_autocast the GEMMs run in FP8 with scales from `fp8_state` (an FP8State;
+    `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling."""
+    xp = _check("linear", x, weight, bias)
+    recipe = active_recipe()
+    if recipe is None:
+        return _linear_hp(x, weight, bias)
+    return _linear_fp8(x, weight, bias, use_state(fp8_state, xp), recipe, gemm_index)
+
+
+def _dbias(dy2, bias):
+    if bias is None:
+        return None
+    return dy2.astype(compute_dtype(dy2.dtype)).sum(0).astype(bias.dtype)
+
+
+def _linear_hp(x, weight, bias):
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    y = backends.dispatch("gemm", x2, weight, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+
+    def backward(dy):
+        dy2 = dy.reshape(-1, n)
+        dx = backends.dispatch("gemm", dy2, weight, x.dtype, None, trans_b=False)
+        dw = backends.dispatch("gemm", dy2.T, x2, weight.dtype, None, trans_b=False)
+        db = _dbias(dy2, bias)
+        return dx.reshape(x.shape), dw, db
+    record(backward, (x, weight, bias), (y,))
+    return y
+
+
+def _linear_fp8(x, weight, bias, state, recipe, gemm):
+    n, k = weight.shape
+    m = x.size // k
+    check_fp8_dims("linear", m, n, k)
+    fmt = recipe.fp8_format
+    x2 = x.reshape(m, k)
+    if state is None:
+        qx, qw = quantize_current(x2, fmt.fwd), quantize_current(weight, fmt.fwd)
+    else:
+        qx, qw = state.quantize_fwd(x2, gemm, "input"), state.quantize_fwd(weight, gemm, "weight")
+    y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+    if not recording():
+        return y
+
+    def backward(dy):
+        dy2 = dy.reshape(m, n)
+        qdy = (quantize_current(dy2, fmt.bwd) if state is None
+               else state.quantize_bwd(dy2, gemm, "grad_output"))
+        dx = fp8_gemm(qdy, qw.T, x.dtype)           # [M, N] x [K, N]^T
+        dw = fp8_gemm(qdy.T, qx.T, weight.dtype)    # [N, M] x [K, M]^T
+        db = _dbias(dy2, bias)
+        return dx.reshape(x.shape), dw, db
+    record(backward, (x, weight, bias), (y,), fp8_states=() if state is None else (state,))
+    return y

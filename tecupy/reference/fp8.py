@@ -1,0 +1,99 @@
+"""Reference FP8 kernels: cast with amax, dequantize, FP8 GEMM, delayed-scaling update.
+
+Array-module generic (NumPy or CuPy). The encoder works on float32 bit patterns, so it runs
+where there is no float8 dtype (CuPy) and matches ml_dtypes bit for bit.
+"""
+import numpy as np
+
+from .. import backends
+from .._array import xp_of
+from ..fp8 import FLT_MAX
+
+_decode_tables = {}
+
+
+def _encode(v, fmt):
+    """float32 array -> uint8 FP8 codes: saturate to +-max, round to nearest even, NaN kept."""
+    xp = xp_of(v)
+    nan = xp.isnan(v)
+    a = xp.where(nan, np.float32(0), xp.minimum(xp.abs(v), np.float32(fmt.max)))
+    bits = a.view(np.uint32).astype(np.int64)
+    shift = 23 - fmt.mbits
+    rounded = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+    normal = rounded - ((127 - fmt.bias) << fmt.mbits)
+    subnormal = xp.rint(a * np.float32(2.0 ** (fmt.bias - 1 + fmt.mbits))).astype(np.int64)
+    code = xp.where(a < np.float32(2.0 ** (1 - fmt.bias)), subnormal, normal)
+    nan_code = 0x7F if fmt.name == "e4m3" else 0x7E  # ml_dtypes' canonical NaN
+    code = xp.where(nan, nan_code, code) | (xp.signbit(v).astype(np.int64) << 7)
+    return code.astype(np.uint8)
+
+
+def _decode_table(xp, fmt):
+    key = (xp.__name__, fmt.name)
+    if key not in _decode_tables:
+        table = np.arange(256, dtype=np.uint8).view(fmt.ml_dtype).astype(np.float32)
+        _decode_tables[key] = xp.asarray(table)
+    return _decode_tables[key]
+
+
+@backends.register("amax", "reference")
+def amax(x):
+    xp = xp_of(x)
+    if x.size == 0:
+        return xp.zeros((1,), np.float32)
+    a = xp.abs(x.astype(np.float32))
+    return xp.max(xp.where(xp.isnan(a), np.float32(0), a)).reshape(1)
+
+
+@backends.register("cast_to_fp8", "reference")
+def cast_to_fp8(x, scale, fmt):
+    """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,))."""
+    return _encode(x.astype(np.float32) * scale[0], fmt), amax(x)
+
+
+@backends.register("fp8_dequantize", "reference")
+def fp8_dequantize(data, fmt, scale_inv, dtype):
+    table = _decode_table(xp_of(data), fmt)
+    return (table[data] * scale_inv[0]).astype(dtype)
+
+
+@backends.register("fp8_gemm", "reference")
+def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None):
+    """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
+
+    Products of the decoded codes are summed in float32, then multiplied by
+    a_scale_inv * b_scale_inv (read from device memory) and the bias is added."""
+    xp = xp_of(a)
+    fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
+    acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
+    if bias is not None:
+        acc = acc + bias.astype(np.float32)
+    return acc.astype(out_dtype)
+
+
+@backends.register("delayed_scaling_update", "reference")
+def delayed_scaling_update(metas, algo, margin):
+    """Transformer Engine's fused amax-and-scale update, in place, for many FP8 metas.
+
+    Each meta has amax_history [L, n], scale [n], scale_inv [n], fp8_max [n] (float32).
+    Per slot: a = history[0]; if a == 0 nothing changes. Else the history rolls by -1 and
+    row 0 is zeroed; amax = max over the old history (NaN ignored, as fmaxf) for "max", or
+    a for "most_recent"; scale = fp8_max / amax / 2**margin when amax is finite and > 0,
+    else the old scale; an infinite scale becomes FLT_MAX; scale_inv = 1 / scale."""
+    for m in metas:
+        xp = xp_of(m.amax_history)
+        h = m.amax_history
+        last = h[0].copy()
+        active = last != 0
+        clean = xp.where(xp.isnan(h), np.float32(0), h)
+        amax = clean.max(axis=0) if algo == "max" else last
+        amax = xp.where(active, amax, np.float32(0))
+        rolled = xp.roll(h, -1, axis=0)
+        rolled[0] = 0
+        h[...] = xp.where(active[None, :], rolled, h)
+        ok = xp.isfinite(amax) & (amax > 0)
+        new = (m.fp8_max / xp.where(ok, amax, np.float32(1))) / np.float32(2.0 ** margin)
+        scale = xp.where(ok, new, m.scale)
+        scale = xp.where(xp.isinf(scale), np.float32(FLT_MAX), scale).astype(np.float32)
+        m.scale[...] = scale
+        m.scale_inv[...] = (np.float32(1) / scale).astype(np.float32)

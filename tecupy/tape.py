@@ -1,0 +1,126 @@
+"""A small autodiff tape.
+
+    with tecupy.Tape() as tape:
+        y = tecupy.linear(x, w, b)
+    dx, dw = tape.gradient(y, [x, w], output_grad=dy)
+
+Every tecupy op calls `record(backward, inputs, outputs)` when a tape is active; the
+backward closure sits beside its forward in the op and captures what it saved. Arrays are
+identified by object identity (the tape keeps them alive, so ids stay unique). Arrays made
+outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never saw: use
+tecupy.add / reshape / split, or ask for the gradient of the array that went into the op.
+"""
+from ._array import unbroadcast, xp_of
+
+_active = []  # stack of open tapes; every op records into all of them
+
+
+class _Node:
+    __slots__ = ("inputs", "outputs", "backward", "fp8_states")
+
+    def __init__(self, inputs, outputs, backward, fp8_states):
+        self.inputs, self.outputs = inputs, outputs
+        self.backward, self.fp8_states = backward, fp8_states
+
+
+def recording():
+    return bool(_active)
+
+
+def record(backward, inputs, outputs, fp8_states=()):
+    """Record an op: backward(*output_grads) -> one gradient (or None) per input."""
+    if not _active:
+        return
+    node = _Node(tuple(inputs), tuple(outputs), backward, tuple(fp8_states))
+    for tape in _active:
+        tape._nodes.append(node)
+
+
+def _as_list(x):
+    return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
+
+
+class Tape:
+    def __init__(self):
+        self._nodes = []
+
+    def __enter__(self):
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return False
+
+    def _known_ids(self):
+        ids = set()
+        for node in self._nodes:
+            ids.update(id(a) for a in node.inputs if a is not None)
+            ids.update(id(a) for a in node.outputs)
+        return ids
+
+    def gradient(self, outputs, wrt, output_grad=None):
+        """Gradients of `outputs` (weighted by `output_grad`, default ones) w.r.t. `wrt`.
+
+        `wrt` may be one array, a list/tuple (a list comes back), a dict name -> array (a dict
+        comes back) or a tecupy.nn module (a dict by parameter name comes back). Arrays that
+        are on the tape but do not reach `outputs` get zeros.
+        """
+        from .nn.module import Module  # local: nn imports ops, which import this module
+        if isinstance(wrt, Module):
+            wrt = wrt.named_parameters()
+        if isinstance(wrt, dict):
+            return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad)))
+        outs, _ = _as_list(outputs)
+        targets, many = _as_list(wrt)
+        grads = self._seed(outs, output_grad)
+        self._check_known(targets)
+        self._backprop(grads)
+        result = []
+        for t in targets:
+            g = grads.get(id(t))
+            result.append(xp_of(t).zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
+        return result if many else result[0]
+
+    def _seed(self, outs, output_grad):
+        known = self._known_ids()
+        ogs = [None] * len(outs) if output_grad is None else _as_list(output_grad)[0]
+        if len(ogs) != len(outs):
+            raise ValueError(f"Tape.gradient: {len(outs)} outputs but {len(ogs)} output grads")
+        grads = {}
+        for n, (o, g) in enumerate(zip(outs, ogs)):
+            if id(o) not in known:
+                raise ValueError(f"Tape.gradient: output {n} (shape {tuple(o.shape)}) was not "
+                                 "produced by a tecupy op recorded on this tape")
+            g = xp_of(o).ones_like(o) if g is None else g
+            if tuple(g.shape) != tuple(o.shape):
+                raise ValueError(f"Tape.gradient: output_grad {n} has shape {tuple(g.shape)}, "
+                                 f"output has {tuple(o.shape)}")
+            grads[id(o)] = grads[id(o)] + g if id(o) in grads else g
+        return grads
+
+    def _check_known(self, targets):
+        known = self._known_ids()
+        for n, t in enumerate(targets):
+            if id(t) not in known:
+                raise ValueError(
+                    f"Tape.gradient: wrt[{n}] (shape {tuple(t.shape)}, {t.dtype}) is not on this "
+                    "tape: no recorded tecupy op used it. Arrays made by slicing, reshape or "
+                    "arithmetic outside tecupy are new arrays; use tecupy.add/reshape/split.")
+
+    def _backprop(self, grads):
+        states = []
+        for node in reversed(self._nodes):
+            if not any(id(o) in grads for o in node.outputs):
+                continue
+            ogs = [grads.get(id(o)) for o in node.outputs]
+            ogs = [xp_of(o).zeros_like(o) if g is None else g for o, g in zip(node.outputs, ogs)]
+            in_grads = node.backward(*ogs)
+            for x, g in zip(node.inputs, in_grads):
+                if x is None or g is None:
+                    continue
+                g = unbroadcast(g, x.shape)
+                grads[id(x)] = grads[id(x)] + g if id(x) in grads else g
+            states.extend(s for s in node.fp8_states if s not in states)
+        for s in states:  # Transformer Engine updates backward FP8 state after backward
+            s.update_backward()
