@@ -110,7 +110,8 @@ def _update_custom(meta, recipe):
         scale = xp.asarray(recipe.scaling_factor_compute_algo(amax, meta.scale, meta.fp8_max,
                                                               recipe), dtype=np.float32)
     else:
-        sf = (meta.fp8_max / amax) / np.float32(2.0 ** recipe.margin)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            sf = (meta.fp8_max / amax) / np.float32(2.0 ** recipe.margin)
         sf = xp.where(amax > 0, sf, meta.scale)
         sf = xp.where(xp.isfinite(amax), sf, meta.scale)
         scale = xp.where(xp.isinf(sf), np.float32(FLT_MAX), sf)

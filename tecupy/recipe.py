@@ -2,14 +2,14 @@
 import enum
 import warnings
 
-from .fp8 import E4M3, E5M2
+from .fp8 import E4M3 as _E4M3, E5M2 as _E5M2
 
 
 class Format(enum.Enum):
     """E4M3 everywhere, E5M2 everywhere, or HYBRID: E4M3 forward, E5M2 for gradients."""
-    E4M3 = (E4M3, E4M3)
-    E5M2 = (E5M2, E5M2)
-    HYBRID = (E4M3, E5M2)
+    E4M3 = (_E4M3, _E4M3)
+    E5M2 = (_E5M2, _E5M2)
+    HYBRID = (_E4M3, _E5M2)
 
     @property
     def fwd(self):

@@ -92,7 +92,8 @@ def delayed_scaling_update(metas, algo, margin):
         rolled[0] = 0
         h[...] = xp.where(active[None, :], rolled, h)
         ok = xp.isfinite(amax) & (amax > 0)
-        new = (m.fp8_max / xp.where(ok, amax, np.float32(1))) / np.float32(2.0 ** margin)
+        with np.errstate(over="ignore"):  # a tiny amax gives inf, which becomes FLT_MAX
+            new = (m.fp8_max / xp.where(ok, amax, np.float32(1))) / np.float32(2.0 ** margin)
         scale = xp.where(ok, new, m.scale)
         scale = xp.where(xp.isinf(scale), np.float32(FLT_MAX), scale).astype(np.float32)
         m.scale[...] = scale

@@ -1,0 +1,34 @@
+"""Shared fixtures: `xp` runs a test on NumPy and (marked gpu) on CuPy; GPU cases skip
+cleanly where CuPy sees no CUDA device."""
+import numpy as np
+import pytest
+
+from tecupy._array import gpu_available
+
+HAVE_GPU = gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    for item in items:
+        if "gpu" in item.keywords and not HAVE_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    if request.param == "numpy":
+        return np
+    import cupy
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    """Fresh random data on every run (the seed is printed on failure by pytest's repr)."""
+    return np.random.default_rng()
+
+
+def asnp(a):
+    from tecupy._array import to_numpy
+    return to_numpy(a)

@@ -1,0 +1,136 @@
+"""fp8_autocast: when FP8 state is written and updated, and FP8 results against high
+precision within Transformer Engine's E4M3 tolerances."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy.recipe import DelayedScaling, Float8CurrentScaling, Format
+from conftest import asnp
+
+E4M3_TOL = dict(rtol=0.125, atol=0.0675)
+
+
+def data(xp, rng, *shape, dtype=np.float32):
+    return xp.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+def test_forward_state_updates_at_outermost_exit(xp, rng):
+    lin = tecupy.nn.Linear(32, 16, device="cpu" if xp is np else "cuda", seed=1)
+    x = data(xp, rng, 16, 32)
+    r = DelayedScaling(amax_history_len=4)
+    with tecupy.fp8_autocast(fp8_recipe=r):
+        with tecupy.fp8_autocast(fp8_recipe=r):
+            lin(x)
+        st = lin.fp8_state
+        # amax recorded in row 0, scales not yet updated inside the outer context
+        np.testing.assert_allclose(asnp(st.fwd.amax_history)[0, :2],
+                                   [float(abs(asnp(x)).max()), float(abs(asnp(lin.weight)).max())],
+                                   rtol=1e-6)
+        assert np.all(asnp(st.fwd.scale) == 1)
+    hist, scale = asnp(st.fwd.amax_history), asnp(st.fwd.scale)
+    assert np.all(hist[0] == 0)
+    np.testing.assert_allclose(scale[:2], 448 / hist[-1, :2], rtol=1e-6)
+    assert scale[2] == 1  # the output slot is unused: amax 0 leaves it alone
+    assert np.all(asnp(st.bwd.scale) == 1)  # backward slots wait for backward
+
+
+def test_backward_state_updates_after_gradient(xp, rng):
+    dev = "cpu" if xp is np else "cuda"
+    lin = tecupy.nn.Linear(32, 16, device=dev, seed=2)
+    x, dy = data(xp, rng, 2, 8, 32), data(xp, rng, 2, 8, 16) * 100
+    with tecupy.Tape() as tape:
+        with tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=8)):
+            lin(x)
+            y = lin(x)  # called twice: row 0 keeps the max, as the kernel's atomicMax
+        assert np.all(asnp(lin.fp8_state.bwd.amax_history) == 0)
+        tape.gradient(y, lin, output_grad=dy)
+    bwd = lin.fp8_state.bwd
+    amax_dy = float(abs(asnp(dy)).max())
+    np.testing.assert_allclose(asnp(bwd.amax_history)[-1, 0], amax_dy, rtol=1e-6)
+    np.testing.assert_allclose(asnp(bwd.scale)[0], 57344 / amax_dy, rtol=1e-6)  # E5M2
+
+
+def test_disabled_inner_autocast_runs_high_precision(rng):
+    x, w = data(np, rng, 16, 32), data(np, rng, 16, 32)
+    with tecupy.fp8_autocast():
+        with tecupy.fp8_autocast(enabled=False):
+            y = tecupy.linear(x, w)
+    np.testing.assert_allclose(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling(),
+                                    DelayedScaling(fp8_format=Format.E4M3)],
+                         ids=["default", "delayed", "current", "e4m3"])
+def test_fp8_linear_close_to_high_precision(xp, rng, recipe):
+    dev = "cpu" if xp is np else "cuda"
+    lin = tecupy.nn.Linear(64, 48, device=dev, seed=3)
+    x, dy = data(xp, rng, 4, 8, 64), data(xp, rng, 4, 8, 48)
+    with tecupy.Tape() as tape:
+        y_hp = lin(x)
+    g_hp = tape.gradient(y_hp, [x, lin.weight, lin.bias], output_grad=dy)
+    for step in range(3):  # the first step runs with scale 1, later ones with real scales
+        with tecupy.Tape() as tape:
+            with tecupy.fp8_autocast(fp8_recipe=recipe):
+                y = lin(x)
+        g = tape.gradient(y, [x, lin.weight, lin.bias], output_grad=dy)
+        np.testing.assert_allclose(asnp(y), asnp(y_hp), **E4M3_TOL)
+        for a, b in zip(g, g_hp):
+            # E5M2 gradients: TE's E5M2 tolerance, relative to the gradient's scale
+            s = float(abs(asnp(b)).max())
+            np.testing.assert_allclose(asnp(a) / s, asnp(b) / s, rtol=0.25, atol=0.125)
+
+
+def test_fp8_matches_emulation_exactly(rng):
+    """The FP8 forward equals the cast-then-matmul emulation with the state's scales."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=4)
+    x = data(np, rng, 16, 32)
+    r = DelayedScaling(amax_history_len=2)
+    with tecupy.fp8_autocast(fp8_recipe=r):
+        lin(x)
+    sx, sw = lin.fp8_state.fwd.scale[:2].copy()  # the scales the second step casts with
+    with tecupy.fp8_autocast(fp8_recipe=r):
+        y = lin(x)
+    qx = tecupy.quantize(x, np.float32(sx), "e4m3").dequantize()
+    qw = tecupy.quantize(lin.weight, np.float32(sw), "e4m3").dequantize()
+    np.testing.assert_allclose(y, qx @ qw.T + lin.bias, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_fp8_layernorm_mlp_close_to_high_precision(xp, rng, activation):
+    dev = "cpu" if xp is np else "cuda"
+    mlp = tecupy.nn.LayerNormMLP(64, 96, activation=activation, device=dev, seed=5)
+    x = data(xp, rng, 32, 64)
+    y_hp = mlp(x)
+    r = DelayedScaling(amax_history_len=4)
+    for _ in range(2):
+        with tecupy.fp8_autocast(fp8_recipe=r):
+            y = mlp(x)
+    assert mlp.fp8_state.num_gemms == 2
+    assert np.all(asnp(mlp.fp8_state.fwd.scale)[[0, 1, 3, 4]] != 1)
+    np.testing.assert_allclose(asnp(y), asnp(y_hp), **E4M3_TOL)
+    err = np.linalg.norm(asnp(y) - asnp(y_hp)) / np.linalg.norm(asnp(y_hp))
+    assert err < 0.1
+
+
+def test_explicit_state_for_functional_calls(rng):
+    x, w = data(np, rng, 16, 32), data(np, rng, 16, 32)
+    st = tecupy.FP8State(num_gemms=1)
+    with tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=3)):
+        tecupy.linear(x, w, fp8_state=st)
+    assert st.fwd.amax_history.shape == (3, 3)
+    np.testing.assert_allclose(st.fwd.scale[0], 448 / np.abs(x).max(), rtol=1e-6)
+
+
+def test_fp8_shape_rule_is_a_clear_error(rng):
+    x, w = data(np, rng, 12, 32), data(np, rng, 16, 32)
+    with tecupy.fp8_autocast():
+        with pytest.raises(ValueError, match="multiples of 16.*M=12, N=16, K=32"):
+            tecupy.linear(x, w)
+        with pytest.raises(ValueError, match="K=24"):
+            tecupy.linear(data(np, rng, 16, 24), data(np, rng, 16, 24))
+
+
+def test_bad_recipe_type():
+    with pytest.raises(TypeError, match="DelayedScaling or Float8CurrentScaling"):
+        with tecupy.fp8_autocast(fp8_recipe="hybrid"):
+            pass

@@ -1,0 +1,125 @@
+"""FP8 numerics: the cast is bit-exact against ml_dtypes (after clipping to +-max, which is
+the saturating cast Transformer Engine uses), dequantize and amax follow TE's rules."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy.fp8 import E4M3, E5M2, current_scale
+from conftest import asnp
+
+FORMATS = [E4M3, E5M2]
+
+
+def expected_codes(x32, fmt):
+    """ml_dtypes does not saturate (500 -> NaN in e4m3fn): clip first, then convert."""
+    clipped = np.where(np.isnan(x32), x32, np.clip(x32, -fmt.max, fmt.max))
+    return clipped.astype(fmt.ml_dtype).view(np.uint8)
+
+
+def special_values(fmt):
+    tiny = 2.0 ** (1 - fmt.bias - fmt.mbits)  # smallest subnormal
+    vals = [0.0, -0.0, fmt.max, -fmt.max, fmt.max * 1.01, -fmt.max * 4, np.inf, -np.inf,
+            tiny, tiny / 2, tiny * 0.51, tiny * 1.5, tiny * 2.5, 2.0 ** (1 - fmt.bias),
+            1e-30, -1e-38, 1.0, 1.0625, 1.1875, 3.4e38]
+    return np.array(vals, np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_cast_bit_exact_random(xp, rng, fmt):
+    # Values spread over the whole range, including subnormals and saturation.
+    x = (rng.standard_normal(4099) * 2.0 ** rng.integers(-25, 20, 4099)).astype(np.float32)
+    scale = np.float32(rng.uniform(0.5, 4))
+    q = tecupy.quantize(xp.asarray(x), xp.asarray([scale], np.float32), fmt)
+    np.testing.assert_array_equal(asnp(q.data), expected_codes(x * scale, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_cast_specials_saturate_and_keep_nan(xp, fmt):
+    x = special_values(fmt)
+    q = tecupy.quantize(xp.asarray(x), 1.0, fmt)
+    np.testing.assert_array_equal(asnp(q.data), expected_codes(x, fmt))
+    back = asnp(q.dequantize())
+    assert back[x == np.inf][0] == fmt.max and back[x == -np.inf][0] == -fmt.max
+    qn = tecupy.quantize(xp.asarray(np.array([np.nan, 1.0], np.float32)), 1.0, fmt)
+    assert np.isnan(asnp(qn.dequantize())[0])
+
+
+def test_cast_ties_round_to_even(xp):
+    # 1 + 1/16 lies halfway between 1 and 1.125 in E4M3: even mantissa (1.0) wins;
+    # 1 + 3/16 is halfway between 1.125 and 1.25: 1.25 (even) wins.
+    x = xp.asarray(np.array([1.0625, 1.1875, -1.0625], np.float32))
+    np.testing.assert_array_equal(asnp(tecupy.quantize(x, 1.0, E4M3).dequantize()),
+                                  [1.0, 1.25, -1.0])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16, np.float32])
+def test_cast_low_precision_inputs_and_amax(xp, rng, dtype):
+    x = rng.standard_normal((37, 19)).astype(dtype)
+    x[3, 4] = np.nan
+    amax_out = xp.zeros((1,), np.float32)
+    q = tecupy.quantize(xp.asarray(x), 2.0, E4M3, amax_out=amax_out)
+    x32 = x.astype(np.float32)
+    np.testing.assert_array_equal(asnp(q.data), expected_codes(x32 * 2, E4M3))
+    assert asnp(amax_out)[0] == np.nanmax(np.abs(x32))  # NaN ignored, as fmaxf
+    np.testing.assert_allclose(asnp(q.scale_inv), [0.5])
+
+
+def test_amax_accumulates_max_and_handles_empty(xp):
+    out = xp.asarray(np.array([5.0], np.float32))
+    tecupy.quantize(xp.asarray(np.array([1.0, -3.0], np.float32)), 1.0, E4M3, amax_out=out)
+    assert asnp(out)[0] == 5.0  # max with what is there, like the kernel's atomicMax
+    assert asnp(tecupy.fp8.amax(xp.zeros((0,), np.float32)))[0] == 0.0
+    all_nan = xp.asarray(np.full(3, np.nan, np.float32))
+    assert asnp(tecupy.fp8.amax(all_nan))[0] == 0.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantize_every_code(xp, fmt):
+    codes = np.arange(256, dtype=np.uint8)
+    t = tecupy.FP8Tensor(xp.asarray(codes), fmt, xp.asarray([0.25], np.float32))
+    want = codes.view(fmt.ml_dtype).astype(np.float32) * np.float32(0.25)
+    got = asnp(t.dequantize(np.float32))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+    assert asnp(t.dequantize(tecupy.bfloat16)).dtype == tecupy.bfloat16
+
+
+def test_roundtrip_error_within_format_precision(xp, rng):
+    x = rng.standard_normal((64, 33)).astype(np.float32)
+    for fmt, rel in ((E4M3, 2.0 ** -4), (E5M2, 2.0 ** -3)):
+        s = current_scale(tecupy.fp8.amax(xp.asarray(x)), fmt)
+        y = asnp(tecupy.quantize(xp.asarray(x), s, fmt).dequantize())
+        big = np.abs(x) > 1e-2 * np.abs(x).max()
+        assert np.all(np.abs(y - x)[big] <= rel * np.abs(x)[big] + 1e-6)
+
+
+def test_current_scale_rules(xp):
+    a = xp.asarray(np.array([0.0, np.inf, 1e-45, 2.0], np.float32))
+    s = asnp(current_scale(a, E4M3))
+    np.testing.assert_array_equal(s, np.array([1.0, 1.0, np.finfo(np.float32).max, 224.0],
+                                              np.float32))
+
+
+def test_transpose_copy(xp, rng):
+    x = xp.asarray(rng.standard_normal((16, 48)).astype(np.float32))
+    q = tecupy.quantize(x, 1.0, E4M3)
+    np.testing.assert_array_equal(asnp(q.T.data), asnp(q.data).T)
+    assert q.T.data.flags.c_contiguous
+
+
+def test_ml_dtypes_behaviour_we_rely_on():
+    # The reason the reference clips before converting (DESIGN.md).
+    assert np.isnan(np.float32(500).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    assert np.isinf(np.float32(61440).astype(ml_dtypes.float8_e5m2).astype(np.float32))
+
+
+def test_bad_fp8_inputs():
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        tecupy.quantize(np.ones(4, np.float32), 1.0, "e3m4")
+    with pytest.raises(TypeError, match="accepted"):
+        tecupy.quantize(np.ones(4, np.int32), 1.0, E4M3)
+    with pytest.raises(TypeError, match="uint8"):
+        tecupy.FP8Tensor(np.ones(4, np.float32), E4M3, np.ones(1, np.float32))
+    with pytest.raises(TypeError, match="float32 array of one element"):
+        tecupy.quantize(np.ones(4, np.float32), np.ones(2, np.float32), E4M3)
