@@ -51,7 +51,7 @@ def test_recipe_validation_and_interval_warning():
 def test_update_cases_max(xp):
     """Slots: normal amax, zero amax (nothing changes), tiny amax (scale -> FLT_MAX)."""
     r = DelayedScaling(amax_history_len=4, margin=1)
-    hist = [[2.0, 0.0, 1e-40],
+    hist = [[2.0, 0.0, 1e-37],  # 1e-37: normal in float32 (CuPy flushes denormals)
             [1.0, 7.0, 0.0],
             [8.0, 9.0, 0.0],
             [3.0, 0.0, 0.0]]
@@ -65,8 +65,8 @@ def test_update_cases_max(xp):
     # Slot 1: this step's amax is 0: history and scale unchanged.
     np.testing.assert_array_equal(h[:, 1], [0, 7, 9, 0])
     assert s[1] == np.float32(0.25)
-    # Slot 2: tiny amax: 448/1e-40 overflows -> FLT_MAX.
-    np.testing.assert_array_equal(h[:, 2], [0, 0, 0, np.float32(1e-40)])
+    # Slot 2: tiny amax: 448/1e-37 overflows -> FLT_MAX.
+    np.testing.assert_array_equal(h[:, 2], [0, 0, 0, np.float32(1e-37)])
     assert s[2] == FLT_MAX
     np.testing.assert_array_equal(asnp(st.fwd.scale_inv), (1 / s.astype(np.float32)))
 
@@ -134,7 +134,7 @@ def test_callable_algorithms(xp):
 
 def test_no_warnings_in_update(xp):
     r = DelayedScaling(amax_history_len=2)
-    st = make_state(xp, r, [[1e-45, np.inf, np.nan], [0, 0, 0]], [1.0, 1.0, 1.0])
+    st = make_state(xp, r, [[1e-37, np.inf, np.nan], [0, 0, 0]], [1.0, 1.0, 1.0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         st.update_forward()
