@@ -4,6 +4,7 @@ Functional ops take plain numpy or cupy arrays; `Tape` records them for backward
 `fp8_autocast` runs the linear-type ops in FP8 with Transformer Engine's delayed scaling.
 """
 from . import reference  # noqa: F401  (registers the reference backend)
+from . import kernels  # noqa: F401  (registers the cuda backend; compiles lazily)
 from . import backends, fp8, recipe  # noqa: F401
 from ._array import bfloat16, gpu_available  # noqa: F401
 from .autocast import FP8State, autocast, fp8_autocast  # noqa: F401

@@ -32,3 +32,13 @@ def rng():
 def asnp(a):
     from tecupy._array import to_numpy
     return to_numpy(a)
+
+
+def poison_gpu_pool(nbytes=1 << 26):
+    """Fill a block of CuPy's memory pool with 0xFF bytes (NaN for floats) and free it, so
+    the next allocations reuse poisoned memory: an output element a kernel forgets to write
+    then shows up as NaN or 0xFF instead of a lucky zero."""
+    import cupy
+    buf = cupy.empty(nbytes, np.uint8)
+    buf.fill(0xFF)
+    del buf

@@ -1,0 +1,42 @@
+// common.cuh — helpers shared by the kernels: dtype conversion and block reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+// ---- conversion to and from float ------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_float(T v) { return (float)v; }
+template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v) { return (T)v; }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// ---- reductions --------------------------------------------------------------------------
+// fmaxf ignores NaN, which is Transformer Engine's amax rule.
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Max over the block; the result is valid in every thread. blockDim.x % 32 == 0, <= 1024.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // partial may still be read by an earlier call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? partial[lane] : 0.f;
+    return warp_max(v);
+}
+
+// atomicMax on a non-negative float: the int order of non-negative floats is their order.
+__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
+    atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+}

@@ -1,0 +1,18 @@
+"""Helpers the kernel wrappers share: C type names, the supports() test, launch sizes."""
+import numpy as np
+
+from .._array import bfloat16, is_cupy
+
+CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+         np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
+FP8TYPE = {"e4m3": "__nv_fp8_e4m3", "e5m2": "__nv_fp8_e5m2"}
+
+
+def on_gpu(x, *args, **kwargs):
+    """supports(): the first argument is a CuPy array."""
+    return is_cupy(x)
+
+
+def grid_1d(n, per_thread=1, threads=256, max_blocks=132 * 16):
+    """Blocks for a grid-stride loop over n elements: enough to fill the GPU, no more."""
+    return max(1, min(max_blocks, -(-n // (threads * per_thread))))

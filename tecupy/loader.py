@@ -1,0 +1,141 @@
+"""The one module that owns NVRTC: kernel sources, include paths, options, the cubin cache
+and error messages.
+
+Sources are `cuda/*.cu` (from a checkout: <repo>/cuda; from an install: tecupy/cuda). Each
+kernel module in tecupy/kernels declares its file and the template instantiations it needs
+(`declare`); `function` compiles them once per (file, arch, options) with NVRTC into a cubin
+kept on disk (TECUPY_CACHE_DIR, default ~/.cache/tecupy) and loads it with CuPy.
+Compiling needs no GPU, so `python -m tecupy.build --arch sm_90a` fills the cache ahead of
+time on any machine.
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+
+_PKG = pathlib.Path(__file__).resolve().parent
+BASE_OPTIONS = ("-std=c++17",)  # no fast math: denormals and IEEE division as TE
+_declared = {}   # file name -> sorted name expressions
+_functions = {}  # (file, name, arch, options) -> cupy function
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def cuda_dir():
+    for d in (_PKG / "cuda", _PKG.parent / "cuda"):
+        if d.is_dir() and any(d.glob("*.cu")):
+            return d
+    raise FileNotFoundError(f"tecupy: no cuda/*.cu next to {_PKG} (checkout) or inside it "
+                            "(install); the package is incomplete")
+
+
+def include_dirs():
+    """The cuda/ folder, pip CUDA headers (nvidia-cuda-runtime, -cccl, -crt), CUTLASS from
+    nvidia-cutlass, and a CUDA toolkit (CUDA_PATH / CUDA_HOME / /usr/local/cuda)."""
+    dirs = [cuda_dir()]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        root = pathlib.Path(root)
+        dirs += [root / "cu13" / "include", root / "cu13" / "include" / "cccl"]
+        dirs += sorted(root.glob("cuda_*/include"))
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec and spec.origin:
+        src = pathlib.Path(spec.origin).parent / "source"
+        dirs += [src / "include", src / "tools" / "util" / "include"]
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            dirs.append(pathlib.Path(os.environ[var]) / "include")
+    dirs.append(pathlib.Path("/usr/local/cuda/include"))
+    seen, out = set(), []
+    for d in dirs:
+        if d.is_dir() and d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def arch_of_device():
+    """sm_90a on Hopper (wgmma, TMA), else sm_<cc> of the current device."""
+    import cupy
+    cc = cupy.cuda.Device().compute_capability
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+def declare(file, name_expressions):
+    """Record the template instantiations a kernel module needs from `file`."""
+    _declared[file] = sorted(set(_declared.get(file, ())) | set(name_expressions))
+
+
+def declared():
+    return dict(_declared)
+
+
+def cache_dir():
+    d = pathlib.Path(os.environ.get("TECUPY_CACHE_DIR", pathlib.Path.home() / ".cache" /
+                                    "tecupy"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _key(file, arch, names, options):
+    from cupy.cuda import nvrtc
+    h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
+    for src in sorted(cuda_dir().glob("*.cu*")):  # a shared header change rebuilds all
+        h.update(src.name.encode() + src.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def compile_file(file, arch, options=()):
+    """Compile cuda/<file> with its declared instantiations for `arch`; returns
+    (cubin path, {name expression: lowered name}). Cached on disk."""
+    names = tuple(_declared.get(file, ()))
+    options = BASE_OPTIONS + tuple(options) + (f"-arch={arch}",)
+    stem = pathlib.Path(file).stem
+    base = cache_dir() / f"{stem}-{arch}-{_key(file, arch, names, options)}"
+    cubin, meta = base.with_suffix(".cubin"), base.with_suffix(".json")
+    if cubin.exists() and meta.exists():
+        return cubin, json.loads(meta.read_text())
+    binary, lowered = _nvrtc(file, names, options)
+    tmp = base.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(binary)
+    meta.write_text(json.dumps(lowered))
+    tmp.replace(cubin)  # atomic: a concurrent reader sees all or nothing
+    return cubin, lowered
+
+
+def _nvrtc(file, names, options):
+    from cupy.cuda import nvrtc
+    path = cuda_dir() / file
+    opts = list(options) + [f"-I{d}" for d in include_dirs()]
+    prog = nvrtc.createProgram(path.read_text(), str(path), [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as err:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC failed to compile {path}\noptions: {' '.join(opts)}\n"
+                               f"{err}\n{log}") from None
+        return nvrtc.getCUBIN(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def function(file, name, options=()):
+    """The kernel `name` (a declared name expression, e.g. "cast_to_fp8<float, __nv_fp8_e4m3>")
+    of cuda/<file>, compiled for the current device and loaded."""
+    import cupy
+    arch = arch_of_device()
+    key = (file, name, arch, tuple(options), cupy.cuda.Device().id)
+    if key not in _functions:
+        if name not in _declared.get(file, ()):
+            raise KeyError(f"{name!r} is not declared for {file}; declared: "
+                           f"{_declared.get(file, [])}")
+        cubin, lowered = compile_file(file, arch, options)
+        module = cupy.RawModule(path=str(cubin))
+        _functions[key] = (module, module.get_function(lowered[name]))
+    return _functions[key][1]

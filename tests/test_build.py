@@ -1,0 +1,29 @@
+"""Every kernel file compiles with NVRTC for Hopper and Ada on a machine with no GPU, and
+the loader reports failures with the file, the options and the log."""
+import pytest
+
+from tecupy import build, loader
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_89"])
+def test_every_kernel_compiles(tmp_path, monkeypatch, arch):
+    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    done = build.build([arch])
+    files = {f for f, _, _ in done}
+    assert files == {p.name for p in loader.cuda_dir().glob("*.cu")}, \
+        "every cuda/*.cu must be declared by a module in tecupy/kernels"
+    assert len(list(tmp_path.glob(f"*-{arch}-*.cubin"))) == len(files)
+    again = build.build([arch])  # second time: from the cache
+    assert all(secs < 0.5 for _, _, secs in again)
+
+
+def test_compile_error_names_file_options_and_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(loader._declared, "cast.cu", ["no_such_kernel<int>"])
+    with pytest.raises(loader.CompileError, match=r"(?s)cast\.cu.*-arch=sm_90a.*no_such_kernel"):
+        loader.compile_file("cast.cu", "sm_90a")
+
+
+def test_include_dirs_found():
+    names = [str(d) for d in loader.include_dirs()]
+    assert any(n.endswith("cuda") for n in names)

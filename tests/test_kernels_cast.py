@@ -1,0 +1,60 @@
+"""CUDA cast to FP8 with amax, and dequantize, against the reference (bit for bit; NaN
+payloads may differ between CUDA and ml_dtypes, so NaN is compared as NaN)."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy.fp8 import E4M3, E5M2
+from tecupy.reference import fp8 as ref
+from conftest import poison_gpu_pool
+
+pytestmark = pytest.mark.gpu
+
+
+def assert_same_codes(got, want, fmt):
+    table = np.arange(256, dtype=np.uint8).view(fmt.ml_dtype).astype(np.float32)
+    nan_got, nan_want = np.isnan(table[got]), np.isnan(table[want])
+    np.testing.assert_array_equal(nan_got, nan_want)
+    np.testing.assert_array_equal(got[~nan_want], want[~nan_want])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16, np.float64])
+@pytest.mark.parametrize("shape", [(1,), (1023,), (257, 129), (4099, 33)])
+def test_cast_matches_reference(rng, fmt, dtype, shape):
+    import cupy
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-12, 12, shape)).astype(dtype)
+    x.reshape(-1)[:: 97] = np.nan
+    x.reshape(-1)[5 % x.size] = np.inf
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    poison_gpu_pool()
+    assert tecupy.backends.chosen("cast_to_fp8", cupy.asarray(x), scale, fmt) == "cuda"
+    q, amax = tecupy.backends.dispatch("cast_to_fp8", cupy.asarray(x), scale, fmt)
+    q_ref, amax_ref = ref.cast_to_fp8(x, cupy.asnumpy(scale), fmt)
+    assert_same_codes(cupy.asnumpy(q), q_ref, fmt)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+def test_dequantize_matches_reference(rng, fmt, dtype):
+    import cupy
+    codes = rng.integers(0, 256, (333, 77)).astype(np.uint8)
+    sinv = np.array([rng.uniform(0.01, 3)], np.float32)
+    poison_gpu_pool()
+    got = tecupy.backends.dispatch("fp8_dequantize", cupy.asarray(codes), fmt,
+                                   cupy.asarray(sinv), np.dtype(dtype))
+    want = ref.fp8_dequantize(codes, fmt, sinv, np.dtype(dtype))
+    np.testing.assert_array_equal(cupy.asnumpy(got).astype(np.float32),
+                                  want.astype(np.float32))
+
+
+def test_quantize_accumulates_amax_on_gpu(rng):
+    import cupy
+    x = cupy.asarray(rng.standard_normal(1000).astype(np.float32))
+    out = cupy.asarray([100.0], np.float32)
+    tecupy.quantize(x, 1.0, E4M3, amax_out=out)
+    assert float(out[0]) == 100.0
+    out[...] = 0
+    tecupy.quantize(x, 1.0, E4M3, amax_out=out)
+    assert float(out[0]) == float(abs(x).max())
