@@ -32,11 +32,39 @@ __device__ __forceinline__ float block_max(float v) {
     __syncthreads();  // partial may still be read by an earlier call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = (threadIdx.x < (blockDim.x >> 5)) ? partial[lane] : 0.f;
+    v = (lane < (blockDim.x >> 5)) ? partial[lane] : 0.f;  // every warp reduces all
     return warp_max(v);
 }
 
 // atomicMax on a non-negative float: the int order of non-negative floats is their order.
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
     atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+}
+
+// Sum over the block; the result is valid in every thread. blockDim.x % 32 == 0.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // partial may still be read by an earlier call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = (lane < (blockDim.x >> 5)) ? partial[lane] : 0.f;  // every warp reduces all
+    return warp_sum(v);
+}
+
+// ---- vectors: VEC elements of T moved as one load/store (16 bytes when VEC*sizeof(T)=16)
+template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+
+template <int VEC, typename T> __device__ __forceinline__ Vec<T, VEC> load_vec(const T* p) {
+    return *reinterpret_cast<const Vec<T, VEC>*>(p);
+}
+template <int VEC, typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, VEC>& v) {
+    *reinterpret_cast<Vec<T, VEC>*>(p) = v;
 }

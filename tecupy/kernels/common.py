@@ -16,3 +16,31 @@ def on_gpu(x, *args, **kwargs):
 def grid_1d(n, per_thread=1, threads=256, max_blocks=132 * 16):
     """Blocks for a grid-stride loop over n elements: enough to fill the GPU, no more."""
     return max(1, min(max_blocks, -(-n // (threads * per_thread))))
+
+
+LOW_PRECISION = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)
+_sm_counts = {}
+
+
+def sm_count():
+    import cupy
+    dev = cupy.cuda.Device()
+    if dev.id not in _sm_counts:
+        _sm_counts[dev.id] = dev.attributes["MultiProcessorCount"]
+    return _sm_counts[dev.id]
+
+
+def vec_width(dtype, n):
+    """Elements per 16-byte access when every row of length n stays 16-byte aligned, else 1."""
+    v = 16 // np.dtype(dtype).itemsize
+    return v if n % v == 0 else 1
+
+
+def cbool(flag):
+    return "true" if flag else "false"
+
+
+def set_smem(kernel, nbytes):
+    """Opt in to more than 48 KB of dynamic shared memory when a launch needs it."""
+    if nbytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes

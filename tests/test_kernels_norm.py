@@ -1,0 +1,68 @@
+"""CUDA LayerNorm / RMSNorm forward and backward against the float64 reference."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy import backends
+from conftest import assert_within_2x_reference, poison_gpu_pool
+
+pytestmark = pytest.mark.gpu
+DTYPES = [np.float32, np.float16, tecupy.bfloat16]
+SHAPES = [(1, 8), (37, 1001), (129, 4096), (3, 5, 768), (7, 16384)]
+
+
+def run(op, args, on_gpu):
+    """The chosen backend's result on CuPy copies of args, or the reference on NumPy."""
+    import cupy
+    if on_gpu:
+        gpu_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        assert backends.chosen(op, *gpu_args) == "cuda"
+        poison_gpu_pool()
+        return backends.dispatch(op, *gpu_args)
+    return backends.dispatch(op, *args)
+
+
+def f64(args):
+    return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
+            for a in args]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("zcg", [False, True], ids=["gamma", "zero_centered"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_norm_forward_and_backward(rng, rms, zcg, dtype, shape):
+    hidden = shape[-1]
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    gamma = rng.uniform(-1.5, 1.5, hidden).astype(dtype)
+    beta = rng.standard_normal(hidden).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    name = "rmsnorm" if rms else "layernorm"
+    fwd_args = [x, gamma, 1e-5, zcg] if rms else [x, gamma, beta, 1e-5, zcg]
+    got = run(f"{name}_fwd", fwd_args, True)
+    want = run(f"{name}_fwd", f64(fwd_args), False)
+    lp = run(f"{name}_fwd", fwd_args, False)
+    assert_within_2x_reference(got[0], want[0], lp[0], f"{name} y")
+    for g, w, name_s in zip(got[1:], want[1:], ("mu/rsigma", "rsigma")):
+        np.testing.assert_allclose(g.get(), w, rtol=2e-6, atol=1e-6, err_msg=name_s)
+    saved = [s.get() for s in got[1:]]
+    bwd_args = [dy, x, *saved, gamma, zcg]
+    gotb = run(f"{name}_bwd", bwd_args, True)
+    wantb = run(f"{name}_bwd", f64([dy, x]) + [s.astype(np.float64) for s in saved]
+                + f64([gamma]) + [zcg], False)
+    lpb = run(f"{name}_bwd", bwd_args, False)
+    for g, w, l, n in zip(gotb, wantb, lpb, ("dx", "dgamma", "dbeta")):
+        assert_within_2x_reference(g, w, l, f"{name} {n}", atol=1e-5)
+
+
+def test_layernorm_op_uses_cuda_through_the_tape(rng):
+    import cupy
+    x = cupy.asarray(rng.standard_normal((64, 256)).astype(np.float32))
+    w = cupy.asarray(rng.standard_normal(256).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal(256).astype(np.float32))
+    with tecupy.Tape() as tape:
+        y = tecupy.layernorm(x, w, b)
+    dx, dw, db = tape.gradient(y, [x, w, b], output_grad=cupy.ones_like(y))
+    ref = tecupy.layernorm(x.get(), w.get(), b.get())
+    np.testing.assert_allclose(y.get(), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db.get(), np.full(256, 64.0), rtol=1e-6)

@@ -1,0 +1,84 @@
+"""Run notebooks/quickstart.ipynb end to end (at TECUPY_NOTEBOOK_SIZE=small) and fail on any
+cell error; check that the notebook is stored as valid nbformat 4 without outputs.
+
+The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
+JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
+starts in notebooks/, as Jupyter would. It imports the installed tecupy when there is one;
+otherwise the repository root is put on its PYTHONPATH.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
+CELL_TIMEOUT_S = 600
+
+
+def _tecupy_importable_without_repo(env):
+    """True when the kernel's interpreter finds a tecupy of its own (an installed one)."""
+    probe = ("import sys, tecupy, pathlib; "
+             "sys.exit(0 if pathlib.Path(tecupy.__file__).exists() else 1)")
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=str(NOTEBOOK.parent), env=env,
+                            capture_output=True, timeout=120)
+    return result.returncode == 0
+
+
+def _kernel_env(tmp_path):
+    """Environment for the kernel: small sizes, this interpreter's kernelspec, tecupy on path."""
+    env = dict(os.environ)
+    env["TECUPY_NOTEBOOK_SIZE"] = "small"
+    if not _tecupy_importable_without_repo(env):
+        parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }))
+    jupyter_path = [str(tmp_path / "jupyter")] + [
+        p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    env["JUPYTER_PATH"] = os.pathsep.join(jupyter_path)
+    return env
+
+
+def test_notebook_is_stored_clean():
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nbformat.validate(nb)
+    assert nb.nbformat == 4
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code, "the notebook has no code cells"
+    for n, cell in enumerate(code):
+        assert cell.outputs == [], f"code cell {n} is stored with outputs; clear them"
+        assert cell.execution_count is None, f"code cell {n} is stored with an execution count"
+    first = code[0].source
+    assert 'os.environ.get("TECUPY_NOTEBOOK_SIZE", "full")' in first
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    for key, value in _kernel_env(tmp_path).items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert "SCALE='small'" in text, text[:2000]
+    assert "TransformerLayer in FP8" in text
