@@ -42,3 +42,16 @@ def poison_gpu_pool(nbytes=1 << 26):
     buf = cupy.empty(nbytes, np.uint8)
     buf.fill(0xFF)
     del buf
+
+
+def assert_within_2x_reference(got, want64, ref_lp, name="", atol=1e-6):
+    """flash-attention's rule: error against the float64 reference is at most twice the
+    error of the reference computed in the same low precision, plus a small atol (scaled by
+    the data's magnitude). NaN never passes."""
+    got, want64, ref_lp = (asnp(a).astype(np.float64) for a in (got, want64, ref_lp))
+    assert got.shape == want64.shape, f"{name}: shape {got.shape} != {want64.shape}"
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values in the result"
+    scale = max(np.abs(want64).max(), 1e-30)
+    err, err_ref = np.abs(got - want64).max(), np.abs(ref_lp - want64).max()
+    assert err <= 2 * err_ref + atol * scale, \
+        f"{name}: max error {err:.3e} > 2 x reference error {err_ref:.3e} + {atol * scale:.1e}"

@@ -92,3 +92,13 @@ def test_no_recording_without_tape(rng):
         pass
     with pytest.raises(ValueError):
         tape.gradient(tecupy.relu(x), x)
+
+
+def test_loss_is_an_array_that_chains(rng):
+    logits, target = rng.standard_normal((6, 5)), rng.integers(0, 5, 6)
+    with tecupy.Tape() as tape:
+        loss = tecupy.cross_entropy(logits, target)
+        total = tecupy.add(loss, tecupy.cross_entropy(logits, target, reduction="sum"))
+    assert isinstance(loss, np.ndarray) and loss.shape == ()
+    g = tape.gradient(total, logits)
+    assert g.shape == logits.shape

@@ -23,6 +23,7 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
     loss, lse = backends.dispatch("cross_entropy_fwd", logits, target, *args)
     count = xp.maximum((target != ignore_index).sum(), 1).astype(loss.dtype)
     out = {"none": loss, "sum": loss.sum(), "mean": loss.sum() / count}[reduction]
+    out = xp.asarray(out)  # NumPy reductions give scalars; ops take and return arrays
 
     def backward(dout):
         dloss = dout if reduction == "none" else xp.broadcast_to(dout, loss.shape)
