@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+constexpr float kFltMax = 3.402823466e+38f;  // FLT_MAX (NVRTC has no <cfloat>)
+
 // ---- conversion to and from float ------------------------------------------------------
 template <typename T> __device__ __forceinline__ float to_float(T v) { return (float)v; }
 template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

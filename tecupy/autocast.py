@@ -77,20 +77,28 @@ class FP8State:
         return quantize(g, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1])
 
     def update_forward(self):
-        _update(self.fwd, self.recipe)
+        update_states([self], "fwd")
 
     def update_backward(self):
-        _update(self.bwd, self.recipe)
+        update_states([self], "bwd")
 
 
-def _update(meta, recipe):
-    if meta is None:
-        return
-    algo = recipe.amax_compute_algo
-    if callable(algo) or recipe.scaling_factor_compute_algo is not None:
-        _update_custom(meta, recipe)
-    else:
-        backends.dispatch("delayed_scaling_update", [meta], algo, recipe.margin)
+def update_states(states, direction):
+    """Update the `direction` ("fwd" or "bwd") metas of many states: one launch per group
+    of metas that share a recipe, a device and a history length."""
+    groups = {}
+    for s in states:
+        meta = getattr(s, direction)
+        if meta is not None:
+            key = (id(s.recipe), id(s.xp), meta.amax_history.shape[0])
+            groups.setdefault(key, (s.recipe, []))[1].append(meta)
+    for recipe, metas in groups.values():
+        algo = recipe.amax_compute_algo
+        if callable(algo) or recipe.scaling_factor_compute_algo is not None:
+            for m in metas:
+                _update_custom(m, recipe)
+        else:
+            backends.dispatch("delayed_scaling_update", metas, algo, recipe.margin)
 
 
 def _update_custom(meta, recipe):
@@ -141,8 +149,7 @@ def fp8_autocast(enabled=True, fp8_recipe=None):
         _stack.pop()
         if outermost:
             states, _used_states[:] = list(_used_states), []
-            for s in states:
-                s.update_forward()
+            update_states(states, "fwd")
 
 
 def autocast(enabled=True, recipe=None):

@@ -122,5 +122,6 @@ class Tape:
                 g = unbroadcast(g, x.shape)
                 grads[id(x)] = grads[id(x)] + g if id(x) in grads else g
             states.extend(s for s in node.fp8_states if s not in states)
-        for s in states:  # Transformer Engine updates backward FP8 state after backward
-            s.update_backward()
+        if states:  # Transformer Engine updates backward FP8 state after backward
+            from .autocast import update_states
+            update_states(states, "bwd")

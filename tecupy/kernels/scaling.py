@@ -1,0 +1,26 @@
+"""CUDA delayed-scaling update for many FP8 metas in one launch: cuda/delayed_scaling.cu."""
+import numpy as np
+
+from .. import backends, loader
+from .._array import is_cupy
+
+FILE = "delayed_scaling.cu"
+loader.declare(FILE, ["delayed_scaling_update"])
+
+
+def supported(metas, algo, margin):
+    lengths = {m.amax_history.shape[0] for m in metas}
+    return bool(metas) and all(is_cupy(m.amax_history) for m in metas) and len(lengths) == 1
+
+
+@backends.register("delayed_scaling_update", "cuda", supports=supported)
+def delayed_scaling_update(metas, algo, margin):
+    import cupy
+    ptrs = [t.data.ptr for m in metas for t in (m.amax_history, m.scale, m.scale_inv,
+                                                 m.fp8_max)]
+    starts = np.cumsum([0] + [m.scale.size for m in metas])
+    table = cupy.asarray(np.array(ptrs + starts.tolist(), np.int64))  # one small H2D copy
+    k = loader.function(FILE, "delayed_scaling_update")
+    k((int(starts[-1]),), (128,), (table, np.int32(len(metas)),
+      np.int32(metas[0].amax_history.shape[0]), np.int32(algo == "most_recent"),
+      np.float32(2.0 ** margin)))

@@ -1,0 +1,51 @@
+"""CUDA delayed-scaling update: bit for bit the reference, many metas in one launch."""
+import numpy as np
+import pytest
+
+from tecupy import backends
+from tecupy.autocast import FP8Meta
+from tecupy.fp8 import E4M3, E5M2
+from tecupy.reference.fp8 import delayed_scaling_update as ref_update
+
+pytestmark = pytest.mark.gpu
+
+
+def random_meta(xp, rng, n, length, fmt):
+    m = FP8Meta(xp, n, length, fmt)
+    h = np.abs(rng.standard_normal((length, n)) * 10.0 ** rng.integers(-3, 4, (length, n)))
+    h[rng.random((length, n)) < 0.2] = 0
+    h[0, rng.random(n) < 0.3] = 0                    # slots with no amax this step
+    special = [np.nan, np.inf, 1e-37, 3e38]
+    for k, v in enumerate(special):
+        if n > k + 1:
+            h[0, k + 1] = v
+    if length > 2 and n > 6:
+        h[2, 6] = np.nan                              # NaN deeper in the history
+    m.amax_history[...] = xp.asarray(h.astype(np.float32))
+    m.scale[...] = xp.asarray(rng.uniform(0.5, 100, n).astype(np.float32))
+    m.scale_inv[...] = 1 / m.scale
+    return m
+
+
+def to_numpy_meta(m):
+    c = FP8Meta(np, m.scale.size, m.amax_history.shape[0], m.fmt)
+    for name in ("amax_history", "scale", "scale_inv", "fp8_max"):
+        getattr(c, name)[...] = getattr(m, name).get()
+    return c
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 3, 1024, 1500])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_update_matches_reference_bit_for_bit(rng, algo, length, margin):
+    import cupy
+    metas = [random_meta(cupy, rng, n, length, fmt)
+             for n, fmt in ((3, E4M3), (2, E5M2), (9, E4M3), (6, E5M2))]
+    host = [to_numpy_meta(m) for m in metas]
+    assert backends.chosen("delayed_scaling_update", metas, algo, margin) == "cuda"
+    backends.dispatch("delayed_scaling_update", metas, algo, margin)
+    ref_update(host, algo, margin)
+    for m, h in zip(metas, host):
+        for name in ("amax_history", "scale", "scale_inv"):
+            np.testing.assert_array_equal(getattr(m, name).get(), getattr(h, name),
+                                          err_msg=name)
