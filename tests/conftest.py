@@ -55,3 +55,20 @@ def assert_within_2x_reference(got, want64, ref_lp, name="", atol=1e-6):
     err, err_ref = np.abs(got - want64).max(), np.abs(ref_lp - want64).max()
     assert err <= 2 * err_ref + atol * scale, \
         f"{name}: max error {err:.3e} > 2 x reference error {err_ref:.3e} + {atol * scale:.1e}"
+
+
+def run(op, args, on_gpu):
+    """The chosen backend's result on CuPy copies of args, or the reference on NumPy."""
+    from tecupy import backends
+    if on_gpu:
+        import cupy
+        gpu_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        assert backends.chosen(op, *gpu_args) == "cuda"
+        poison_gpu_pool()
+        return backends.dispatch(op, *gpu_args)
+    return backends.dispatch(op, *args)
+
+
+def f64(args):
+    return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
+            for a in args]

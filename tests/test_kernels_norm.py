@@ -3,28 +3,11 @@ import numpy as np
 import pytest
 
 import tecupy
-from tecupy import backends
-from conftest import assert_within_2x_reference, poison_gpu_pool
+from conftest import assert_within_2x_reference, f64, run
 
 pytestmark = pytest.mark.gpu
 DTYPES = [np.float32, np.float16, tecupy.bfloat16]
 SHAPES = [(1, 8), (37, 1001), (129, 4096), (3, 5, 768), (7, 16384)]
-
-
-def run(op, args, on_gpu):
-    """The chosen backend's result on CuPy copies of args, or the reference on NumPy."""
-    import cupy
-    if on_gpu:
-        gpu_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        assert backends.chosen(op, *gpu_args) == "cuda"
-        poison_gpu_pool()
-        return backends.dispatch(op, *gpu_args)
-    return backends.dispatch(op, *args)
-
-
-def f64(args):
-    return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
-            for a in args]
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -1,0 +1,158 @@
+"""python -m tecupy.bench kernels: memory-bound kernels against copy bandwidth and peers.
+
+For each kernel at 8192 x 4096 (bf16) and at an odd size: median time of back-to-back
+calls between CUDA events (inputs rotated so the working set exceeds L2), achieved TB/s
+counting the fewest bytes the op must move, the device-to-device copy bandwidth measured in
+the same run, the NumPy reference on the CPU (one call, big size only with --cpu), and the
+PyTorch op when torch is importable. Compile time is reported apart (first call).
+"""
+import argparse
+import time
+
+import numpy as np
+
+import tecupy
+from tecupy import backends
+from tecupy.fp8 import E4M3
+
+SIZES = [(8192, 4096), (3001, 1001)]
+L2_BYTES = 64 << 20
+
+
+def gpu_time_ms(fn, sets, calls=20, repeats=5):
+    """Median over `repeats` of (time of `calls` back-to-back calls) / calls, in ms."""
+    import cupy
+    for s in sets[:2]:
+        fn(*s)
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for c in range(calls):
+            fn(*sets[c % len(sets)])
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
+    return float(np.median(times))
+
+
+def input_sets(make, nbytes):
+    """Enough independent input sets that cycling through them defeats the L2 cache."""
+    return [make() for _ in range(max(1, min(16, -(-2 * L2_BYTES // max(nbytes, 1)))))]
+
+
+def cases(rows, hidden, rng):
+    """(name, make_inputs() -> args, fn(*args), bytes moved, torch fn or None)."""
+    import cupy
+    bf, n = tecupy.bfloat16, rows * hidden
+    X = lambda *s: cupy.asarray(rng.standard_normal(s).astype(np.float32)).astype(bf)  # noqa
+    g = X(hidden)
+    one = cupy.ones((1,), np.float32)
+    d = backends.dispatch
+    return [
+        ("cast_to_fp8+amax", lambda: (X(rows, hidden),), lambda x: d("cast_to_fp8", x, one, E4M3), 3 * n, "cast"),
+        ("layernorm_fwd", lambda: (X(rows, hidden),), lambda x: d("layernorm_fwd", x, g, g, 1e-5, False), 4 * n, "layer_norm"),
+        ("rmsnorm_fwd", lambda: (X(rows, hidden),), lambda x: d("rmsnorm_fwd", x, g, 1e-5, False), 4 * n, "rms_norm"),
+        ("layernorm_bwd", lambda: _ln_bwd_args(X, rows, hidden, g), lambda *a: d("layernorm_bwd", *a), 6 * n, None),
+        ("rmsnorm_bwd", lambda: _rms_bwd_args(X, rows, hidden, g), lambda *a: d("rmsnorm_bwd", *a), 6 * n, None),
+        ("gelu_fwd", lambda: (X(rows, hidden),), lambda x: d("gelu_fwd", x), 4 * n, "gelu"),
+        ("gelu_bwd", lambda: (X(rows, hidden), X(rows, hidden)), lambda dy, x: d("gelu_bwd", dy, x), 6 * n, None),
+        ("swiglu_fwd", lambda: (X(rows, 2 * hidden),), lambda x: d("swiglu_fwd", x), 6 * n, None),
+        ("swiglu_bwd", lambda: (X(rows, hidden), X(rows, 2 * hidden)), lambda dy, x: d("swiglu_bwd", dy, x), 10 * n, None),
+    ]
+
+
+def _ln_bwd_args(X, rows, hidden, g):
+    x = X(rows, hidden)
+    _, mu, rs = backends.dispatch("layernorm_fwd", x, g, g, 1e-5, False)
+    return (X(rows, hidden), x, mu, rs, g, False)
+
+
+def _rms_bwd_args(X, rows, hidden, g):
+    x = X(rows, hidden)
+    _, rs = backends.dispatch("rmsnorm_fwd", x, g, 1e-5, False)
+    return (X(rows, hidden), x, rs, g, False)
+
+
+def torch_peer(kind, rows, hidden):
+    """A PyTorch version of the op on bf16 (None when torch is missing)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    fns = {"layer_norm": lambda: F.layer_norm(x, (hidden,), w, w),
+           "rms_norm": lambda: F.rms_norm(x, (hidden,), w),
+           "gelu": lambda: F.gelu(x, approximate="tanh"),
+           "cast": lambda: (x.abs().amax(), (x.float() * 1.0).to(torch.float8_e4m3fn))}
+    return fns.get(kind)
+
+
+def torch_time_ms(fn, calls=20, repeats=5):
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / calls)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    import cupy
+    a = cupy.empty(nbytes, np.uint8)
+    b = cupy.empty_like(a)
+    ms = gpu_time_ms(lambda: cupy.copyto(b, a), [()], calls=10)
+    return 2 * nbytes / ms / 1e9  # TB/s: bytes read + written
+
+
+def kernels(args):
+    import cupy
+    rng = np.random.default_rng(0)
+    copy = copy_bandwidth()
+    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: device-to-device "
+          f"copy {copy:.2f} TB/s")
+    print(f"{'kernel':18s} {'size':>11s} {'first ms':>8s} {'ms':>8s} {'TB/s':>6s} "
+          f"{'%copy':>6s} {'torch ms':>8s} {'vs torch':>8s} {'numpy ms':>9s}")
+    for rows, hidden in SIZES:
+        for name, make, fn, nbytes, peer in cases(rows, hidden, rng):
+            sets = input_sets(make, nbytes)
+            t0 = time.perf_counter()
+            fn(*sets[0])
+            cupy.cuda.Device().synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            ms = gpu_time_ms(fn, sets)
+            tbs = nbytes / ms / 1e9
+            pfn = torch_peer(peer, rows, hidden) if peer else None
+            pms = torch_time_ms(pfn) if pfn else float("nan")
+            nms = float("nan")
+            if args.cpu or rows * hidden < 4e6:
+                host = [a.get() if isinstance(a, cupy.ndarray) else a for a in sets[0]]
+                t0 = time.perf_counter()
+                fn(*host)  # NumPy arrays: the reference backend
+                nms = (time.perf_counter() - t0) * 1e3
+            print(f"{name:18s} {rows:>5d}x{hidden:<5d} {first:8.1f} {ms:8.4f} {tbs:6.2f} "
+                  f"{100 * tbs / copy:5.0f}% {pms:8.4f} {pms / ms:7.2f}x {nms:9.1f}")
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
+    p.add_argument("suite", choices=["kernels"])
+    p.add_argument("--cpu", action="store_true", help="also time the NumPy reference at 8192x4096")
+    args = p.parse_args()
+    if not tecupy.gpu_available():
+        raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
+    {"kernels": kernels}[args.suite](args)
+
+
+if __name__ == "__main__":
+    main()
