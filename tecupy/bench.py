@@ -17,6 +17,7 @@ from tecupy.fp8 import E4M3
 
 SIZES = [(8192, 4096), (3001, 1001)]
 L2_BYTES = 64 << 20
+BF16 = tecupy.bfloat16
 
 
 def gpu_time_ms(fn, sets, calls=20, repeats=5):
@@ -43,36 +44,40 @@ def input_sets(make, nbytes):
 
 
 def cases(rows, hidden, rng):
-    """(name, make_inputs() -> args, fn(*args), bytes moved, torch fn or None)."""
+    """(name, make_inputs() -> args, fn(*args), bytes moved, torch peer or None). All
+    arrays an op needs are in args, so the same fn runs the NumPy reference on copies."""
     import cupy
-    bf, n = tecupy.bfloat16, rows * hidden
-    X = lambda *s: cupy.asarray(rng.standard_normal(s).astype(np.float32)).astype(bf)  # noqa
-    g = X(hidden)
-    one = cupy.ones((1,), np.float32)
-    d = backends.dispatch
+    n, d = rows * hidden, backends.dispatch
+
+    def X(*shape):
+        return cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(BF16)
+    g, one = X(hidden), cupy.ones((1,), np.float32)
+
+    def ln_bwd():
+        x = X(rows, hidden)
+        _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
+        return X(rows, hidden), x, mu, rs, g, False
+
+    def rms_bwd():
+        x = X(rows, hidden)
+        return X(rows, hidden), x, d("rmsnorm_fwd", x, g, 1e-5, False)[1], g, False
     return [
-        ("cast_to_fp8+amax", lambda: (X(rows, hidden),), lambda x: d("cast_to_fp8", x, one, E4M3), 3 * n, "cast"),
-        ("layernorm_fwd", lambda: (X(rows, hidden),), lambda x: d("layernorm_fwd", x, g, g, 1e-5, False), 4 * n, "layer_norm"),
-        ("rmsnorm_fwd", lambda: (X(rows, hidden),), lambda x: d("rmsnorm_fwd", x, g, 1e-5, False), 4 * n, "rms_norm"),
-        ("layernorm_bwd", lambda: _ln_bwd_args(X, rows, hidden, g), lambda *a: d("layernorm_bwd", *a), 6 * n, None),
-        ("rmsnorm_bwd", lambda: _rms_bwd_args(X, rows, hidden, g), lambda *a: d("rmsnorm_bwd", *a), 6 * n, None),
-        ("gelu_fwd", lambda: (X(rows, hidden),), lambda x: d("gelu_fwd", x), 4 * n, "gelu"),
-        ("gelu_bwd", lambda: (X(rows, hidden), X(rows, hidden)), lambda dy, x: d("gelu_bwd", dy, x), 6 * n, None),
-        ("swiglu_fwd", lambda: (X(rows, 2 * hidden),), lambda x: d("swiglu_fwd", x), 6 * n, None),
-        ("swiglu_bwd", lambda: (X(rows, hidden), X(rows, 2 * hidden)), lambda dy, x: d("swiglu_bwd", dy, x), 10 * n, None),
+        ("cast_to_fp8+amax", lambda: (X(rows, hidden), one, E4M3),
+         lambda *a: d("cast_to_fp8", *a), 3 * n, "cast"),
+        ("layernorm_fwd", lambda: (X(rows, hidden), g, g, 1e-5, False),
+         lambda *a: d("layernorm_fwd", *a), 4 * n, "layer_norm"),
+        ("rmsnorm_fwd", lambda: (X(rows, hidden), g, 1e-5, False),
+         lambda *a: d("rmsnorm_fwd", *a), 4 * n, "rms_norm"),
+        ("layernorm_bwd", ln_bwd, lambda *a: d("layernorm_bwd", *a), 6 * n, None),
+        ("rmsnorm_bwd", rms_bwd, lambda *a: d("rmsnorm_bwd", *a), 6 * n, None),
+        ("gelu_fwd", lambda: (X(rows, hidden),), lambda *a: d("gelu_fwd", *a), 4 * n, "gelu"),
+        ("gelu_bwd", lambda: (X(rows, hidden), X(rows, hidden)),
+         lambda *a: d("gelu_bwd", *a), 6 * n, None),
+        ("swiglu_fwd", lambda: (X(rows, 2 * hidden),), lambda *a: d("swiglu_fwd", *a),
+         6 * n, None),
+        ("swiglu_bwd", lambda: (X(rows, hidden), X(rows, 2 * hidden)),
+         lambda *a: d("swiglu_bwd", *a), 10 * n, None),
     ]
-
-
-def _ln_bwd_args(X, rows, hidden, g):
-    x = X(rows, hidden)
-    _, mu, rs = backends.dispatch("layernorm_fwd", x, g, g, 1e-5, False)
-    return (X(rows, hidden), x, mu, rs, g, False)
-
-
-def _rms_bwd_args(X, rows, hidden, g):
-    x = X(rows, hidden)
-    _, rs = backends.dispatch("rmsnorm_fwd", x, g, 1e-5, False)
-    return (X(rows, hidden), x, rs, g, False)
 
 
 def torch_peer(kind, rows, hidden):

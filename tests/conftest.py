@@ -70,5 +70,7 @@ def run(op, args, on_gpu):
 
 
 def f64(args):
-    return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
-            for a in args]
+    """float64 copies of the floating arrays (bfloat16's numpy kind is 'V', not 'f')."""
+    from tecupy._array import FLOAT_DTYPES
+    return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype in FLOAT_DTYPES
+            else a for a in args]

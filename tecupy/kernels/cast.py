@@ -4,12 +4,14 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import CTYPE, FP8TYPE, grid_1d, on_gpu
+from .common import CTYPE, FP8TYPE, grid_1d, on_gpu, vec_width
 
 FILE = "cast.cu"
-loader.declare(FILE, [f"cast_to_fp8<{t}, {f}>" for t, f in itertools.product(
-    CTYPE.values(), FP8TYPE.values())] + [f"fp8_dequantize<{f}, {t}>" for t, f in
-                                          itertools.product(CTYPE.values(), FP8TYPE.values())])
+_VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
+loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.product(
+    CTYPE.values(), FP8TYPE.values()) for v in (1, _VECS[t])]
+    + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
+                                                                 FP8TYPE.values())])
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
@@ -19,8 +21,10 @@ def cast_to_fp8(x, scale, fmt):
     q = cupy.empty(x.shape, np.uint8)
     amax = cupy.zeros((1,), np.float32)
     if x.size:
-        kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}>")
-        kernel((grid_1d(x.size, 4),), (256,), (x, scale, q, amax, np.int64(x.size)))
+        vec = vec_width(x.dtype, x.size)
+        kernel = loader.function(
+            FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
+        kernel((grid_1d(x.size, vec),), (256,), (x, scale, q, amax, np.int64(x.size)))
     return q, amax
 
 

@@ -39,8 +39,3 @@ def vec_width(dtype, n):
 def cbool(flag):
     return "true" if flag else "false"
 
-
-def set_smem(kernel, nbytes):
-    """Opt in to more than 48 KB of dynamic shared memory when a launch needs it."""
-    if nbytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < nbytes:
-        kernel.max_dynamic_shared_size_bytes = nbytes

@@ -5,24 +5,30 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, LOW_PRECISION, cbool, set_smem, sm_count, vec_width
+from .common import CTYPE, LOW_PRECISION, cbool, sm_count, vec_width
 
 FILE = "norm.cu"
-MAX_HIDDEN = 24576  # backward keeps 2 * hidden floats of partial sums in shared memory
-_TYPES = [CTYPE[d] for d in LOW_PRECISION]
-loader.declare(FILE, [f"norm_{d}<{t}, {v}, {r}>" for d, t, v, r in itertools.product(
-    ("fwd", "bwd"), _TYPES, (1, 4, 8), ("false", "true")) if not (t == "float" and v == 8)]
-    + [f"norm_bwd_reduce<{t}>" for t in _TYPES])
+CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
+_VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
+loader.declare(FILE, [f"norm_{d}<{t}, {v}, {c}, {r}>" for d, t, c, r in itertools.product(
+    ("fwd", "bwd"), _VECS, CHUNKS, ("false", "true")) for v in _VECS[t]]
+    + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
 def supported(x, *args, **kwargs):
-    return is_cupy(x) and x.dtype in LOW_PRECISION and 0 < x.shape[-1] <= MAX_HIDDEN
+    if not (is_cupy(x) and x.dtype in LOW_PRECISION and x.shape[-1] > 0):
+        return False
+    return x.shape[-1] <= vec_width(x.dtype, x.shape[-1]) * CHUNKS[-1] * 1024
 
 
-def _threads(hidden, vec):
-    """About four VEC-wide chunks per thread, a multiple of 32, at most 1024."""
-    chunks = -(-hidden // vec)
-    return int(min(1024, max(32, 32 * -(-chunks // 128))))
+def _shape(hidden, vec):
+    """(threads, chunks per thread): at most 256 threads when 8 chunks allow, else 1024."""
+    n = -(-hidden // vec)
+    for limit in (256, 1024):
+        for c in CHUNKS:
+            if -(-n // c) <= limit:
+                return int(max(32, 32 * -(-n // (32 * c)))), c
+    raise ValueError(f"hidden size {hidden} is too large for norm.cu")
 
 
 def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
@@ -34,11 +40,11 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
     y = cupy.empty_like(x)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     vec = vec_width(x.dtype, hidden)
-    k = loader.function(FILE, f"norm_fwd<{CTYPE[x.dtype]}, {vec}, {cbool(rms)}>")
-    set_smem(k, hidden * 4)
+    threads, chunks = _shape(hidden, vec)
+    k = loader.function(FILE, f"norm_fwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
     if rows:
-        k((rows,), (_threads(hidden, vec),), (x, gamma, beta, y, mu, rsigma, np.int32(hidden),
-          np.float32(eps), np.int32(zero_centered_gamma)), shared_mem=hidden * 4)
+        k((rows,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int32(hidden),
+          np.float32(eps), np.int32(zero_centered_gamma)))
     shape = x.shape[:-1]
     return (y, rsigma.reshape(shape)) if rms else (y, mu.reshape(shape), rsigma.reshape(shape))
 
@@ -50,16 +56,17 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     dy, x, gamma = (cupy.ascontiguousarray(t) for t in (dy, x, gamma))
     rsigma = cupy.ascontiguousarray(rsigma, np.float32)
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
-    nblocks = max(1, min(rows, 4 * sm_count()))
+    vec = vec_width(x.dtype, hidden)
+    threads, chunks = _shape(hidden, vec)
+    # Enough blocks for 1024 threads per SM; each writes a [2, hidden] partial, so more
+    # blocks would move more partial bytes (8% of the traffic at 8192 x 4096 bf16).
+    nblocks = max(1, min(rows, sm_count() * max(1, 1024 // threads)))
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    vec = vec_width(x.dtype, hidden)
-    k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {cbool(rms)}>")
-    set_smem(k, 2 * hidden * 4)
-    k((nblocks,), (_threads(hidden, vec),), (dy, x, mu, rsigma, gamma, dx, part,
-      np.int64(rows), np.int32(hidden), np.int32(zero_centered_gamma)),
-      shared_mem=2 * hidden * 4)
+    k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
+    k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
+      np.int32(hidden), np.int32(zero_centered_gamma)))
     r = loader.function(FILE, f"norm_bwd_reduce<{CTYPE[x.dtype]}>")
     r((-(-hidden // 256),), (256,), (part, np.int32(nblocks), np.int32(hidden), dgamma, dbeta,
       np.int32(not rms)))
