@@ -60,6 +60,19 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(v);
 }
 
+// Two sums at once (one pair of barriers instead of two); valid in every thread.
+__device__ __forceinline__ float2 block_sum2(float a, float b) {
+    __shared__ float2 partial2[32];
+    a = warp_sum(a);
+    b = warp_sum(b);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) partial2[warp] = make_float2(a, b);
+    __syncthreads();
+    const float2 p = (lane < (blockDim.x >> 5)) ? partial2[lane] : make_float2(0.f, 0.f);
+    return make_float2(warp_sum(p.x), warp_sum(p.y));
+}
+
 // ---- vectors: VEC elements of T moved as one load/store (16 bytes when VEC*sizeof(T)=16)
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
 

@@ -7,46 +7,51 @@
 // Backward, per row: xhat = (x - mu) rs, dxhat = dy g,
 //   dx = rs (dxhat - mean(dxhat) - xhat mean(dxhat xhat))   (no mean(dxhat) term for RMS)
 //   dgamma = sum_rows dy xhat, dbeta = sum_rows dy.
-// Launch: one block per row (forward) or a grid-stride over rows (backward); thread t owns
-// the VEC-wide chunks c = t + k blockDim, k < CHUNKS, of every row and keeps them in
-// registers, so x and dy are read once. The backward sums its rows' dgamma/dbeta in
-// registers and writes one partial row per block [2 hidden]; norm_bwd_reduce adds them up.
+// Launch: a grid-stride over rows, a few blocks per SM. Thread t owns the VEC-wide chunks
+// c = t + k blockDim (k < CHUNKS) of every row, in registers, so inputs are read once; the
+// next row's chunks are loaded (packed) before this row's reductions, to keep memory busy.
+// The backward sums dgamma/dbeta of its rows in registers and writes one partial row per
+// block [2 hidden]; norm_bwd_reduce adds the partials up.
 #include "common.cuh"
+
+#define OWNED(k, i) \
+    for (int k = 0, i = threadIdx.x * VEC; k < CHUNKS; ++k, i += blockDim.x * VEC)
+
+template <typename T, int VEC, int CHUNKS>
+__device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, int hidden) {
+#pragma unroll
+    OWNED(k, i) if (i < hidden) r[k] = load_vec<VEC>(p + i);
+}
 
 // ---- forward ---------------------------------------------------------------------------
 template <typename T, int VEC, int CHUNKS, bool RMS>
-__global__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
-                         const T* __restrict__ beta, T* __restrict__ y,
-                         float* __restrict__ mu, float* __restrict__ rsigma, int hidden,
-                         float eps, int zero_centered) {
-    const long long off = (long long)blockIdx.x * hidden;
-    float v[CHUNKS][VEC];
-    float sum = 0.f;
+__global__ void __launch_bounds__(512)
+norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+         T* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
+         long long rows, int hidden, float eps, int zero_centered) {
+    const float zc = zero_centered ? 1.f : 0.f;
+    Vec<T, VEC> nxt[CHUNKS];
+    if (blockIdx.x < rows) load_row(nxt, x + blockIdx.x * (long long)hidden, hidden);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        float v[CHUNKS][VEC];
+        float sum = 0.f;
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-        const int i = (threadIdx.x + k * blockDim.x) * VEC;
-        if (i < hidden) {
-            const Vec<T, VEC> a = load_vec<VEC>(x + off + i);
+        OWNED(k, i) if (i < hidden)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                v[k][j] = to_float(a.v[j]);
+                v[k][j] = to_float(nxt[k].v[j]);
                 sum += RMS ? v[k][j] * v[k][j] : v[k][j];
             }
-        }
-    }
-    const float mean = RMS ? 0.f : block_sum(sum) / hidden;
-    float sq = RMS ? sum : 0.f;
+        if (row + gridDim.x < rows) load_row(nxt, x + (row + gridDim.x) * hidden, hidden);
+        const float mean = RMS ? 0.f : block_sum(sum) / hidden;
+        float sq = RMS ? sum : 0.f;
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k)
-        if (!RMS && (threadIdx.x + k * blockDim.x) * VEC < hidden)
+        OWNED(k, i) if (!RMS && i < hidden)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) sq += (v[k][j] - mean) * (v[k][j] - mean);
-    const float rs = rsqrtf(block_sum(sq) / hidden + eps);
-    const float zc = zero_centered ? 1.f : 0.f;
+        const float rs = rsqrtf(block_sum(sq) / hidden + eps);
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-        const int i = (threadIdx.x + k * blockDim.x) * VEC;
-        if (i < hidden) {
+        OWNED(k, i) if (i < hidden) {
             const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
             Vec<T, VEC> b, out;
             if (!RMS) b = load_vec<VEC>(beta + i);
@@ -56,27 +61,25 @@ __global__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
                 if (!RMS) o += to_float(b.v[j]);
                 out.v[j] = from_float<T>(o);
             }
-            store_vec<VEC>(y + off + i, out);
+            store_vec<VEC>(y + row * hidden + i, out);
         }
-    }
-    if (threadIdx.x == 0) {
-        if (!RMS) mu[blockIdx.x] = mean;
-        rsigma[blockIdx.x] = rs;
+        if (threadIdx.x == 0) {
+            if (!RMS) mu[row] = mean;
+            rsigma[row] = rs;
+        }
     }
 }
 
 // ---- backward --------------------------------------------------------------------------
 template <typename T, int VEC, int CHUNKS, bool RMS>
-__global__ void norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                         const float* __restrict__ mu, const float* __restrict__ rsigma,
-                         const T* __restrict__ gamma, T* __restrict__ dx,
-                         float* __restrict__ part, long long rows, int hidden,
-                         int zero_centered) {
+__global__ void __launch_bounds__(512)
+norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
+         const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
+         float* __restrict__ part, long long rows, int hidden, int zero_centered) {
     float g[CHUNKS][VEC], dg[CHUNKS][VEC], db[CHUNKS][VEC];
     const float zc = zero_centered ? 1.f : 0.f;
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-        const int i = (threadIdx.x + k * blockDim.x) * VEC;
+    OWNED(k, i) {
         Vec<T, VEC> gv;
         if (i < hidden) gv = load_vec<VEC>(gamma + i);
 #pragma unroll
@@ -85,54 +88,50 @@ __global__ void norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
             dg[k][j] = db[k][j] = 0.f;
         }
     }
+    Vec<T, VEC> nx[CHUNKS], nd[CHUNKS];
+    if (blockIdx.x < rows) {
+        load_row(nx, x + blockIdx.x * (long long)hidden, hidden);
+        load_row(nd, dy + blockIdx.x * (long long)hidden, hidden);
+    }
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long off = row * hidden;
         const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
         float xh[CHUNKS][VEC], dxh[CHUNKS][VEC];
         float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat * xhat
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int i = (threadIdx.x + k * blockDim.x) * VEC;
-            if (i < hidden) {
-                const Vec<T, VEC> a = load_vec<VEC>(x + off + i);
-                const Vec<T, VEC> d = load_vec<VEC>(dy + off + i);
+        OWNED(k, i) if (i < hidden)
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float dyf = to_float(d.v[j]);
-                    xh[k][j] = (to_float(a.v[j]) - m) * rs;
-                    dxh[k][j] = dyf * g[k][j];
-                    s1 += dxh[k][j];
-                    s2 += dxh[k][j] * xh[k][j];
-                    dg[k][j] += dyf * xh[k][j];
-                    db[k][j] += dyf;
-                }
+            for (int j = 0; j < VEC; ++j) {
+                const float dyf = to_float(nd[k].v[j]);
+                xh[k][j] = (to_float(nx[k].v[j]) - m) * rs;
+                dxh[k][j] = dyf * g[k][j];
+                s1 += dxh[k][j];
+                s2 += dxh[k][j] * xh[k][j];
+                dg[k][j] += dyf * xh[k][j];
+                db[k][j] += dyf;
             }
+        if (row + gridDim.x < rows) {
+            load_row(nx, x + (row + gridDim.x) * hidden, hidden);
+            load_row(nd, dy + (row + gridDim.x) * hidden, hidden);
         }
-        s1 = RMS ? 0.f : block_sum(s1) / hidden;
-        s2 = block_sum(s2) / hidden;
+        const float2 s = block_sum2(s1, s2);
+        const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int i = (threadIdx.x + k * blockDim.x) * VEC;
-            if (i < hidden) {
-                Vec<T, VEC> out;
+        OWNED(k, i) if (i < hidden) {
+            Vec<T, VEC> out;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j)
-                    out.v[j] = from_float<T>(rs * (dxh[k][j] - s1 - xh[k][j] * s2));
-                store_vec<VEC>(dx + off + i, out);
-            }
+            for (int j = 0; j < VEC; ++j)
+                out.v[j] = from_float<T>(rs * (dxh[k][j] - mean1 - xh[k][j] * mean2));
+            store_vec<VEC>(dx + row * hidden + i, out);
         }
     }
     float* p = part + (long long)blockIdx.x * 2 * hidden;
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-        const int i = (threadIdx.x + k * blockDim.x) * VEC;
-        if (i < hidden)
+    OWNED(k, i) if (i < hidden)
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                p[i + j] = dg[k][j];
-                p[hidden + i + j] = db[k][j];
-            }
-    }
+        for (int j = 0; j < VEC; ++j) {
+            p[i + j] = dg[k][j];
+            p[hidden + i + j] = db[k][j];
+        }
 }
 
 // dgamma[c] = sum_b part[b, c], dbeta[c] = sum_b part[b, hidden + c]; one thread per column.

@@ -83,27 +83,45 @@ def cache_dir():
 def _key(file, arch, names, options):
     from cupy.cuda import nvrtc
     h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
-    for src in sorted(cuda_dir().glob("*.cu*")):  # a shared header change rebuilds all
-        h.update(src.name.encode() + src.read_bytes())
+    h.update(_sources_digest())
     return h.hexdigest()[:20]
 
 
-def compile_file(file, arch, options=()):
-    """Compile cuda/<file> with its declared instantiations for `arch`; returns
-    (cubin path, {name expression: lowered name}). Cached on disk."""
-    names = tuple(_declared.get(file, ()))
+_digest = {}
+
+
+def _sources_digest():
+    """Digest of every cuda/*.cu* (a shared header change rebuilds all), by mtime."""
+    files = sorted(cuda_dir().glob("*.cu*"))
+    stamp = tuple((f.name, f.stat().st_mtime_ns) for f in files)
+    if _digest.get("stamp") != stamp:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + f.read_bytes())
+        _digest.update(stamp=stamp, value=h.digest())
+    return _digest["value"]
+
+
+def compile_kernel(file, name, arch, options=()):
+    """Compile one declared instantiation `name` of cuda/<file> for `arch` (each kernel is
+    its own small program, so a first call compiles only what it runs); returns
+    (cubin path, lowered name). Cached on disk."""
     options = BASE_OPTIONS + tuple(options) + (f"-arch={arch}",)
-    stem = pathlib.Path(file).stem
-    base = cache_dir() / f"{stem}-{arch}-{_key(file, arch, names, options)}"
+    base = cache_dir() / f"{pathlib.Path(file).stem}-{arch}-{_key(file, arch, name, options)}"
     cubin, meta = base.with_suffix(".cubin"), base.with_suffix(".json")
     if cubin.exists() and meta.exists():
-        return cubin, json.loads(meta.read_text())
-    binary, lowered = _nvrtc(file, names, options)
+        return cubin, json.loads(meta.read_text())[name]
+    binary, lowered = _nvrtc(file, (name,), options)
     tmp = base.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(binary)
     meta.write_text(json.dumps(lowered))
     tmp.replace(cubin)  # atomic: a concurrent reader sees all or nothing
-    return cubin, lowered
+    return cubin, lowered[name]
+
+
+def compile_file(file, arch, options=()):
+    """Compile every declared instantiation of cuda/<file> (what the build command does)."""
+    return [compile_kernel(file, n, arch, options) for n in _declared.get(file, ())]
 
 
 def _nvrtc(file, names, options):
@@ -135,7 +153,7 @@ def function(file, name, options=()):
         if name not in _declared.get(file, ()):
             raise KeyError(f"{name!r} is not declared for {file}; declared: "
                            f"{_declared.get(file, [])}")
-        cubin, lowered = compile_file(file, arch, options)
+        cubin, lowered = compile_kernel(file, name, arch, options)
         module = cupy.RawModule(path=str(cubin))
-        _functions[key] = (module, module.get_function(lowered[name]))
+        _functions[key] = (module, module.get_function(lowered))
     return _functions[key][1]

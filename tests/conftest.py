@@ -59,14 +59,21 @@ def assert_within_2x_reference(got, want64, ref_lp, name="", atol=1e-6):
 
 def run(op, args, on_gpu):
     """The chosen backend's result on CuPy copies of args, or the reference on NumPy."""
+    import os
     from tecupy import backends
-    if on_gpu:
-        import cupy
-        gpu_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-        assert backends.chosen(op, *gpu_args) == "cuda"
-        poison_gpu_pool()
+    if not on_gpu:
+        return backends.dispatch(op, *args)
+    import cupy
+    gpu_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    assert backends.chosen(op, *gpu_args) == "cuda"
+    poison_gpu_pool()
+    old = os.environ.get("TECUPY_STRICT")
+    os.environ["TECUPY_STRICT"] = "1"  # a failing kernel must fail the test, not fall back
+    try:
         return backends.dispatch(op, *gpu_args)
-    return backends.dispatch(op, *args)
+    finally:
+        os.environ.pop("TECUPY_STRICT") if old is None else os.environ.update(
+            TECUPY_STRICT=old)
 
 
 def f64(args):

@@ -15,20 +15,30 @@ loader.declare(FILE, [f"norm_{d}<{t}, {v}, {c}, {r}>" for d, t, c, r in itertool
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
+MAX_THREADS = 512      # __launch_bounds__ of the kernels
+THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
+FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 1024  # resident threads the grid aims at
+
+
 def supported(x, *args, **kwargs):
     if not (is_cupy(x) and x.dtype in LOW_PRECISION and x.shape[-1] > 0):
         return False
-    return x.shape[-1] <= vec_width(x.dtype, x.shape[-1]) * CHUNKS[-1] * 1024
+    return x.shape[-1] <= vec_width(x.dtype, x.shape[-1]) * CHUNKS[-1] * MAX_THREADS
 
 
 def _shape(hidden, vec):
-    """(threads, chunks per thread): at most 256 threads when 8 chunks allow, else 1024."""
+    """(threads, chunks per thread): the fewest chunks that fit THREADS_PER_ROW threads,
+    else MAX_THREADS."""
     n = -(-hidden // vec)
-    for limit in (256, 1024):
+    for limit in (THREADS_PER_ROW, MAX_THREADS):
         for c in CHUNKS:
             if -(-n // c) <= limit:
                 return int(max(32, 32 * -(-n // (32 * c)))), c
     raise ValueError(f"hidden size {hidden} is too large for norm.cu")
+
+
+def _grid(rows, threads, per_sm):
+    return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
 def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
@@ -43,8 +53,9 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
     threads, chunks = _shape(hidden, vec)
     k = loader.function(FILE, f"norm_fwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
     if rows:
-        k((rows,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int32(hidden),
-          np.float32(eps), np.int32(zero_centered_gamma)))
+        k((_grid(rows, threads, FWD_THREADS_PER_SM),), (threads,), (x, gamma, beta, y, mu,
+          rsigma, np.int64(rows), np.int32(hidden), np.float32(eps),
+          np.int32(zero_centered_gamma)))
     shape = x.shape[:-1]
     return (y, rsigma.reshape(shape)) if rms else (y, mu.reshape(shape), rsigma.reshape(shape))
 
@@ -58,9 +69,9 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
     vec = vec_width(x.dtype, hidden)
     threads, chunks = _shape(hidden, vec)
-    # Enough blocks for 1024 threads per SM; each writes a [2, hidden] partial, so more
-    # blocks would move more partial bytes (8% of the traffic at 8192 x 4096 bf16).
-    nblocks = max(1, min(rows, sm_count() * max(1, 1024 // threads)))
+    # Each block writes a [2, hidden] partial: more blocks, more partial bytes (at 1024
+    # threads per SM, 8% of the traffic at 8192 x 4096 bf16).
+    nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
