@@ -71,23 +71,20 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
 }
 
 // ---- backward --------------------------------------------------------------------------
+// Registers hold the dgamma/dbeta sums and the packed x, dy of this row and the next; xhat
+// and dxhat are recomputed in the second pass and gamma re-read (an L1 hit), which keeps
+// the kernel free of spills at CHUNKS * VEC = 16.
 template <typename T, int VEC, int CHUNKS, bool RMS>
 __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
          float* __restrict__ part, long long rows, int hidden, int zero_centered) {
-    float g[CHUNKS][VEC], dg[CHUNKS][VEC], db[CHUNKS][VEC];
+    float dg[CHUNKS][VEC], db[CHUNKS][VEC];
     const float zc = zero_centered ? 1.f : 0.f;
 #pragma unroll
-    OWNED(k, i) {
-        Vec<T, VEC> gv;
-        if (i < hidden) gv = load_vec<VEC>(gamma + i);
+    for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            g[k][j] = i < hidden ? to_float(gv.v[j]) + zc : 0.f;
-            dg[k][j] = db[k][j] = 0.f;
-        }
-    }
+        for (int j = 0; j < VEC; ++j) dg[k][j] = db[k][j] = 0.f;
     Vec<T, VEC> nx[CHUNKS], nd[CHUNKS];
     if (blockIdx.x < rows) {
         load_row(nx, x + blockIdx.x * (long long)hidden, hidden);
@@ -95,20 +92,23 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
     }
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
-        float xh[CHUNKS][VEC], dxh[CHUNKS][VEC];
+        Vec<T, VEC> cx[CHUNKS], cd[CHUNKS];
         float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat * xhat
 #pragma unroll
-        OWNED(k, i) if (i < hidden)
+        OWNED(k, i) if (i < hidden) {
+            cx[k] = nx[k];
+            cd[k] = nd[k];
+            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                const float dyf = to_float(nd[k].v[j]);
-                xh[k][j] = (to_float(nx[k].v[j]) - m) * rs;
-                dxh[k][j] = dyf * g[k][j];
-                s1 += dxh[k][j];
-                s2 += dxh[k][j] * xh[k][j];
-                dg[k][j] += dyf * xh[k][j];
+                const float dyf = to_float(cd[k].v[j]), xh = (to_float(cx[k].v[j]) - m) * rs;
+                const float dxh = dyf * (to_float(gv.v[j]) + zc);
+                s1 += dxh;
+                s2 += dxh * xh;
+                dg[k][j] += dyf * xh;
                 db[k][j] += dyf;
             }
+        }
         if (row + gridDim.x < rows) {
             load_row(nx, x + (row + gridDim.x) * hidden, hidden);
             load_row(nd, dy + (row + gridDim.x) * hidden, hidden);
@@ -117,10 +117,14 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
         const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
+            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
             Vec<T, VEC> out;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                out.v[j] = from_float<T>(rs * (dxh[k][j] - mean1 - xh[k][j] * mean2));
+            for (int j = 0; j < VEC; ++j) {
+                const float xh = (to_float(cx[k].v[j]) - m) * rs;
+                const float dxh = to_float(cd[k].v[j]) * (to_float(gv.v[j]) + zc);
+                out.v[j] = from_float<T>(rs * (dxh - mean1 - xh * mean2));
+            }
             store_vec<VEC>(dx + row * hidden + i, out);
         }
     }

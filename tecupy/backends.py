@@ -21,6 +21,7 @@ from importlib import metadata
 DEFAULT_PRIORITY = {"cutlass": 30, "cuda": 20, "reference": 0}
 _registry = {}  # op name -> list of Impl
 _plugins_loaded = False
+_order_cache = {}  # (op, env settings, count) -> implementations in preference order
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ def register(op, kind, priority=None, supports=None):
         impls = [i for i in _registry.get(op, []) if i.kind != kind]
         impls.append(Impl(op, kind, prio, fn, supports))
         _registry[op] = impls
+        _order_cache.clear()
         return fn
     return deco
 
@@ -77,19 +79,28 @@ def _load_plugins():
             obj()
 
 
+def _ordered(op):
+    """All implementations of `op` in preference order, cached per environment setting
+    (dispatch is on every op's hot path)."""
+    env = (os.environ.get("TECUPY_OP_BACKENDS", ""), os.environ.get("TECUPY_BACKEND", ""))
+    key = (op, env, len(_registry.get(op, ())))
+    if key not in _order_cache:
+        _load_plugins()
+        if op not in _registry:
+            raise KeyError(f"no implementation registered for op {op!r}; "
+                           f"registered: {sorted(_registry)}")
+        prefs, kind_pref = _op_preferences(op), env[1].strip()
+
+        def rank(i):
+            per_op = prefs.index(i.kind) if i.kind in prefs else len(prefs)
+            return (per_op, i.kind != kind_pref if kind_pref else False, -i.priority)
+        _order_cache[key] = sorted(_registry[op], key=rank)
+    return _order_cache[key]
+
+
 def candidates(op, *args, **kwargs):
     """Implementations of `op` that accept these inputs, in the order they would be tried."""
-    _load_plugins()
-    if op not in _registry:
-        raise KeyError(f"no implementation registered for op {op!r}; registered: {sorted(_registry)}")
-    impls = [i for i in _registry[op] if i.accepts(args, kwargs)]
-    prefs = _op_preferences(op)
-    kind_pref = os.environ.get("TECUPY_BACKEND", "").strip()
-
-    def rank(i):
-        per_op = prefs.index(i.kind) if i.kind in prefs else len(prefs)
-        return (per_op, i.kind != kind_pref if kind_pref else False, -i.priority)
-    return sorted(impls, key=rank)
+    return [i for i in _ordered(op) if i.accepts(args, kwargs)]
 
 
 def dispatch(op, *args, **kwargs):

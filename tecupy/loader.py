@@ -147,9 +147,9 @@ def function(file, name, options=()):
     """The kernel `name` (a declared name expression, e.g. "cast_to_fp8<float, __nv_fp8_e4m3>")
     of cuda/<file>, compiled for the current device and loaded."""
     import cupy
-    arch = arch_of_device()
-    key = (file, name, arch, tuple(options), cupy.cuda.Device().id)
-    if key not in _functions:
+    key = (file, name, tuple(options), cupy.cuda.runtime.getDevice())
+    if key not in _functions:  # the hot path is this one dictionary lookup
+        arch = arch_of_device()
         if name not in _declared.get(file, ()):
             raise KeyError(f"{name!r} is not declared for {file}; declared: "
                            f"{_declared.get(file, [])}")

@@ -24,10 +24,10 @@ _sm_counts = {}
 
 def sm_count():
     import cupy
-    dev = cupy.cuda.Device()
-    if dev.id not in _sm_counts:
-        _sm_counts[dev.id] = dev.attributes["MultiProcessorCount"]
-    return _sm_counts[dev.id]
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _sm_counts:
+        _sm_counts[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return _sm_counts[dev]
 
 
 def vec_width(dtype, n):
