@@ -35,3 +35,23 @@ def test_uniform_range_and_offset(xp):
     v = asnp(uniform(xp, 10001, seed=7, offset=1))
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
     assert np.mean(u == v) < 0.01
+
+
+def test_dropout_residual_and_gradients(xp, rng):
+    x = xp.asarray(rng.standard_normal((7, 13)))
+    r = xp.asarray(rng.standard_normal((7, 13)))
+    dy = xp.asarray(rng.standard_normal((7, 13)))
+    with tecupy.Tape() as tape:
+        y = tecupy.dropout(x, 0.4, seed=9, residual=r)
+    dx, dr = tape.gradient(y, [x, r], output_grad=dy)
+    plain = asnp(tecupy.dropout(x, 0.4, seed=9))
+    np.testing.assert_allclose(asnp(y), plain + asnp(r), rtol=1e-12)
+    np.testing.assert_allclose(asnp(dx), (plain != 0) * asnp(dy) / 0.6, rtol=1e-12)
+    np.testing.assert_array_equal(asnp(dr), asnp(dy))
+    assert np.all(asnp(tecupy.dropout(x, 0.4, training=False, residual=r)) == asnp(x + r))
+
+
+def test_dropout_residual_shape_must_match(rng):
+    import pytest
+    with pytest.raises(ValueError, match="residual has shape"):
+        tecupy.dropout(np.ones((2, 3)), 0.1, residual=np.ones(3))

@@ -3,7 +3,7 @@
     h   = x + dropout(MultiheadAttention(LayerNorm(x)))
     out = h + dropout(LayerNormMLP(h))
 """
-from ..ops import add, dropout
+from ..ops import dropout
 from .attention import MultiheadAttention
 from .layers import LayerNormMLP
 from .module import Module
@@ -26,11 +26,13 @@ class TransformerLayer(Module):
             hidden_size, ffn_hidden_size, layernorm_epsilon, bias, normalization, activation,
             zero_centered_gamma, **self._child_kwargs())
 
-    def _dropout(self, x):
-        return dropout(x, self.hidden_dropout, self.next_seed(), training=self.training)
+    def _dropout_add(self, x, residual):
+        """dropout(x) + residual in one pass (one kernel on the GPU)."""
+        return dropout(x, self.hidden_dropout, self.next_seed(), training=self.training,
+                       residual=residual)
 
     def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None):
         """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd')."""
         attn = self.self_attention(hidden_states, self_attn_mask_type, seqlens)
-        h = add(self._dropout(attn), hidden_states)
-        return add(self._dropout(self.layernorm_mlp(h)), h)
+        h = self._dropout_add(attn, hidden_states)
+        return self._dropout_add(self.layernorm_mlp(h), h)

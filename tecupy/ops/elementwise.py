@@ -47,18 +47,25 @@ def softmax(x, scale=1.0, mask=None, causal=False):
     return y
 
 
-def dropout(x, p, seed=None, training=True, offset=0):
-    """Zero each element with probability p and scale the rest by 1/(1-p). The mask comes
-    from Philox keyed by `seed` (an int; drawn at random when None) and `offset`, so the
-    same seed reproduces it on NumPy, CuPy and the CUDA kernel."""
-    array_module("dropout", x=x)
-    check_float("dropout", x=x)
+def dropout(x, p, seed=None, training=True, offset=0, residual=None):
+    """Zero each element with probability p and scale the rest by 1/(1-p); with `residual`
+    (same shape as x) return dropout(x) + residual in one pass. The mask comes from Philox
+    keyed by `seed` (an int; drawn at random when None) and `offset`, so the same seed
+    reproduces it on NumPy, CuPy and the CUDA kernel."""
+    array_module("dropout", x=x, residual=residual)
+    check_float("dropout", x=x, residual=residual)
     if not 0 <= p <= 1:
         raise ValueError(f"dropout: p must be in [0, 1], got {p}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"dropout: residual has shape {tuple(residual.shape)}, x has "
+                         f"{tuple(x.shape)}; they must match")
     if not training or p == 0:
-        return x
+        return x if residual is None else add(x, residual)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**63))
-    y, keep = backends.dispatch("dropout_fwd", x, float(p), int(seed), int(offset))
-    record(lambda dy: (backends.dispatch("dropout_bwd", dy, keep, float(p)),), (x,), (y,))
+    y, keep = backends.dispatch("dropout_fwd", x, float(p), int(seed), int(offset), residual)
+
+    def backward(dy):
+        return backends.dispatch("dropout_bwd", dy, keep, float(p)), dy
+    record(backward, (x, residual), (y,))
     return y

@@ -3,7 +3,8 @@
 Element i of a tensor draws word (i % 4) of philox(counter=(i // 4, offset), key=seed);
 u = (word >> 8) * 2**-24 is uniform in [0, 1); the element is kept when u >= p and scaled
 by 1 / (1 - p). The same (seed, offset) gives the same mask on NumPy, CuPy and the CUDA
-kernel. Arithmetic is on uint64 holding 32-bit values, so it runs on any array module.
+kernel. The residual add of a transformer block is fused in (y = dropout(x) + residual).
+Arithmetic is on uint64 holding 32-bit values, so it runs on any array module.
 """
 import numpy as np
 
@@ -41,12 +42,15 @@ def keep_mask(xp, shape, p, seed, offset):
 
 
 @backends.register("dropout_fwd", "reference")
-def dropout_fwd(x, p, seed, offset):
-    """-> (y, keep mask). p == 1 drops everything."""
+def dropout_fwd(x, p, seed, offset, residual=None):
+    """-> (y, keep mask) with y = dropout(x) (+ residual, same shape). p == 1 drops all."""
     xp, ct = xp_of(x), compute_dtype(x.dtype)
     keep = keep_mask(xp, x.shape, p, seed, offset)
     factor = ct.type(0 if p >= 1 else 1 / (1 - p))
-    return (x.astype(ct) * keep * factor).astype(x.dtype), keep
+    y = x.astype(ct) * keep * factor
+    if residual is not None:
+        y = y + residual.astype(ct)
+    return y.astype(x.dtype), keep
 
 
 @backends.register("dropout_bwd", "reference")

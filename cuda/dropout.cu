@@ -1,0 +1,71 @@
+// dropout.cu — dropout with a Philox4x32-10 generator, fused with the residual add.
+//
+// Element i draws word (i % 4) of philox(counter = (i / 4, offset), key = seed);
+// u = (word >> 8) 2^-24 in [0, 1); keep = u >= p;
+//   dropout_fwd: y[i] = x[i] keep factor (+ residual[i] when RES), keep[i] stored as a byte
+//   dropout_bwd: dx[i] = dy[i] keep[i] factor
+// factor = 1 / (1 - p) (0 when p = 1), computed on the host in float. Same bits as the
+// NumPy reference (tecupy/reference/dropout.py). Launch: 1-D grid-stride over groups of
+// VEC = 4 elements (one Philox call each; n % 4 == 0) or single elements (VEC = 1).
+#include "common.cuh"
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const unsigned lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+        const unsigned lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+        k.x += 0x9E3779B9u;
+        k.y += 0xBB67AE85u;
+    }
+    return c;
+}
+
+__device__ __forceinline__ bool keep_word(unsigned w, float p) {
+    return (float)(w >> 8) * 5.9604644775390625e-8f >= p;  // 2^-24
+}
+
+template <typename T, int VEC, bool RES>
+__global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ residual,
+                            T* __restrict__ y, unsigned char* __restrict__ keep, long long n,
+                            float p, float factor, unsigned long long seed,
+                            unsigned long long offset) {
+    const uint2 key = make_uint2((unsigned)seed, (unsigned)(seed >> 32));
+    for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
+         i += (long long)VEC * gridDim.x * blockDim.x) {
+        const unsigned long long g = i >> 2;
+        const uint4 w4 = philox4x32_10(make_uint4((unsigned)g, (unsigned)(g >> 32),
+                                                  (unsigned)offset, (unsigned)(offset >> 32)),
+                                       key);
+        const unsigned w[4] = {w4.x, w4.y, w4.z, w4.w};
+        const Vec<T, VEC> a = load_vec<VEC>(x + i);
+        Vec<T, VEC> r, out;
+        Vec<unsigned char, VEC> k;
+        if (RES) r = load_vec<VEC>(residual + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const bool kj = keep_word(w[(i + j) & 3], p);
+            float v = to_float(a.v[j]) * (kj ? factor : 0.f);
+            if (RES) v += to_float(r.v[j]);
+            out.v[j] = from_float<T>(v);
+            k.v[j] = kj;
+        }
+        store_vec<VEC>(y + i, out);
+        store_vec<VEC>(keep + i, k);
+    }
+}
+
+template <typename T, int VEC>
+__global__ void dropout_bwd(const T* __restrict__ dy, const unsigned char* __restrict__ keep,
+                            T* __restrict__ dx, long long n, float factor) {
+    for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
+         i += (long long)VEC * gridDim.x * blockDim.x) {
+        const Vec<T, VEC> d = load_vec<VEC>(dy + i);
+        const Vec<unsigned char, VEC> k = load_vec<VEC>(keep + i);
+        Vec<T, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            out.v[j] = from_float<T>(to_float(d.v[j]) * (k.v[j] ? factor : 0.f));
+        store_vec<VEC>(dx + i, out);
+    }
+}

@@ -1,0 +1,49 @@
+"""CUDA dropout (Philox) fused with the residual add: cuda/dropout.cu."""
+import itertools
+
+import numpy as np
+
+from .. import backends, loader
+from .._array import is_cupy
+from .common import CTYPE, LOW_PRECISION, cbool, grid_1d
+
+FILE = "dropout.cu"
+_TYPES = [CTYPE[d] for d in LOW_PRECISION]
+loader.declare(FILE, [f"dropout_fwd<{t}, {v}, {r}>" for t, v, r in itertools.product(
+    _TYPES, (1, 4), ("false", "true"))] + [f"dropout_bwd<{t}, {v}>" for t, v in
+                                           itertools.product(_TYPES, (1, 4))])
+
+
+def supported(x, *args):
+    return is_cupy(x) and x.dtype in LOW_PRECISION
+
+
+def _factor(p):
+    return np.float32(0 if p >= 1 else 1 / (1 - p))  # rounded as the reference rounds it
+
+
+@backends.register("dropout_fwd", "cuda", supports=supported)
+def dropout_fwd(x, p, seed, offset, residual=None):
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    res = x if residual is None else cupy.ascontiguousarray(residual)
+    y, keep = cupy.empty_like(x), cupy.empty(x.shape, np.uint8)
+    vec = 4 if x.size % 4 == 0 else 1
+    k = loader.function(FILE, f"dropout_fwd<{CTYPE[x.dtype]}, {vec}, "
+                              f"{cbool(residual is not None)}>")
+    if x.size:
+        k((grid_1d(x.size, vec),), (256,), (x, res, y, keep, np.int64(x.size), np.float32(p),
+          _factor(p), np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
+    return y, keep.view(np.bool_)
+
+
+@backends.register("dropout_bwd", "cuda", supports=supported)
+def dropout_bwd(dy, keep, p):
+    import cupy
+    dy, keep = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(keep).view(np.uint8)
+    dx = cupy.empty_like(dy)
+    vec = 4 if dy.size % 4 == 0 else 1
+    k = loader.function(FILE, f"dropout_bwd<{CTYPE[dy.dtype]}, {vec}>")
+    if dy.size:
+        k((grid_1d(dy.size, vec),), (256,), (dy, keep, dx, np.int64(dy.size), _factor(p)))
+    return dx

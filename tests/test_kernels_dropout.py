@@ -1,0 +1,26 @@
+"""CUDA dropout (+ residual): the same mask and values as the reference, bit for bit."""
+import numpy as np
+import pytest
+
+import tecupy
+from conftest import run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (1001, 77), (64, 4096)], ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+def test_dropout_matches_reference(rng, dtype, shape, residual):
+    x = rng.standard_normal(shape).astype(dtype)
+    r = rng.standard_normal(shape).astype(dtype) if residual else None
+    p, seed, offset = float(rng.uniform(0.05, 0.9)), int(rng.integers(0, 2**63)), 3
+    y, keep = run("dropout_fwd", [x, p, seed, offset, r], True)
+    y_ref, keep_ref = run("dropout_fwd", [x, p, seed, offset, r], False)
+    np.testing.assert_array_equal(keep.get(), keep_ref)
+    np.testing.assert_array_equal(y.get().astype(np.float32), y_ref.astype(np.float32))
+    dy = rng.standard_normal(shape).astype(dtype)
+    dx = run("dropout_bwd", [dy, keep_ref, p], True)
+    np.testing.assert_array_equal(dx.get().astype(np.float32),
+                                  run("dropout_bwd", [dy, keep_ref, p], False).astype(np.float32))
