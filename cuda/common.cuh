@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 constexpr float kFltMax = 3.402823466e+38f;  // FLT_MAX (NVRTC has no <cfloat>)
+#define kInf __int_as_float(0x7f800000)     // +infinity (no <cmath> INFINITY either)
 
 // ---- conversion to and from float ------------------------------------------------------
 template <typename T> __device__ __forceinline__ float to_float(T v) { return (float)v; }
@@ -27,14 +28,15 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Max over the block; the result is valid in every thread. blockDim.x % 32 == 0, <= 1024.
-__device__ __forceinline__ float block_max(float v) {
+// `identity` fills the unused warp slots: 0 for amax (values >= 0), -kInf in general.
+__device__ __forceinline__ float block_max(float v, float identity = 0.f) {
     __shared__ float partial[32];
     v = warp_max(v);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();  // partial may still be read by an earlier call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = (lane < (blockDim.x >> 5)) ? partial[lane] : 0.f;  // every warp reduces all
+    v = (lane < (blockDim.x >> 5)) ? partial[lane] : identity;  // every warp reduces all
     return warp_max(v);
 }
 

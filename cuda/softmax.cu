@@ -1,0 +1,52 @@
+// softmax.cu — scaled, masked softmax over the last axis and its backward (the unfused
+// attention path).
+//
+// x [rows, sk] viewed as [..., sq, sk]; row r is query i = r % sq. Entry j is excluded when
+// mask[r, j] != 0 (HAS_MASK; the mask is materialized to x's shape) or, with causal,
+// j > i. y = exp(scale x - m) / sum over kept entries, m = max over kept; a row with every
+// entry excluded gives zeros. Backward: dx = scale y (dy - sum(dy y)).
+// Launch: one block per row, 128 threads; the row is read three times (max, sum, write):
+// the second and third reads hit L1/L2.
+#include "common.cuh"
+
+template <bool HAS_MASK>
+__device__ __forceinline__ bool kept(const unsigned char* mask, long long r, int j, int i,
+                                     int causal, int sk) {
+    if (causal && j > i) return false;
+    return !HAS_MASK || mask[r * sk + j] == 0;
+}
+
+template <typename T, bool HAS_MASK>
+__global__ void softmax_fwd(const T* __restrict__ x, const unsigned char* __restrict__ mask,
+                            T* __restrict__ y, int sq, int sk, float scale, int causal) {
+    const long long r = blockIdx.x;
+    const int i = (int)(r % sq);
+    const T* xr = x + r * sk;
+    float m = -kInf;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x)
+        if (kept<HAS_MASK>(mask, r, j, i, causal, sk)) m = fmaxf(m, scale * to_float(xr[j]));
+    m = block_max(m, -kInf);
+    if (m == -kInf) m = 0.f;  // nothing kept (or only -inf): the row becomes zeros
+    float s = 0.f;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x)
+        if (kept<HAS_MASK>(mask, r, j, i, causal, sk)) s += expf(scale * to_float(xr[j]) - m);
+    s = block_sum(s);
+    const float denom = s > 0.f ? s : 1.f;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) {
+        const bool k = kept<HAS_MASK>(mask, r, j, i, causal, sk);
+        y[r * sk + j] = from_float<T>(k ? expf(scale * to_float(xr[j]) - m) / denom : 0.f);
+    }
+}
+
+template <typename T>
+__global__ void softmax_bwd(const T* __restrict__ dy, const T* __restrict__ y,
+                            T* __restrict__ dx, int sk, float scale) {
+    const long long off = (long long)blockIdx.x * sk;
+    float dot = 0.f;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x)
+        dot += to_float(dy[off + j]) * to_float(y[off + j]);
+    dot = block_sum(dot);
+    for (int j = threadIdx.x; j < sk; j += blockDim.x)
+        dx[off + j] =
+            from_float<T>(scale * to_float(y[off + j]) * (to_float(dy[off + j]) - dot));
+}

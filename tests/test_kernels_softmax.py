@@ -1,0 +1,32 @@
+"""CUDA scaled masked softmax and backward against the float64 reference."""
+import numpy as np
+import pytest
+
+import tecupy
+from conftest import assert_within_2x_reference, f64, run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 7, 9), (4, 33, 1000), (2, 128, 2048)], ids=str)
+@pytest.mark.parametrize("masking", ["none", "mask", "causal", "both"])
+def test_softmax(rng, dtype, shape, masking):
+    x = (rng.standard_normal(shape) * 4).astype(dtype)
+    mask = None
+    if masking in ("mask", "both"):  # broadcast over the leading axis; one row fully masked
+        mask = rng.random((1,) + shape[1:]) < 0.3
+        mask[(0,) * (len(shape) - 1)] = True
+    causal = masking in ("causal", "both")
+    scale = float(rng.uniform(0.1, 1.5))
+    args = [x, scale, mask, causal]
+    y = run("softmax_fwd", args, True)
+    assert_within_2x_reference(y, run("softmax_fwd", f64(args), False),
+                               run("softmax_fwd", args, False), "softmax fwd", atol=1e-6)
+    dy = rng.standard_normal(shape).astype(dtype)
+    y_ref = run("softmax_fwd", args, False)
+    bargs = [dy, y_ref, scale]
+    assert_within_2x_reference(run("softmax_bwd", bargs, True),
+                               run("softmax_bwd", f64(bargs), False),
+                               run("softmax_bwd", bargs, False), "softmax bwd", atol=1e-5)
