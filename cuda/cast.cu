@@ -45,3 +45,51 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
         y[i] = from_float<T>(float(v) * s);
     }
 }
+
+// ---- cast + transpose ----------------------------------------------------------------------
+// cast_transpose<T, F8>: the cast above, writing both q [rows, cols] and its transpose
+// qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy). rows % 8 == 0 and
+// cols % 8 == 0. Launch: one block of 256 threads per 64 x 64 tile, grid (cols/64, rows/64)
+// rounded up; each thread casts two 8-wide row chunks, the tile's bytes go through shared
+// memory, and each thread writes two 8-byte column chunks of qt.
+template <typename T, typename F8>
+__global__ void __launch_bounds__(256)
+cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
+               unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+               float* __restrict__ amax, int rows, int cols) {
+    __shared__ unsigned char tile[64][64 + 8];
+    const float s = scale[0];
+    const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
+    float m = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int v = threadIdx.x + h * 256, tr = v >> 3, tc = (v & 7) * 8;
+        const int r = r0 + tr, c = c0 + tc;
+        if (r < rows && c < cols) {
+            const Vec<T, 8> a = load_vec<8>(x + (long long)r * cols + c);
+            Vec<unsigned char, 8> out;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float f = to_float(a.v[j]);
+                m = fmaxf(m, fabsf(f));
+                out.v[j] = F8(f * s).__x;
+                tile[tr][tc + j] = out.v[j];
+            }
+            store_vec<8>(q + (long long)r * cols + c, out);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int v = threadIdx.x + h * 256, tc = v >> 3, tr = (v & 7) * 8;
+        const int r = r0 + tr, c = c0 + tc;
+        if (r < rows && c < cols) {
+            Vec<unsigned char, 8> out;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out.v[j] = tile[tr + j][tc];
+            store_vec<8>(qt + (long long)c * rows + r, out);
+        }
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+}

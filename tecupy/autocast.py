@@ -66,15 +66,17 @@ class FP8State:
             raise IndexError(f"FP8State has {self.num_gemms} GEMMs, asked for GEMM {gemm}")
         return per * gemm + table[which]
 
-    def quantize_fwd(self, x, gemm, which):
+    def quantize_fwd(self, x, gemm, which, transpose=False):
         i = self._slot(FWD_SLOTS, gemm, which, 3)
         m = self.fwd
-        return quantize(x, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1])
+        return quantize(x, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1],
+                        transpose=transpose)
 
-    def quantize_bwd(self, g, gemm, which):
+    def quantize_bwd(self, g, gemm, which, transpose=False):
         i = self._slot(BWD_SLOTS, gemm, which, 2)
         m = self.bwd
-        return quantize(g, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1])
+        return quantize(g, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1],
+                        transpose=transpose)
 
     def update_forward(self):
         update_states([self], "fwd")

@@ -43,13 +43,15 @@ def as_format(fmt):
 
 
 class FP8Tensor:
-    """uint8 `data` in format `fmt`, with `scale_inv` (float32, shape (1,)) on the same device."""
+    """uint8 `data` in format `fmt`, with `scale_inv` (float32, shape (1,)) on the same device.
+    `data_t`, when the cast made it, is the transposed copy (2-D data only)."""
 
-    def __init__(self, data, fmt, scale_inv):
+    def __init__(self, data, fmt, scale_inv, data_t=None):
         if data.dtype != np.uint8:
             raise TypeError(f"FP8Tensor data must be uint8, got {data.dtype}")
-        array_module("FP8Tensor", data=data, scale_inv=scale_inv)
+        array_module("FP8Tensor", data=data, scale_inv=scale_inv, data_t=data_t)
         self.data, self.fmt, self.scale_inv = data, as_format(fmt), scale_inv
+        self.data_t = data_t
 
     shape = property(lambda self: self.data.shape)
     ndim = property(lambda self: self.data.ndim)
@@ -64,8 +66,9 @@ class FP8Tensor:
         """The column-wise copy (a 2-D transpose, contiguous), as wgrad and dgrad need it."""
         if self.ndim != 2:
             raise ValueError(f"FP8Tensor.transpose needs 2-D data, got shape {self.shape}")
-        xp = xp_of(self.data)
-        return FP8Tensor(xp.ascontiguousarray(self.data.T), self.fmt, self.scale_inv)
+        t = self.data_t if self.data_t is not None else xp_of(self.data).ascontiguousarray(
+            self.data.T)
+        return FP8Tensor(t, self.fmt, self.scale_inv, data_t=self.data)
 
     T = property(transpose)
 
@@ -79,17 +82,24 @@ def _scale_array(xp, scale):
     return scale.reshape(1)
 
 
-def quantize(x, scale, fmt, amax_out=None):
+def quantize(x, scale, fmt, amax_out=None, transpose=False):
     """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element) is given,
-    max(amax_out, amax(x)) is written into it (what the cast kernel's atomicMax does)."""
+    max(amax_out, amax(x)) is written into it (what the cast kernel's atomicMax does).
+    transpose=True (2-D x) also makes the transposed copy in the same pass."""
     fmt = as_format(fmt)
     xp = array_module("quantize", x=x, amax_out=amax_out)
     check_float("quantize", x=x)
+    if transpose and x.ndim != 2:
+        raise ValueError(f"quantize(transpose=True) needs 2-D x, got shape {tuple(x.shape)}")
     scale = _scale_array(xp, scale)
-    data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
+    data_t = None
+    if transpose:
+        data, data_t, amax = backends.dispatch("cast_transpose", x, scale, fmt)
+    else:
+        data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
     if amax_out is not None:
         xp.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
-    return FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32))
+    return FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)
 
 
 def dequantize(t, dtype=np.float32):
@@ -113,6 +123,6 @@ def current_scale(amax_arr, fmt):
     return xp.where(xp.isinf(s), np.float32(FLT_MAX), s).astype(np.float32)
 
 
-def quantize_current(x, fmt):
+def quantize_current(x, fmt, transpose=False):
     """Cast with this tensor's own amax (Float8CurrentScaling)."""
-    return quantize(x, current_scale(amax(x), fmt), fmt)
+    return quantize(x, current_scale(amax(x), fmt), fmt, transpose=transpose)

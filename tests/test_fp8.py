@@ -124,3 +124,12 @@ def test_bad_fp8_inputs():
         tecupy.FP8Tensor(np.ones(4, np.float32), E4M3, np.ones(1, np.float32))
     with pytest.raises(TypeError, match="float32 array of one element"):
         tecupy.quantize(np.ones(4, np.float32), np.ones(2, np.float32), E4M3)
+
+
+def test_quantize_with_transpose_keeps_both_copies(xp, rng):
+    x = xp.asarray(rng.standard_normal((16, 48)).astype(np.float32))
+    q = tecupy.quantize(x, 2.0, E4M3, transpose=True)
+    np.testing.assert_array_equal(asnp(q.data_t), asnp(q.data).T)
+    assert q.T.data is q.data_t and q.T.T.data is q.data  # no new copies
+    with pytest.raises(ValueError, match="2-D"):
+        tecupy.quantize(xp.ones((2, 2, 2), np.float32), 1.0, E4M3, transpose=True)

@@ -58,3 +58,19 @@ def test_quantize_accumulates_amax_on_gpu(rng):
     out[...] = 0
     tecupy.quantize(x, 1.0, E4M3, amax_out=out)
     assert float(out[0]) == float(abs(x).max())
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 8), (136, 72), (1000, 520), (64, 4096)], ids=str)
+def test_cast_transpose_matches_reference(rng, fmt, dtype, shape):
+    import cupy
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 8, shape)).astype(dtype)
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    poison_gpu_pool()
+    assert tecupy.backends.chosen("cast_transpose", cupy.asarray(x), scale, fmt) == "cuda"
+    q, qt, amax = tecupy.backends.dispatch("cast_transpose", cupy.asarray(x), scale, fmt)
+    q_ref, qt_ref, amax_ref = ref.cast_transpose(x, cupy.asnumpy(scale), fmt)
+    assert_same_codes(cupy.asnumpy(q), q_ref, fmt)
+    assert_same_codes(cupy.asnumpy(qt), qt_ref, fmt)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)

@@ -4,14 +4,16 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import CTYPE, FP8TYPE, grid_1d, on_gpu, vec_width
+from .._array import is_cupy
+from .common import CTYPE, FP8TYPE, LOW_PRECISION, grid_1d, on_gpu, vec_width
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
 loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.product(
     CTYPE.values(), FP8TYPE.values()) for v in (1, _VECS[t])]
     + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
-                                                                 FP8TYPE.values())])
+                                                                 FP8TYPE.values())]
+    + [f"cast_transpose<{CTYPE[d]}, {f}>" for d in LOW_PRECISION for f in FP8TYPE.values()])
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
@@ -37,3 +39,22 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
         kernel = loader.function(FILE, f"fp8_dequantize<{FP8TYPE[fmt.name]}, {CTYPE[y.dtype]}>")
         kernel((grid_1d(data.size),), (256,), (data, scale_inv, y, np.int64(data.size)))
     return y
+
+
+def _ct_supported(x, scale, fmt):
+    return (is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim == 2
+            and x.shape[0] % 8 == 0 and x.shape[1] % 8 == 0)
+
+
+@backends.register("cast_transpose", "cuda", supports=_ct_supported)
+def cast_transpose(x, scale, fmt):
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    rows, cols = x.shape
+    q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
+    amax = cupy.zeros((1,), np.float32)
+    if x.size:
+        k = loader.function(FILE, f"cast_transpose<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}>")
+        k(((cols + 63) // 64, (rows + 63) // 64), (256,), (x, scale, q, qt, amax,
+          np.int32(rows), np.int32(cols)))
+    return q, qt, amax

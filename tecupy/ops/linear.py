@@ -79,19 +79,21 @@ def _linear_fp8(x, weight, bias, state, recipe, gemm):
     m = x.size // k
     check_fp8_dims("linear", m, n, k)
     fmt = recipe.fp8_format
-    x2 = x.reshape(m, k)
+    x2, tr = x.reshape(m, k), recording()  # backward needs the transposed FP8 copies
     if state is None:
-        qx, qw = quantize_current(x2, fmt.fwd), quantize_current(weight, fmt.fwd)
+        qx = quantize_current(x2, fmt.fwd, transpose=tr)
+        qw = quantize_current(weight, fmt.fwd, transpose=tr)
     else:
-        qx, qw = state.quantize_fwd(x2, gemm, "input"), state.quantize_fwd(weight, gemm, "weight")
+        qx = state.quantize_fwd(x2, gemm, "input", transpose=tr)
+        qw = state.quantize_fwd(weight, gemm, "weight", transpose=tr)
     y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
-    if not recording():
+    if not tr:
         return y
 
     def backward(dy):
         dy2 = dy.reshape(m, n)
-        qdy = (quantize_current(dy2, fmt.bwd) if state is None
-               else state.quantize_bwd(dy2, gemm, "grad_output"))
+        qdy = (quantize_current(dy2, fmt.bwd, transpose=True) if state is None
+               else state.quantize_bwd(dy2, gemm, "grad_output", transpose=True))
         dx = fp8_gemm(qdy, qw.T, x.dtype)           # [M, N] x [K, N]^T
         dw = fp8_gemm(qdy.T, qx.T, weight.dtype)    # [N, M] x [K, M]^T
         db = _dbias(dy2, bias)

@@ -51,6 +51,13 @@ def cast_to_fp8(x, scale, fmt):
     return _encode(x.astype(np.float32) * scale[0], fmt), amax(x)
 
 
+@backends.register("cast_transpose", "reference")
+def cast_transpose(x, scale, fmt):
+    """x [rows, cols] -> (q, q.T contiguous, amax): both FP8 copies GEMMs need."""
+    q, a = cast_to_fp8(x, scale, fmt)
+    return q, xp_of(q).ascontiguousarray(q.T), a
+
+
 @backends.register("fp8_dequantize", "reference")
 def fp8_dequantize(data, fmt, scale_inv, dtype):
     table = _decode_table(xp_of(data), fmt)
