@@ -77,6 +77,17 @@ def cases(rows, hidden, rng):
          6 * n, None),
         ("swiglu_bwd", lambda: (X(rows, hidden), X(rows, 2 * hidden)),
          lambda *a: d("swiglu_bwd", *a), 10 * n, None),
+        ("cast_transpose", lambda: (X(rows, hidden), one, E4M3),
+         lambda *a: d("cast_transpose", *a), 4 * n, None),
+        ("dropout+residual", lambda: (X(rows, hidden), 0.1, 7, 0, X(rows, hidden)),
+         lambda *a: d("dropout_fwd", *a), 7 * n, None),
+        ("dropout_bwd", lambda: (X(rows, hidden), d("dropout_fwd", X(rows, hidden), 0.1, 7,
+                                                    0)[1], 0.1),
+         lambda *a: d("dropout_bwd", *a), 5 * n, None),
+        ("softmax_fwd", lambda: (X(rows, hidden), 0.125, None, False),
+         lambda *a: d("softmax_fwd", *a), 4 * n, "softmax"),
+        ("softmax_bwd", lambda: (X(rows, hidden), X(rows, hidden), 0.125),
+         lambda *a: d("softmax_bwd", *a), 6 * n, None),
     ]
 
 
@@ -92,7 +103,8 @@ def torch_peer(kind, rows, hidden):
     fns = {"layer_norm": lambda: F.layer_norm(x, (hidden,), w, w),
            "rms_norm": lambda: F.rms_norm(x, (hidden,), w),
            "gelu": lambda: F.gelu(x, approximate="tanh"),
-           "cast": lambda: (x.abs().amax(), (x.float() * 1.0).to(torch.float8_e4m3fn))}
+           "cast": lambda: (x.abs().amax(), (x.float() * 1.0).to(torch.float8_e4m3fn)),
+           "softmax": lambda: torch.softmax(x * 0.125, dim=-1)}
     return fns.get(kind)
 
 
@@ -124,8 +136,11 @@ def kernels(args):
     import cupy
     rng = np.random.default_rng(0)
     copy = copy_bandwidth()
+    tiny = cases(16, 128, rng)[1]  # layernorm_fwd on 16 x 128: the cost of a call itself
+    floor = gpu_time_ms(tiny[2], [tiny[1]()], calls=200)
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: device-to-device "
-          f"copy {copy:.2f} TB/s")
+          f"copy {copy:.2f} TB/s; one tecupy call costs at least {floor * 1e3:.0f} us "
+          "(Python dispatch + launch): times near it are host-bound")
     print(f"{'kernel':18s} {'size':>11s} {'first ms':>8s} {'ms':>8s} {'TB/s':>6s} "
           f"{'%copy':>6s} {'torch ms':>8s} {'vs torch':>8s} {'numpy ms':>9s}")
     for rows, hidden in SIZES:
