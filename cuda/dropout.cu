@@ -45,7 +45,8 @@ __global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ resid
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             const bool kj = keep_word(w[(i + j) & 3], p);
-            float v = to_float(a.v[j]) * (kj ? factor : 0.f);
+            // __fmul_rn: no fused multiply-add, so the rounding is the reference's
+            float v = __fmul_rn(to_float(a.v[j]), kj ? factor : 0.f);
             if (RES) v += to_float(r.v[j]);
             out.v[j] = from_float<T>(v);
             k.v[j] = kj;
