@@ -33,23 +33,25 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
     Vec<T, VEC> nxt[CHUNKS];
     if (blockIdx.x < rows) load_row(nxt, x + blockIdx.x * (long long)hidden, hidden);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        // One reduction for both moments, on data shifted by the row's first element (any
+        // value near the mean keeps E[d^2] - E[d]^2 free of cancellation).
+        const float x0 = RMS ? 0.f : to_float(x[row * hidden]);
         float v[CHUNKS][VEC];
-        float sum = 0.f;
+        float sum = 0.f, sq = 0.f;
 #pragma unroll
         OWNED(k, i) if (i < hidden)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 v[k][j] = to_float(nxt[k].v[j]);
-                sum += RMS ? v[k][j] * v[k][j] : v[k][j];
+                const float d = v[k][j] - x0;
+                sum += d;
+                sq += d * d;
             }
         if (row + gridDim.x < rows) load_row(nxt, x + (row + gridDim.x) * hidden, hidden);
-        const float mean = RMS ? 0.f : block_sum(sum) / hidden;
-        float sq = RMS ? sum : 0.f;
-#pragma unroll
-        OWNED(k, i) if (!RMS && i < hidden)
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) sq += (v[k][j] - mean) * (v[k][j] - mean);
-        const float rs = rsqrtf(block_sum(sq) / hidden + eps);
+        const float2 s = block_sum2(sum, sq);
+        const float dmean = s.x / hidden, mean = RMS ? 0.f : x0 + dmean;
+        const float var = RMS ? s.y / hidden : fmaxf(s.y / hidden - dmean * dmean, 0.f);
+        const float rs = rsqrtf(var + eps);
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
             const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
@@ -74,17 +76,23 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
 // Registers hold the dgamma/dbeta sums and the packed x, dy of this row and the next; xhat
 // and dxhat are recomputed in the second pass and gamma re-read (an L1 hit), which keeps
 // the kernel free of spills at CHUNKS * VEC = 16.
-template <typename T, int VEC, int CHUNKS, bool RMS>
+template <typename T, int VEC, int CHUNKS, bool RMS, bool ACC_SMEM>
 __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
          float* __restrict__ part, long long rows, int hidden, int zero_centered) {
-    float dg[CHUNKS][VEC], db[CHUNKS][VEC];
+    // dgamma/dbeta sums of this block's rows: registers, or (ACC_SMEM) shared memory
+    // [2 hidden], which frees registers for more resident rows. Each thread owns its columns.
+    extern __shared__ float acc[];
+    float dg[ACC_SMEM ? 1 : CHUNKS][VEC], db[ACC_SMEM ? 1 : CHUNKS][VEC];
     const float zc = zero_centered ? 1.f : 0.f;
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k)
+    OWNED(k, i)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dg[k][j] = db[k][j] = 0.f;
+        for (int j = 0; j < VEC; ++j) {
+            if (ACC_SMEM && i < hidden) acc[i + j] = acc[hidden + i + j] = 0.f;
+            if (!ACC_SMEM) dg[k][j] = db[k][j] = 0.f;
+        }
     Vec<T, VEC> nx[CHUNKS], nd[CHUNKS];
     if (blockIdx.x < rows) {
         load_row(nx, x + blockIdx.x * (long long)hidden, hidden);
@@ -105,8 +113,13 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
                 const float dxh = dyf * (to_float(gv.v[j]) + zc);
                 s1 += dxh;
                 s2 += dxh * xh;
-                dg[k][j] += dyf * xh;
-                db[k][j] += dyf;
+                if (ACC_SMEM) {
+                    acc[i + j] += dyf * xh;
+                    acc[hidden + i + j] += dyf;
+                } else {
+                    dg[k][j] += dyf * xh;
+                    db[k][j] += dyf;
+                }
             }
         }
         if (row + gridDim.x < rows) {
@@ -133,8 +146,8 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
     OWNED(k, i) if (i < hidden)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            p[i + j] = dg[k][j];
-            p[hidden + i + j] = db[k][j];
+            p[i + j] = ACC_SMEM ? acc[i + j] : dg[k][j];
+            p[hidden + i + j] = ACC_SMEM ? acc[hidden + i + j] : db[k][j];
         }
 }
 

@@ -10,14 +10,19 @@ from .common import CTYPE, LOW_PRECISION, cbool, sm_count, vec_width
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
 _VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
-loader.declare(FILE, [f"norm_{d}<{t}, {v}, {c}, {r}>" for d, t, c, r in itertools.product(
-    ("fwd", "bwd"), _VECS, CHUNKS, ("false", "true")) for v in _VECS[t]]
+_BOOLS = ("false", "true")
+loader.declare(FILE, [f"norm_fwd<{t}, {v}, {c}, {r}>" for t, c, r in itertools.product(
+    _VECS, CHUNKS, _BOOLS) for v in _VECS[t]]
+    + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}>" for t, c, r, a in itertools.product(
+        _VECS, CHUNKS, _BOOLS, _BOOLS) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
 FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 1024  # resident threads the grid aims at
+BWD_ACC_SMEM = True      # backward sums dgamma/dbeta in shared memory (fewer registers)
+MAX_ACC_SMEM = 192 << 10
 
 
 def supported(x, *args, **kwargs):
@@ -75,9 +80,13 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
+    smem = 8 * hidden if BWD_ACC_SMEM and 8 * hidden <= MAX_ACC_SMEM else 0
+    k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}, "
+                              f"{cbool(smem)}>")
+    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
     k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
-      np.int32(hidden), np.int32(zero_centered_gamma)))
+      np.int32(hidden), np.int32(zero_centered_gamma)), shared_mem=smem)
     r = loader.function(FILE, f"norm_bwd_reduce<{CTYPE[x.dtype]}>")
     r((-(-hidden // 256),), (256,), (part, np.int32(nblocks), np.int32(hidden), dgamma, dbeta,
       np.int32(not rms)))
