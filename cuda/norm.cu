@@ -151,17 +151,24 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
         }
 }
 
-// dgamma[c] = sum_b part[b, c], dbeta[c] = sum_b part[b, hidden + c]; one thread per column.
+// dgamma[c] = sum_b part[b, c], dbeta[c] = sum_b part[b, hidden + c]. Launch: blocks of
+// (32, 8) threads, one block per 32 of the 2 hidden columns; the 8 rows of threads split the
+// partials and meet in shared memory (one thread per column alone would leave most SMs idle).
 template <typename T>
 __global__ void norm_bwd_reduce(const float* __restrict__ part, int nparts, int hidden,
                                 T* __restrict__ dgamma, T* __restrict__ dbeta, int has_beta) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= hidden) return;
-    float g = 0.f, b = 0.f;
-    for (int k = 0; k < nparts; ++k) {
-        g += part[(long long)k * 2 * hidden + c];
-        b += part[(long long)k * 2 * hidden + hidden + c];
+    __shared__ float acc[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float a = 0.f;
+    if (c < 2 * hidden)
+        for (int k = threadIdx.y; k < nparts; k += 8) a += part[(long long)k * 2 * hidden + c];
+    acc[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < 2 * hidden) {
+        float t = 0.f;
+#pragma unroll
+        for (int y = 0; y < 8; ++y) t += acc[y][threadIdx.x];
+        if (c < hidden) dgamma[c] = from_float<T>(t);
+        else if (has_beta) dbeta[c - hidden] = from_float<T>(t);
     }
-    dgamma[c] = from_float<T>(g);
-    if (has_beta) dbeta[c] = from_float<T>(b);
 }

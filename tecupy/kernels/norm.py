@@ -21,7 +21,7 @@ loader.declare(FILE, [f"norm_fwd<{t}, {v}, {c}, {r}>" for t, c, r in itertools.p
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
 FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 1024  # resident threads the grid aims at
-BWD_ACC_SMEM = True      # backward sums dgamma/dbeta in shared memory (fewer registers)
+BWD_ACC_SMEM = False     # True: dgamma/dbeta sums in shared memory (slower, PERFLOG.md)
 MAX_ACC_SMEM = 192 << 10
 
 
@@ -88,7 +88,7 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
       np.int32(hidden), np.int32(zero_centered_gamma)), shared_mem=smem)
     r = loader.function(FILE, f"norm_bwd_reduce<{CTYPE[x.dtype]}>")
-    r((-(-hidden // 256),), (256,), (part, np.int32(nblocks), np.int32(hidden), dgamma, dbeta,
+    r((-(-2 * hidden // 32),), (32, 8), (part, np.int32(nblocks), np.int32(hidden), dgamma, dbeta,
       np.int32(not rms)))
     return (dx, dgamma) if rms else (dx, dgamma, dbeta)
 
