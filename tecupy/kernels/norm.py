@@ -20,7 +20,7 @@ loader.declare(FILE, [f"norm_fwd<{t}, {v}, {c}, {r}>" for t, c, r in itertools.p
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
-FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 1024  # resident threads the grid aims at
+FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 512  # resident threads the grid aims at
 BWD_ACC_SMEM = False     # True: dgamma/dbeta sums in shared memory (slower, PERFLOG.md)
 MAX_ACC_SMEM = 192 << 10
 
@@ -74,8 +74,8 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
     vec = vec_width(x.dtype, hidden)
     threads, chunks = _shape(hidden, vec)
-    # Each block writes a [2, hidden] partial: more blocks, more partial bytes (at 1024
-    # threads per SM, 8% of the traffic at 8192 x 4096 bf16).
+    # Each block writes a [2, hidden] partial that norm_bwd_reduce reads back: fewer blocks
+    # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
     nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
