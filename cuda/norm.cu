@@ -72,17 +72,79 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
     }
 }
 
+// One warp per row, four rows per block: the reductions are warp shuffles only (no block
+// barrier), and with the row packed in registers many rows stay in flight per SM.
+// Lane l owns chunks c = l + 32 k, k < CHUNKS.
+template <typename T, int VEC, int CHUNKS, bool RMS>
+__global__ void __launch_bounds__(128)
+norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+              T* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
+              long long rows, int hidden, float eps, int zero_centered) {
+    const int lane = threadIdx.x & 31;
+    const float zc = zero_centered ? 1.f : 0.f;
+    for (long long row = blockIdx.x * 4LL + (threadIdx.x >> 5); row < rows;
+         row += gridDim.x * 4LL) {
+        const T* xr = x + row * hidden;
+        Vec<T, VEC> a[CHUNKS];
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+            const int i = (lane + 32 * k) * VEC;
+            if (i < hidden) a[k] = load_vec<VEC>(xr + i);
+        }
+        const float x0 = RMS ? 0.f : to_float(xr[0]);
+        float sum = 0.f, sq = 0.f;
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k)
+            if ((lane + 32 * k) * VEC < hidden)
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = to_float(a[k].v[j]) - x0;
+                    sum += d;
+                    sq += d * d;
+                }
+        sum = warp_sum(sum);
+        sq = warp_sum(sq);
+        const float dmean = sum / hidden, mean = RMS ? 0.f : x0 + dmean;
+        const float var = RMS ? sq / hidden : fmaxf(sq / hidden - dmean * dmean, 0.f);
+        const float rs = rsqrtf(var + eps);
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+            const int i = (lane + 32 * k) * VEC;
+            if (i < hidden) {
+                const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
+                Vec<T, VEC> b, out;
+                if (!RMS) b = load_vec<VEC>(beta + i);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    float o = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
+                    if (!RMS) o += to_float(b.v[j]);
+                    out.v[j] = from_float<T>(o);
+                }
+                store_vec<VEC>(y + row * hidden + i, out);
+            }
+        }
+        if (lane == 0) {
+            if (!RMS) mu[row] = mean;
+            rsigma[row] = rs;
+        }
+    }
+}
+
 // ---- backward --------------------------------------------------------------------------
 // Registers hold the dgamma/dbeta sums and the packed x, dy of this row and the next; xhat
 // and dxhat are recomputed in the second pass and gamma re-read (an L1 hit), which keeps
 // the kernel free of spills at CHUNKS * VEC = 16.
+#define SLOT(i, j) ((j) * (hidden / VEC) + (i) / VEC)
+
 template <typename T, int VEC, int CHUNKS, bool RMS, bool ACC_SMEM>
 __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
          float* __restrict__ part, long long rows, int hidden, int zero_centered) {
     // dgamma/dbeta sums of this block's rows: registers, or (ACC_SMEM) shared memory
-    // [2 hidden], which frees registers for more resident rows. Each thread owns its columns.
+    // [2 hidden], which frees registers for more resident rows. Each thread owns its columns;
+    // in shared memory column i + j sits at j * (hidden / VEC) + i / VEC, so the lanes of a
+    // warp touch consecutive words (no bank conflicts).
     extern __shared__ float acc[];
     float dg[ACC_SMEM ? 1 : CHUNKS][VEC], db[ACC_SMEM ? 1 : CHUNKS][VEC];
     const float zc = zero_centered ? 1.f : 0.f;
@@ -90,7 +152,7 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
     OWNED(k, i)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            if (ACC_SMEM && i < hidden) acc[i + j] = acc[hidden + i + j] = 0.f;
+            if (ACC_SMEM && i < hidden) acc[SLOT(i, j)] = acc[hidden + SLOT(i, j)] = 0.f;
             if (!ACC_SMEM) dg[k][j] = db[k][j] = 0.f;
         }
     Vec<T, VEC> nx[CHUNKS], nd[CHUNKS];
@@ -114,8 +176,8 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
                 s1 += dxh;
                 s2 += dxh * xh;
                 if (ACC_SMEM) {
-                    acc[i + j] += dyf * xh;
-                    acc[hidden + i + j] += dyf;
+                    acc[SLOT(i, j)] += dyf * xh;
+                    acc[hidden + SLOT(i, j)] += dyf;
                 } else {
                     dg[k][j] += dyf * xh;
                     db[k][j] += dyf;
@@ -146,8 +208,8 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
     OWNED(k, i) if (i < hidden)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            p[i + j] = ACC_SMEM ? acc[i + j] : dg[k][j];
-            p[hidden + i + j] = ACC_SMEM ? acc[hidden + i + j] : db[k][j];
+            p[i + j] = ACC_SMEM ? acc[SLOT(i, j)] : dg[k][j];
+            p[hidden + i + j] = ACC_SMEM ? acc[hidden + SLOT(i, j)] : db[k][j];
         }
 }
 

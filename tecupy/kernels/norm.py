@@ -9,12 +9,16 @@ from .common import CTYPE, LOW_PRECISION, cbool, sm_count, vec_width
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
+WARP_CHUNKS = (1, 2, 4, 8, 16)  # the same for the warp-per-row forward
+FWD_WARP = True  # forward: one warp per row (else one block per row; PERFLOG.md)
 _VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
 _BOOLS = ("false", "true")
 loader.declare(FILE, [f"norm_fwd<{t}, {v}, {c}, {r}>" for t, c, r in itertools.product(
     _VECS, CHUNKS, _BOOLS) for v in _VECS[t]]
     + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}>" for t, c, r, a in itertools.product(
         _VECS, CHUNKS, _BOOLS, _BOOLS) for v in _VECS[t]]
+    + [f"norm_fwd_warp<{t}, {v}, {c}, {r}>" for t, c, r in itertools.product(
+        _VECS, WARP_CHUNKS, _BOOLS) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
@@ -55,13 +59,25 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
     y = cupy.empty_like(x)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     vec = vec_width(x.dtype, hidden)
+    wchunks = -(-hidden // (32 * vec))
+    if FWD_WARP and wchunks <= WARP_CHUNKS[-1]:
+        c = next(c for c in WARP_CHUNKS if c >= wchunks)
+        k = loader.function(FILE, f"norm_fwd_warp<{CTYPE[x.dtype]}, {vec}, {c}, {cbool(rms)}>")
+        if rows:
+            k((_grid(-(-rows // 4), 128, FWD_THREADS_PER_SM),), (128,), (x, gamma, beta, y, mu,
+              rsigma, np.int64(rows), np.int32(hidden), np.float32(eps),
+              np.int32(zero_centered_gamma)))
+        return _outputs(y, mu, rsigma, x.shape[:-1], rms)
     threads, chunks = _shape(hidden, vec)
     k = loader.function(FILE, f"norm_fwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
     if rows:
         k((_grid(rows, threads, FWD_THREADS_PER_SM),), (threads,), (x, gamma, beta, y, mu,
           rsigma, np.int64(rows), np.int32(hidden), np.float32(eps),
           np.int32(zero_centered_gamma)))
-    shape = x.shape[:-1]
+    return _outputs(y, mu, rsigma, x.shape[:-1], rms)
+
+
+def _outputs(y, mu, rsigma, shape, rms):
     return (y, rsigma.reshape(shape)) if rms else (y, mu.reshape(shape), rsigma.reshape(shape))
 
 
