@@ -36,14 +36,16 @@ def supported(x, *args, **kwargs):
 
 
 def _shape(hidden, vec):
-    """(threads, chunks per thread): the fewest chunks that fit THREADS_PER_ROW threads,
-    else MAX_THREADS."""
+    """(threads, chunks per thread) for the block-per-row kernels: at most 2 chunks within
+    THREADS_PER_ROW threads, else the fewest chunks within MAX_THREADS (more chunks per
+    thread spill registers: PERFLOG.md)."""
     n = -(-hidden // vec)
-    for limit in (THREADS_PER_ROW, MAX_THREADS):
-        for c in CHUNKS:
-            if -(-n // c) <= limit:
-                return int(max(32, 32 * -(-n // (32 * c)))), c
-    raise ValueError(f"hidden size {hidden} is too large for norm.cu")
+    fits = [(c, limit) for limit, cs in ((THREADS_PER_ROW, (1, 2)), (MAX_THREADS, CHUNKS))
+            for c in cs if -(-n // c) <= limit]
+    if not fits:
+        raise ValueError(f"hidden size {hidden} is too large for norm.cu")
+    c = fits[0][0]
+    return int(max(32, 32 * -(-n // (32 * c)))), c
 
 
 def _grid(rows, threads, per_sm):
@@ -96,7 +98,9 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    smem = 8 * hidden if BWD_ACC_SMEM and 8 * hidden <= MAX_ACC_SMEM else 0
+    # Sums in shared memory when asked, or when 4+ chunks per thread would spill registers.
+    use_smem = (BWD_ACC_SMEM or chunks > 2) and 8 * hidden <= MAX_ACC_SMEM
+    smem = 8 * hidden if use_smem else 0
     k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}, "
                               f"{cbool(smem)}>")
     if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
