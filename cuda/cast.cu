@@ -48,21 +48,22 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 
 // ---- cast + transpose ----------------------------------------------------------------------
 // cast_transpose<T, F8>: the cast above, writing both q [rows, cols] and its transpose
-// qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy). rows % 8 == 0 and
-// cols % 8 == 0. Launch: one block of 256 threads per 64 x 64 tile, grid (cols/64, rows/64)
-// rounded up; each thread casts two 8-wide row chunks, the tile's bytes go through shared
-// memory, and each thread writes two 8-byte column chunks of qt.
+// qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy). rows % 16 == 0
+// and cols % 8 == 0. Launch: one block of 256 threads per 128 x 64 tile (rows x cols), grid
+// (cols/64, rows/128) rounded up; each thread casts four 8-wide row chunks (16-byte loads
+// of bf16), the tile's bytes go through shared memory, and each thread writes two 16-byte
+// column chunks of qt.
 template <typename T, typename F8>
 __global__ void __launch_bounds__(256)
 cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
                unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                float* __restrict__ amax, int rows, int cols) {
-    __shared__ unsigned char tile[64][64 + 8];
+    __shared__ unsigned char tile[128][64 + 4];
     const float s = scale[0];
-    const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
+    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 64;
     float m = 0.f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 4; ++h) {
         const int v = threadIdx.x + h * 256, tr = v >> 3, tc = (v & 7) * 8;
         const int r = r0 + tr, c = c0 + tc;
         if (r < rows && c < cols) {
@@ -81,13 +82,13 @@ cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
     __syncthreads();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int v = threadIdx.x + h * 256, tc = v >> 3, tr = (v & 7) * 8;
+        const int v = threadIdx.x + h * 256, tc = v >> 3, tr = (v & 7) * 16;
         const int r = r0 + tr, c = c0 + tc;
         if (r < rows && c < cols) {
-            Vec<unsigned char, 8> out;
+            Vec<unsigned char, 16> out;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) out.v[j] = tile[tr + j][tc];
-            store_vec<8>(qt + (long long)c * rows + r, out);
+            for (int j = 0; j < 16; ++j) out.v[j] = tile[tr + j][tc];
+            store_vec<16>(qt + (long long)c * rows + r, out);
         }
     }
     m = block_max(m);

@@ -43,7 +43,7 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 
 def _ct_supported(x, scale, fmt):
     return (is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim == 2
-            and x.shape[0] % 8 == 0 and x.shape[1] % 8 == 0)
+            and x.shape[0] % 16 == 0 and x.shape[1] % 8 == 0)
 
 
 @backends.register("cast_transpose", "cuda", supports=_ct_supported)
@@ -55,6 +55,6 @@ def cast_transpose(x, scale, fmt):
     amax = cupy.zeros((1,), np.float32)
     if x.size:
         k = loader.function(FILE, f"cast_transpose<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}>")
-        k(((cols + 63) // 64, (rows + 63) // 64), (256,), (x, scale, q, qt, amax,
+        k(((cols + 63) // 64, (rows + 127) // 128), (256,), (x, scale, q, qt, amax,
           np.int32(rows), np.int32(cols)))
     return q, qt, amax
