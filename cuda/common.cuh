@@ -22,44 +22,42 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
 
 // ---- reductions --------------------------------------------------------------------------
 // fmaxf ignores NaN, which is Transformer Engine's amax rule.
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+struct MaxOp {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+template <typename Op> __device__ __forceinline__ float warp_reduce(float v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// Max over the block; the result is valid in every thread. blockDim.x % 32 == 0, <= 1024.
-// `identity` fills the unused warp slots: 0 for amax (values >= 0), -kInf in general.
-__device__ __forceinline__ float block_max(float v, float identity = 0.f) {
+// Reduce over the block; the result is valid in every thread. blockDim.x % 32 == 0, <= 1024.
+// `identity` fills the unused warp slots.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float identity, Op op) {
     __shared__ float partial[32];
-    v = warp_max(v);
+    v = warp_reduce(v, op);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();  // partial may still be read by an earlier call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     v = (lane < (blockDim.x >> 5)) ? partial[lane] : identity;  // every warp reduces all
-    return warp_max(v);
+    return warp_reduce(v, op);
+}
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.f, SumOp()); }
+// identity 0 suits amax (values >= 0); pass -kInf for a general max.
+__device__ __forceinline__ float block_max(float v, float identity = 0.f) {
+    return block_reduce(v, identity, MaxOp());
 }
 
 // atomicMax on a non-negative float: the int order of non-negative floats is their order.
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
     atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
-}
-
-// Sum over the block; the result is valid in every thread. blockDim.x % 32 == 0.
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[32];
-    v = warp_sum(v);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();  // partial may still be read by an earlier call
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = (lane < (blockDim.x >> 5)) ? partial[lane] : 0.f;  // every warp reduces all
-    return warp_sum(v);
 }
 
 // Two sums at once (one pair of barriers instead of two); valid in every thread.

@@ -73,8 +73,9 @@ class Tape:
             return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad)))
         outs, _ = _as_list(outputs)
         targets, many = _as_list(wrt)
-        grads = self._seed(outs, output_grad)
-        self._check_known(targets)
+        known = self._known_ids()
+        grads = self._seed(outs, output_grad, known)
+        self._check_known(targets, known)
         self._backprop(grads)
         result = []
         for t in targets:
@@ -82,8 +83,7 @@ class Tape:
             result.append(xp_of(t).zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
         return result if many else result[0]
 
-    def _seed(self, outs, output_grad):
-        known = self._known_ids()
+    def _seed(self, outs, output_grad, known):
         ogs = [None] * len(outs) if output_grad is None else _as_list(output_grad)[0]
         if len(ogs) != len(outs):
             raise ValueError(f"Tape.gradient: {len(outs)} outputs but {len(ogs)} output grads")
@@ -99,8 +99,7 @@ class Tape:
             grads[id(o)] = grads[id(o)] + g if id(o) in grads else g
         return grads
 
-    def _check_known(self, targets):
-        known = self._known_ids()
+    def _check_known(self, targets, known):
         for n, t in enumerate(targets):
             if id(t) not in known:
                 raise ValueError(
