@@ -91,6 +91,10 @@ def cases(rows, hidden, rng):
         _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
         return X(rows, hidden), x, mu, rs, g, False
 
+    def ln_fwd_bwd(x, dy):
+        _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
+        return d("layernorm_bwd", dy, x, mu, rs, g, False)
+
     def rms_bwd():
         x = X(rows, hidden)
         return X(rows, hidden), x, d("rmsnorm_fwd", x, g, 1e-5, False)[1], g, False
@@ -103,6 +107,8 @@ def cases(rows, hidden, rng):
          lambda *a: d("rmsnorm_fwd", *a), 4 * n, "rms_norm"),
         ("layernorm_bwd", ln_bwd, lambda *a: d("layernorm_bwd", *a), 6 * n, None),
         ("rmsnorm_bwd", rms_bwd, lambda *a: d("rmsnorm_bwd", *a), 6 * n, None),
+        ("layernorm_fwd+bwd", lambda: (X(rows, hidden), X(rows, hidden)), ln_fwd_bwd, 10 * n,
+         "layer_norm_fwd_bwd"),
         ("gelu_fwd", lambda: (X(rows, hidden),), lambda *a: d("gelu_fwd", *a), 4 * n, "gelu"),
         ("gelu_bwd", lambda: (X(rows, hidden), X(rows, hidden)),
          lambda *a: d("gelu_bwd", *a), 6 * n, None),
@@ -133,11 +139,18 @@ def torch_peer(kind, rows, hidden):
         return None
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, w))
+    dy = torch.randn_like(x)
+
+    def ln_fwd_bwd():
+        y = F.layer_norm(xg, (hidden,), wg, bg)
+        return torch.autograd.grad(y, (xg, wg, bg), dy)
     fns = {"layer_norm": lambda: F.layer_norm(x, (hidden,), w, w),
            "rms_norm": lambda: F.rms_norm(x, (hidden,), w),
            "gelu": lambda: F.gelu(x, approximate="tanh"),
            "cast": lambda: (x.abs().amax(), (x.float() * 1.0).to(torch.float8_e4m3fn)),
-           "softmax": lambda: torch.softmax(x * 0.125, dim=-1)}
+           "softmax": lambda: torch.softmax(x * 0.125, dim=-1),
+           "layer_norm_fwd_bwd": ln_fwd_bwd}
     return fns.get(kind)
 
 
@@ -180,8 +193,8 @@ def kernels(args):
     for rows, hidden in SIZES:
         for name, make, fn, nbytes, peer in cases(rows, hidden, rng):
             sets = input_sets(make, nbytes)
-            op = {"cast_to_fp8+amax": "cast_to_fp8", "dropout+residual": "dropout_fwd"}.get(
-                name, name)
+            op = {"cast_to_fp8+amax": "cast_to_fp8", "dropout+residual": "dropout_fwd",
+                  "layernorm_fwd+bwd": "layernorm_bwd"}.get(name, name)
             kind = backends.chosen(op, *sets[0])
             t0 = time.perf_counter()
             fn(*sets[0])
