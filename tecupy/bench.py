@@ -91,7 +91,7 @@ def cases(rows, hidden, rng):
         _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
         return X(rows, hidden), x, mu, rs, g, False
 
-    def ln_fwd_bwd(x, dy):
+    def ln_fwd_bwd(x, dy, g):
         _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
         return d("layernorm_bwd", dy, x, mu, rs, g, False)
 
@@ -107,7 +107,7 @@ def cases(rows, hidden, rng):
          lambda *a: d("rmsnorm_fwd", *a), 4 * n, "rms_norm"),
         ("layernorm_bwd", ln_bwd, lambda *a: d("layernorm_bwd", *a), 6 * n, None),
         ("rmsnorm_bwd", rms_bwd, lambda *a: d("rmsnorm_bwd", *a), 6 * n, None),
-        ("layernorm_fwd+bwd", lambda: (X(rows, hidden), X(rows, hidden)), ln_fwd_bwd, 10 * n,
+        ("layernorm_fwd+bwd", lambda: (X(rows, hidden), X(rows, hidden), g), ln_fwd_bwd, 10 * n,
          "layer_norm_fwd_bwd"),
         ("gelu_fwd", lambda: (X(rows, hidden),), lambda *a: d("gelu_fwd", *a), 4 * n, "gelu"),
         ("gelu_bwd", lambda: (X(rows, hidden), X(rows, hidden)),
