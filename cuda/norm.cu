@@ -3,7 +3,9 @@
 // Forward, per row of x [rows, hidden] (RMS = false / true):
 //   LayerNorm: mu = mean(x), rs = rsqrt(mean((x - mu)^2) + eps), y = (x - mu) rs g + beta
 //   RMSNorm:   rs = rsqrt(mean(x^2) + eps),                      y = x rs g
-//   g = gamma (+1 with zero_centered_gamma). mu, rsigma [rows] float are saved.
+//   g = gamma (+1 with zero_centered_gamma). mu, rsigma [rows] float are saved. With an FP8
+//   OUT type, y is written as FP8 codes of y * scale and amax[0] gets max |y| (the input of
+//   the next FP8 GEMM, cast in the same pass).
 // Backward, per row: xhat = (x - mu) rs, dxhat = dy g,
 //   dx = rs (dxhat - mean(dxhat) - xhat mean(dxhat xhat))   (no mean(dxhat) term for RMS)
 //   dgamma = sum_rows dy xhat, dbeta = sum_rows dy.
@@ -23,13 +25,31 @@ __device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, i
     OWNED(k, i) if (i < hidden) r[k] = load_vec<VEC>(p + i);
 }
 
+// Output element: T, or an FP8 code of v * scale (OUT = __nv_fp8_e4m3 / __nv_fp8_e5m2), in
+// which case the kernel also reduces amax = max |v| into amax[0].
+template <typename OUT> struct Out {
+    static constexpr bool fp8 = false;
+    __device__ static OUT make(float v, float) { return from_float<OUT>(v); }
+};
+template <> struct Out<__nv_fp8_e4m3> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e4m3 make(float v, float s) { return __nv_fp8_e4m3(v * s); }
+};
+template <> struct Out<__nv_fp8_e5m2> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
+};
+
 // ---- forward ---------------------------------------------------------------------------
-template <typename T, int VEC, int CHUNKS, bool RMS>
+template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT>
 __global__ void __launch_bounds__(512)
 norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-         T* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
-         long long rows, int hidden, float eps, int zero_centered) {
+         OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
+         long long rows, int hidden, float eps, int zero_centered,
+         const float* __restrict__ scale, float* __restrict__ amax) {
     const float zc = zero_centered ? 1.f : 0.f;
+    const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    float m = 0.f;
     Vec<T, VEC> nxt[CHUNKS];
     if (blockIdx.x < rows) load_row(nxt, x + blockIdx.x * (long long)hidden, hidden);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -55,13 +75,15 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
             const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
-            Vec<T, VEC> b, out;
+            Vec<T, VEC> b;
+            Vec<OUT, VEC> out;
             if (!RMS) b = load_vec<VEC>(beta + i);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float o = (v[k][j] - mean) * rs * (to_float(g.v[j]) + zc);
                 if (!RMS) o += to_float(b.v[j]);
-                out.v[j] = from_float<T>(o);
+                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
+                out.v[j] = Out<OUT>::make(o, sc);
             }
             store_vec<VEC>(y + row * hidden + i, out);
         }
@@ -70,18 +92,25 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
             rsigma[row] = rs;
         }
     }
+    if (Out<OUT>::fp8) {
+        m = block_max(m);
+        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    }
 }
 
 // One warp per row, four rows per block: the reductions are warp shuffles only (no block
 // barrier), and with the row packed in registers many rows stay in flight per SM.
 // Lane l owns chunks c = l + 32 k, k < CHUNKS.
-template <typename T, int VEC, int CHUNKS, bool RMS>
+template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT>
 __global__ void __launch_bounds__(128)
 norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-              T* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
-              long long rows, int hidden, float eps, int zero_centered) {
+              OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
+              long long rows, int hidden, float eps, int zero_centered,
+              const float* __restrict__ scale, float* __restrict__ amax) {
     const int lane = threadIdx.x & 31;
     const float zc = zero_centered ? 1.f : 0.f;
+    const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    float m = 0.f;
     for (long long row = blockIdx.x * 4LL + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * 4LL) {
         const T* xr = x + row * hidden;
@@ -112,13 +141,15 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
             const int i = (lane + 32 * k) * VEC;
             if (i < hidden) {
                 const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
-                Vec<T, VEC> b, out;
+                Vec<T, VEC> b;
+                Vec<OUT, VEC> out;
                 if (!RMS) b = load_vec<VEC>(beta + i);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     float o = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
                     if (!RMS) o += to_float(b.v[j]);
-                    out.v[j] = from_float<T>(o);
+                    if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
+                    out.v[j] = Out<OUT>::make(o, sc);
                 }
                 store_vec<VEC>(y + row * hidden + i, out);
             }
@@ -127,6 +158,10 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
             if (!RMS) mu[row] = mean;
             rsigma[row] = rs;
         }
+    }
+    if (Out<OUT>::fp8) {
+        m = warp_reduce(m, MaxOp());
+        if (lane == 0 && m > 0.f) atomic_max_nonneg(amax, m);
     }
 }
 

@@ -66,6 +66,11 @@ class FP8State:
             raise IndexError(f"FP8State has {self.num_gemms} GEMMs, asked for GEMM {gemm}")
         return per * gemm + table[which]
 
+    def fwd_slot(self, gemm, which):
+        """(scale, amax_out) views, shape (1,), of one forward slot: for fused casts."""
+        i = self._slot(FWD_SLOTS, gemm, which, 3)
+        return self.fwd.scale[i:i + 1], self.fwd.amax_history[0, i:i + 1]
+
     def quantize_fwd(self, x, gemm, which, transpose=False):
         i = self._slot(FWD_SLOTS, gemm, which, 3)
         m = self.fwd

@@ -1,7 +1,8 @@
 """Backend registry: op name -> implementations, each with a kind and a priority.
 
 An op name is a kernel name such as ``layernorm_fwd``; its family is the name without the
-``_fwd`` / ``_bwd`` suffix (``layernorm``), which is what TECUPY_OP_BACKENDS speaks of.
+``_fwd`` / ``_bwd`` / ``_fwd_fp8`` suffix (``layernorm``), which is what TECUPY_OP_BACKENDS
+speaks of.
 
 Selection for one call: the implementations that support the inputs, ordered by
   1. TECUPY_OP_BACKENDS="linear=reference,layernorm=cuda|reference" (per op family),
@@ -49,7 +50,7 @@ def register(op, kind, priority=None, supports=None):
 
 
 def family(op):
-    for suffix in ("_fwd", "_bwd"):
+    for suffix in ("_fwd_fp8", "_fwd", "_bwd"):
         if op.endswith(suffix):
             return op[: -len(suffix)]
     return op

@@ -134,3 +134,32 @@ def test_bad_recipe_type():
     with pytest.raises(TypeError, match="DelayedScaling or Float8CurrentScaling"):
         with tecupy.fp8_autocast(fp8_recipe="hybrid"):
             pass
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_fused_norm_fp8_matches_unfused(xp, rng, normalization):
+    """Under delayed scaling the norm casts its output to FP8 in its own pass; results and
+    state equal those of norm, then linear."""
+    x, dy = data(xp, rng, 2, 16, 64), data(xp, rng, 2, 16, 48)
+    w, b = data(xp, rng, 48, 64) * 0.1, data(xp, rng, 48)
+    g, beta = data(xp, rng, 64), (data(xp, rng, 64) if normalization == "LayerNorm" else None)
+    r = DelayedScaling(amax_history_len=3)
+    states, results = [tecupy.FP8State(), tecupy.FP8State()], []
+    for fused, st in zip((True, False), states):
+        for _ in range(2):  # the second step runs with scales from the first
+            with tecupy.Tape() as tape:
+                with tecupy.fp8_autocast(fp8_recipe=r):
+                    if fused:
+                        y = tecupy.layernorm_linear(x, g, beta, w, b, normalization=normalization,
+                                                    fp8_state=st)
+                    else:
+                        ln = tecupy.ops.normalize(x, g, beta, 1e-5, False, normalization)
+                        y = tecupy.linear(ln, w, b, fp8_state=st)
+            grads = tape.gradient(y, [t for t in (x, g, beta, w, b) if t is not None],
+                                  output_grad=dy)
+        results.append([asnp(y)] + [asnp(t) for t in grads])
+    for a, c in zip(*results):
+        np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5)
+    for name in ("scale", "amax_history"):
+        np.testing.assert_allclose(asnp(getattr(states[0].fwd, name)),
+                                   asnp(getattr(states[1].fwd, name)), rtol=1e-6)

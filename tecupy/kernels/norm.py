@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, LOW_PRECISION, cbool, sm_count, vec_width
+from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, sm_count, vec_width
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -13,12 +13,19 @@ WARP_CHUNKS = (1, 2, 4, 8, 16)  # the same for the warp-per-row forward
 FWD_WARP = True  # forward: one warp per row (else one block per row; PERFLOG.md)
 _VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
 _BOOLS = ("false", "true")
-loader.declare(FILE, [f"norm_fwd<{t}, {v}, {c}, {r}>" for t, c, r in itertools.product(
-    _VECS, CHUNKS, _BOOLS) for v in _VECS[t]]
+_FP8 = tuple(FP8TYPE.values())
+
+
+def _outs(t, v):
+    """Output types of the forward: T itself, and FP8 codes on the vectorized path only."""
+    return (t,) + (_FP8 if v > 1 else ())
+
+
+loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
+    ("norm_fwd", CHUNKS), ("norm_fwd_warp", WARP_CHUNKS)) for t, c, r in itertools.product(
+    _VECS, cs, _BOOLS) for v in _VECS[t] for o in _outs(t, v)]
     + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}>" for t, c, r, a in itertools.product(
         _VECS, CHUNKS, _BOOLS, _BOOLS) for v in _VECS[t]]
-    + [f"norm_fwd_warp<{t}, {v}, {c}, {r}>" for t, c, r in itertools.product(
-        _VECS, WARP_CHUNKS, _BOOLS) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
@@ -52,31 +59,34 @@ def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
-def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms):
+def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
+    """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y."""
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
     x, gamma = cupy.ascontiguousarray(x), cupy.ascontiguousarray(gamma)
     beta = gamma if rms else cupy.ascontiguousarray(beta)
-    y = cupy.empty_like(x)
+    y = cupy.empty(x.shape, np.uint8 if fmt else x.dtype)
+    amax = cupy.zeros((1,), np.float32)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     vec = vec_width(x.dtype, hidden)
     wchunks = -(-hidden // (32 * vec))
+    types = f"{CTYPE[x.dtype]}, {vec}, {{}}, {cbool(rms)}, " + (
+        FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
     if FWD_WARP and wchunks <= WARP_CHUNKS[-1]:
-        c = next(c for c in WARP_CHUNKS if c >= wchunks)
-        k = loader.function(FILE, f"norm_fwd_warp<{CTYPE[x.dtype]}, {vec}, {c}, {cbool(rms)}>")
-        if rows:
-            k((_grid(-(-rows // 4), 128, FWD_THREADS_PER_SM),), (128,), (x, gamma, beta, y, mu,
-              rsigma, np.int64(rows), np.int32(hidden), np.float32(eps),
-              np.int32(zero_centered_gamma)))
-        return _outputs(y, mu, rsigma, x.shape[:-1], rms)
-    threads, chunks = _shape(hidden, vec)
-    k = loader.function(FILE, f"norm_fwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}>")
+        chunks = next(c for c in WARP_CHUNKS if c >= wchunks)
+        k = loader.function(FILE, f"norm_fwd_warp<{types.format(chunks)}>")
+        grid, threads = _grid(-(-rows // 4), 128, FWD_THREADS_PER_SM), 128
+    else:
+        threads, chunks = _shape(hidden, vec)
+        k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
+        grid = _grid(rows, threads, FWD_THREADS_PER_SM)
     if rows:
-        k((_grid(rows, threads, FWD_THREADS_PER_SM),), (threads,), (x, gamma, beta, y, mu,
-          rsigma, np.int64(rows), np.int32(hidden), np.float32(eps),
-          np.int32(zero_centered_gamma)))
-    return _outputs(y, mu, rsigma, x.shape[:-1], rms)
+        k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
+          np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
+          amax if scale is None else scale, amax))
+    out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
+    return out + (amax,) if fmt else out
 
 
 def _outputs(y, mu, rsigma, shape, rms):
@@ -116,6 +126,20 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
 @backends.register("layernorm_fwd", "cuda", supports=supported)
 def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
     return _fwd(x, gamma, beta, eps, zero_centered_gamma, rms=False)
+
+
+def supported_fp8(x, *args):
+    return supported(x) and vec_width(x.dtype, x.shape[-1]) > 1
+
+
+@backends.register("layernorm_fwd_fp8", "cuda", supports=supported_fp8)
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt):
+    return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt)
+
+
+@backends.register("rmsnorm_fwd_fp8", "cuda", supports=supported_fp8)
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt):
+    return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt)
 
 
 @backends.register("layernorm_bwd", "cuda", supports=supported)

@@ -4,18 +4,86 @@ Composed from the tecupy ops (each records its own backward); a backend with a f
 kernel can take over the pieces. FP8: `fp8_state` holds one GEMM for layernorm_linear and
 two (fc1, fc2) for layernorm_mlp.
 """
+import numpy as np
+
+from .. import backends
+from .._array import array_module, check_float, check_shape
+from ..autocast import active_recipe, use_state
+from ..fp8 import FP8Tensor
+from ..tape import record
 from .activation import ACTIVATIONS, GATED, activation as apply_activation
-from .linear import linear
-from .normalization import normalize
+from .linear import check_fp8_dims, fp8_gemm, fp8_linear_backward, linear
+from .normalization import NORMALIZATIONS, normalize
+
+
+def _norm_then_linear(x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
+                      normalization, fp8_state, gemm=0):
+    """linear(norm(x)); under delayed-scaling FP8 with a state, the norm writes its output
+    straight to FP8 (one pass, no high-precision copy) and this records one node for both."""
+    recipe = active_recipe()
+    if recipe is None or fp8_state is None or normalization not in NORMALIZATIONS:
+        ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
+        return linear(ln_out, weight, bias, fp8_state=fp8_state, gemm_index=gemm)
+    xp = array_module("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias,
+                      weight=weight, bias=bias)
+    check_float("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias, weight=weight,
+                bias=bias)
+    for name, a in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        check_shape("layernorm_linear", name, a, (x.shape[-1],))
+    check_shape("layernorm_linear", "weight", weight, (None, x.shape[-1]))
+    check_shape("layernorm_linear", "bias", bias, (weight.shape[0],))
+    state = use_state(fp8_state, xp)
+    if state is None:  # current scaling: the cast needs the output's amax first
+        ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
+        return linear(ln_out, weight, bias, fp8_state=fp8_state, gemm_index=gemm)
+    return _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, bool(zero_centered_gamma),
+                            normalization == "RMSNorm", state, recipe.fp8_format, gemm)
+
+
+def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, fmt, gemm):
+    n, k = weight.shape
+    m = x.size // k
+    check_fp8_dims("layernorm_linear", m, n, k)
+    if rms and ln_bias is not None:
+        raise ValueError("RMSNorm takes no bias (got a layernorm bias); pass None")
+    x2 = x.reshape(m, k)
+    scale, amax_out = state.fwd_slot(gemm, "input")
+    if rms:
+        q, rsigma, amax = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg, scale,
+                                            fmt.fwd)
+    else:
+        q, mu, rsigma, amax = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
+                                                eps, zcg, scale, fmt.fwd)
+    xp = array_module("layernorm_linear", x=x)
+    xp.maximum(amax_out, amax, out=amax_out)
+    qx = FP8Tensor(q, fmt.fwd, (1.0 / scale).astype(np.float32))
+    qw = state.quantize_fwd(weight, gemm, "weight", transpose=True)
+    y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+
+    def backward(dy):
+        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, state, fmt, gemm,
+                                           x.dtype)
+        if rms:
+            dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
+            dbeta = None
+        else:
+            dx, dg, dbeta = backends.dispatch("layernorm_bwd", d_ln, x2, mu, rsigma, ln_weight,
+                                              zcg)
+        return dx.reshape(x.shape), dg, dbeta, dw.astype(weight.dtype), db
+    record(backward, (x, ln_weight, ln_bias, weight, bias), (y,), fp8_states=(state,))
+    return y
 
 
 def layernorm_linear(x, ln_weight, ln_bias, weight, bias=None, eps=1e-5,
                      zero_centered_gamma=False, normalization="LayerNorm",
                      return_layernorm_output=False, fp8_state=None):
-    """linear(norm(x), weight, bias); norm is LayerNorm or RMSNorm (ln_bias None)."""
+    """linear(norm(x), weight, bias); norm is LayerNorm or RMSNorm (ln_bias None). Under
+    FP8 delayed scaling with `fp8_state`, the norm casts its output to FP8 in its own pass."""
+    if not return_layernorm_output:
+        return _norm_then_linear(x, ln_weight, ln_bias, weight, bias, eps,
+                                 zero_centered_gamma, normalization, fp8_state)
     ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-    y = linear(ln_out, weight, bias, fp8_state=fp8_state)
-    return (y, ln_out) if return_layernorm_output else y
+    return linear(ln_out, weight, bias, fp8_state=fp8_state), ln_out
 
 
 def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
@@ -33,8 +101,12 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
                          f"got {tuple(fc2_weight.shape)}")
     if fp8_state is not None and fp8_state.num_gemms < 2:
         raise ValueError("layernorm_mlp: fp8_state must hold 2 GEMMs (FP8State(num_gemms=2))")
-    ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-    h = linear(ln_out, fc1_weight, fc1_bias, fp8_state=fp8_state, gemm_index=0)
+    if return_layernorm_output:
+        ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
+        h = linear(ln_out, fc1_weight, fc1_bias, fp8_state=fp8_state, gemm_index=0)
+    else:
+        h = _norm_then_linear(x, ln_weight, ln_bias, fc1_weight, fc1_bias, eps,
+                              zero_centered_gamma, normalization, fp8_state, gemm=0)
     y = linear(apply_activation(h, activation), fc2_weight, fc2_bias, fp8_state=fp8_state,
                gemm_index=1)
     return (y, ln_out) if return_layernorm_output else y

@@ -91,12 +91,18 @@ def _linear_fp8(x, weight, bias, state, recipe, gemm):
         return y
 
     def backward(dy):
-        dy2 = dy.reshape(m, n)
-        qdy = (quantize_current(dy2, fmt.bwd, transpose=True) if state is None
-               else state.quantize_bwd(dy2, gemm, "grad_output", transpose=True))
-        dx = fp8_gemm(qdy, qw.T, x.dtype)           # [M, N] x [K, N]^T
-        dw = fp8_gemm(qdy.T, qx.T, weight.dtype)    # [N, M] x [K, M]^T
-        db = _dbias(dy2, bias)
+        dx, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, state, fmt, gemm,
+                                         x.dtype)
         return dx.reshape(x.shape), dw, db
     record(backward, (x, weight, bias), (y,), fp8_states=() if state is None else (state,))
     return y
+
+
+def fp8_linear_backward(dy2, qx, qw, bias, state, fmt, gemm, x_dtype):
+    """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias): dy cast to the backward format (with its
+    transposed copy), dgrad = dy8 @ w8, wgrad = dy8.T @ x8."""
+    qdy = (quantize_current(dy2, fmt.bwd, transpose=True) if state is None
+           else state.quantize_bwd(dy2, gemm, "grad_output", transpose=True))
+    dx = fp8_gemm(qdy, qw.T, x_dtype)            # [M, N] x [K, N]^T
+    dw = fp8_gemm(qdy.T, qx.T, x_dtype)          # [N, M] x [K, M]^T
+    return dx, dw, _dbias(dy2, bias)

@@ -3,10 +3,14 @@
 LayerNorm: mu = mean(x), rsigma = 1/sqrt(mean((x-mu)^2) + eps), y = (x-mu)*rsigma*g + beta.
 RMSNorm:   rsigma = 1/sqrt(mean(x^2) + eps),                      y = x*rsigma*g.
 g = gamma + 1 with zero_centered_gamma, else gamma. mu and rsigma are saved per row
-(float32, or float64 for float64 inputs) for the backward.
+(float32, or float64 for float64 inputs) for the backward. The *_fwd_fp8 variants write
+the output as FP8 codes (the input of the next FP8 GEMM) instead.
 """
+import numpy as np
+
 from .. import backends
 from .._array import compute_dtype, xp_of
+from .fp8 import cast_to_fp8
 
 
 def _gain(gamma, zero_centered_gamma, ct):
@@ -14,15 +18,30 @@ def _gain(gamma, zero_centered_gamma, ct):
     return g + 1 if zero_centered_gamma else g
 
 
-@backends.register("layernorm_fwd", "reference")
-def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
+def _layernorm(x, gamma, beta, eps, zero_centered_gamma):
+    """(y in the compute dtype, mu, rsigma)."""
     xp, ct = xp_of(x), compute_dtype(x.dtype)
     xf = x.astype(ct)
     mu = xf.mean(axis=-1)
     xc = xf - mu[..., None]
     rsigma = 1 / xp.sqrt((xc * xc).mean(axis=-1) + ct.type(eps))
     y = xc * rsigma[..., None] * _gain(gamma, zero_centered_gamma, ct) + beta.astype(ct)
+    return y, mu, rsigma
+
+
+@backends.register("layernorm_fwd", "reference")
+def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
+    y, mu, rsigma = _layernorm(x, gamma, beta, eps, zero_centered_gamma)
     return y.astype(x.dtype), mu, rsigma
+
+
+@backends.register("layernorm_fwd_fp8", "reference")
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt):
+    """LayerNorm whose output goes straight to FP8: (codes of y * scale, mu, rsigma, amax of
+    y), y cast from float32 without a round trip through x's dtype."""
+    y, mu, rsigma = _layernorm(x, gamma, beta, eps, zero_centered_gamma)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt)
+    return q, mu, rsigma, amax
 
 
 @backends.register("layernorm_bwd", "reference")
@@ -39,13 +58,25 @@ def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma):
     return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
 
 
-@backends.register("rmsnorm_fwd", "reference")
-def rmsnorm_fwd(x, gamma, eps, zero_centered_gamma):
+def _rmsnorm(x, gamma, eps, zero_centered_gamma):
     xp, ct = xp_of(x), compute_dtype(x.dtype)
     xf = x.astype(ct)
     rsigma = 1 / xp.sqrt((xf * xf).mean(axis=-1) + ct.type(eps))
-    y = xf * rsigma[..., None] * _gain(gamma, zero_centered_gamma, ct)
+    return xf * rsigma[..., None] * _gain(gamma, zero_centered_gamma, ct), rsigma
+
+
+@backends.register("rmsnorm_fwd", "reference")
+def rmsnorm_fwd(x, gamma, eps, zero_centered_gamma):
+    y, rsigma = _rmsnorm(x, gamma, eps, zero_centered_gamma)
     return y.astype(x.dtype), rsigma
+
+
+@backends.register("rmsnorm_fwd_fp8", "reference")
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt):
+    """RMSNorm with its output cast to FP8 in the same pass: (codes, rsigma, amax)."""
+    y, rsigma = _rmsnorm(x, gamma, eps, zero_centered_gamma)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt)
+    return q, rsigma, amax
 
 
 @backends.register("rmsnorm_bwd", "reference")
