@@ -103,6 +103,8 @@ def cases(rows, hidden, rng):
          lambda *a: d("cast_to_fp8", *a), 3 * n, "cast"),
         ("layernorm_fwd", lambda: (X(rows, hidden), g, g, 1e-5, False),
          lambda *a: d("layernorm_fwd", *a), 4 * n, "layer_norm"),
+        ("layernorm_fwd_fp8", lambda: (X(rows, hidden), g, g, 1e-5, False, one, E4M3),
+         lambda *a: d("layernorm_fwd_fp8", *a), 3 * n, None),
         ("rmsnorm_fwd", lambda: (X(rows, hidden), g, 1e-5, False),
          lambda *a: d("rmsnorm_fwd", *a), 4 * n, "rms_norm"),
         ("layernorm_bwd", ln_bwd, lambda *a: d("layernorm_bwd", *a), 6 * n, None),
