@@ -1,10 +1,15 @@
-// act.cu — activations, forward and backward (Transformer Engine's definitions, in float).
+// act.cu — activations, forward and backward (Transformer Engine's definitions, in float),
+// with an optional bias added to the input (BIAS) and an optional FP8 output (OUT).
 //
 // gelu (tanh): 0.5 x (1 + tanh(k0 (x + k1 x^3))); relu: max(x, 0); silu: x / (1 + e^-x).
+// With BIAS, x is replaced by x + bias[col] (bias over the last axis, in float).
 // Plain:  act_fwd:   y[i] = f(x[i]);                  act_bwd:   dx[i] = dy[i] f'(x[i])
 // Gated (x [rows, 2n] -> y [rows, n], a = x[r, c], b = x[r, n + c]):
 //         gated_fwd: y[r, c] = f(a) b;   gated_bwd: dx[r, c] = dy b f'(a), dx[r, n + c] = dy f(a)
 //   swiglu = gated silu, geglu = gated gelu.
+// An FP8 OUT writes the codes of y * scale and reduces amax = max |y| into amax[0] (the
+// input of the next FP8 GEMM, cast in the same pass).
+// col_sum: dbias = sum over rows of dx, in two deterministic stages of partial sums.
 // Launch: 1-D grid-stride over VEC-wide chunks (n % VEC == 0 when VEC > 1), blockDim 256.
 #include "common.cuh"
 
@@ -27,53 +32,102 @@ template <int ACT> __device__ __forceinline__ float dact(float x) {
     return s * (1.f + x * (1.f - s));
 }
 
+// Output element: T, or the FP8 code of v * scale.
+template <typename OUT> struct Out {
+    static constexpr bool fp8 = false;
+    __device__ static OUT make(float v, float) { return from_float<OUT>(v); }
+};
+template <> struct Out<__nv_fp8_e4m3> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e4m3 make(float v, float s) { return __nv_fp8_e4m3(v * s); }
+};
+template <> struct Out<__nv_fp8_e5m2> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
+};
+
+// x + bias for the VEC columns starting at column c (bias may be unused).
+template <bool BIAS, typename T, int VEC>
+__device__ __forceinline__ float input(const Vec<T, VEC>& a, const T* bias, long long c,
+                                       int j) {
+    return to_float(a.v[j]) + (BIAS ? to_float(bias[c + j]) : 0.f);
+}
+
+template <typename OUT>
+__device__ __forceinline__ void finish_amax(float m, float* amax) {
+    if (Out<OUT>::fp8) {
+        m = block_max(m);
+        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    }
+}
+
 #define GRID_STRIDE(i, n) \
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < (n); \
          i += (long long)VEC * gridDim.x * blockDim.x)
 
 // ---- plain -----------------------------------------------------------------------------
-template <typename T, int VEC, int ACT>
-__global__ void act_fwd(const T* __restrict__ x, T* __restrict__ y, long long n) {
+template <typename T, int VEC, int ACT, typename OUT, bool BIAS>
+__global__ void act_fwd(const T* __restrict__ x, const T* __restrict__ bias,
+                        OUT* __restrict__ y, long long n, int ncols,
+                        const float* __restrict__ scale, float* __restrict__ amax) {
+    const float s = Out<OUT>::fp8 ? scale[0] : 1.f;
+    float m = 0.f;
     GRID_STRIDE(i, n) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i);
-        Vec<T, VEC> out;
+        Vec<OUT, VEC> out;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(act<ACT>(to_float(a.v[j])));
+        for (int j = 0; j < VEC; ++j) {
+            const float v = act<ACT>(input<BIAS>(a, bias, i % ncols, j));
+            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v));
+            out.v[j] = Out<OUT>::make(v, s);
+        }
         store_vec<VEC>(y + i, out);
     }
+    finish_amax<OUT>(m, amax);
 }
 
-template <typename T, int VEC, int ACT>
+template <typename T, int VEC, int ACT, bool BIAS>
 __global__ void act_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                        T* __restrict__ dx, long long n) {
+                        const T* __restrict__ bias, T* __restrict__ dx, long long n,
+                        int ncols) {
     GRID_STRIDE(i, n) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i), d = load_vec<VEC>(dy + i);
         Vec<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
-            out.v[j] = from_float<T>(to_float(d.v[j]) * dact<ACT>(to_float(a.v[j])));
+            out.v[j] = from_float<T>(to_float(d.v[j]) *
+                                     dact<ACT>(input<BIAS>(a, bias, i % ncols, j)));
         store_vec<VEC>(dx + i, out);
     }
 }
 
 // ---- gated -----------------------------------------------------------------------------
-template <typename T, int VEC, int ACT>
-__global__ void gated_fwd(const T* __restrict__ x, T* __restrict__ y, long long rows, int n) {
+template <typename T, int VEC, int ACT, typename OUT, bool BIAS>
+__global__ void gated_fwd(const T* __restrict__ x, const T* __restrict__ bias,
+                          OUT* __restrict__ y, long long rows, int n,
+                          const float* __restrict__ scale, float* __restrict__ amax) {
+    const float s = Out<OUT>::fp8 ? scale[0] : 1.f;
+    float m = 0.f;
     GRID_STRIDE(i, rows * n) {
         const long long r = i / n, c = i - r * n;
         const Vec<T, VEC> a = load_vec<VEC>(x + r * 2 * n + c);
         const Vec<T, VEC> b = load_vec<VEC>(x + r * 2 * n + n + c);
-        Vec<T, VEC> out;
+        Vec<OUT, VEC> out;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            out.v[j] = from_float<T>(act<ACT>(to_float(a.v[j])) * to_float(b.v[j]));
+        for (int j = 0; j < VEC; ++j) {
+            const float v = act<ACT>(input<BIAS>(a, bias, c, j)) * input<BIAS>(b, bias, n + c, j);
+            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v));
+            out.v[j] = Out<OUT>::make(v, s);
+        }
         store_vec<VEC>(y + i, out);
     }
+    finish_amax<OUT>(m, amax);
 }
 
-template <typename T, int VEC, int ACT>
+template <typename T, int VEC, int ACT, bool BIAS>
 __global__ void gated_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                          T* __restrict__ dx, long long rows, int n) {
+                          const T* __restrict__ bias, T* __restrict__ dx, long long rows,
+                          int n) {
     GRID_STRIDE(i, rows * n) {
         const long long r = i / n, c = i - r * n;
         const Vec<T, VEC> a = load_vec<VEC>(x + r * 2 * n + c);
@@ -82,11 +136,35 @@ __global__ void gated_bwd(const T* __restrict__ dy, const T* __restrict__ x,
         Vec<T, VEC> da, db;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float af = to_float(a.v[j]), g = to_float(d.v[j]);
-            da.v[j] = from_float<T>(g * to_float(b.v[j]) * dact<ACT>(af));
+            const float af = input<BIAS>(a, bias, c, j), g = to_float(d.v[j]);
+            da.v[j] = from_float<T>(g * input<BIAS>(b, bias, n + c, j) * dact<ACT>(af));
             db.v[j] = from_float<T>(g * act<ACT>(af));
         }
         store_vec<VEC>(dx + r * 2 * n + c, da);
         store_vec<VEC>(dx + r * 2 * n + n + c, db);
+    }
+}
+
+// ---- column sums (dbias) -----------------------------------------------------------------
+// out[s, c] = sum of x[r, c] over the rows r of split s (rows_per_split each). Launch:
+// blocks of (32, 8) threads, grid (ceil(ncols / 32), splits); rows of threads stride the
+// rows and meet in shared memory.
+template <typename T, typename OUTT>
+__global__ void col_sum(const T* __restrict__ x, OUTT* __restrict__ out, long long rows,
+                        int ncols, long long rows_per_split) {
+    __shared__ float acc[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const long long r0 = blockIdx.y * rows_per_split;
+    const long long r1 = r0 + rows_per_split < rows ? r0 + rows_per_split : rows;
+    float a = 0.f;
+    if (c < ncols)
+        for (long long r = r0 + threadIdx.y; r < r1; r += 8) a += to_float(x[r * ncols + c]);
+    acc[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < ncols) {
+        float t = 0.f;
+#pragma unroll
+        for (int y = 0; y < 8; ++y) t += acc[y][threadIdx.x];
+        out[(long long)blockIdx.y * ncols + c] = from_float<OUTT>(t);
     }
 }

@@ -67,11 +67,11 @@ def test_plugins_env(monkeypatch):
     mod = types.ModuleType("tecupy_demo_plugin")
 
     def load():
-        backends.register("relu_fwd", "demo", priority=99)(lambda x: np.full_like(x, 7.0))
+        backends.register("relu_fwd", "demo", priority=99)(lambda x, *a: np.full_like(x, 7.0))
     mod.load = load
     monkeypatch.setitem(sys.modules, "tecupy_demo_plugin", mod)
     exec("import tecupy.backends as b\nb.register('relu_fwd', 'demo', priority=99)"
-         "(lambda x: x * 0 + 7)", mod.__dict__)
+         "(lambda x, *a: x * 0 + 7)", mod.__dict__)
     monkeypatch.setenv("TECUPY_PLUGINS", "tecupy_demo_plugin")
     monkeypatch.setattr(backends, "_plugins_loaded", False)
     try:

@@ -1,25 +1,56 @@
-"""CUDA activations (plain and gated), forward and backward, against the float64 reference."""
+"""CUDA activations (plain and gated, with and without bias, FP8 output), forward and
+backward, against the float64 reference."""
 import numpy as np
 import pytest
 
 import tecupy
-from conftest import assert_within_2x_reference, f64, run
+from tecupy.fp8 import E4M3
+from conftest import asnp, assert_within_2x_reference, f64, run
 
 pytestmark = pytest.mark.gpu
+NAMES = ["gelu", "relu", "swiglu", "geglu"]
+DTYPES = [np.float32, np.float16, tecupy.bfloat16]
 
 
-@pytest.mark.parametrize("name", ["gelu", "relu", "swiglu", "geglu"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16],
-                         ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(1, 2), (37, 1002), (257, 4096), (3, 5, 7, 18)], ids=str)
-def test_activation(rng, name, dtype, shape):
+def inputs(rng, name, dtype, shape, with_bias):
     x = (rng.standard_normal(shape) * 3).astype(dtype)
     gated = name in ("swiglu", "geglu")
     out_shape = shape[:-1] + (shape[-1] // 2,) if gated else shape
-    dy = rng.standard_normal(out_shape).astype(dtype)
-    got = run(f"{name}_fwd", [x], True)
-    assert_within_2x_reference(got, run(f"{name}_fwd", f64([x]), False),
-                               run(f"{name}_fwd", [x], False), f"{name} fwd")
-    gotb = run(f"{name}_bwd", [dy, x], True)
-    assert_within_2x_reference(gotb, run(f"{name}_bwd", f64([dy, x]), False),
-                               run(f"{name}_bwd", [dy, x], False), f"{name} bwd", atol=1e-5)
+    bias = rng.standard_normal(shape[-1]).astype(dtype) if with_bias else None
+    return x, bias, rng.standard_normal(out_shape).astype(dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 2), (37, 1002), (257, 4096), (3, 5, 7, 18)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_activation(rng, name, dtype, shape, with_bias):
+    x, bias, dy = inputs(rng, name, dtype, shape, with_bias)
+    got = run(f"{name}_fwd", [x, bias], True)
+    assert_within_2x_reference(got, run(f"{name}_fwd", f64([x, bias]), False),
+                               run(f"{name}_fwd", [x, bias], False), f"{name} fwd")
+    dx, db = run(f"{name}_bwd", [dy, x, bias], True)
+    want = run(f"{name}_bwd", f64([dy, x, bias]), False)
+    lp = run(f"{name}_bwd", [dy, x, bias], False)
+    assert_within_2x_reference(dx, want[0], lp[0], f"{name} bwd", atol=1e-5)
+    if with_bias:  # summed from the rounded dx: the dtype's own tolerance
+        tol = {np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1.6e-2)
+        np.testing.assert_allclose(asnp(db).astype(np.float64), want[1], rtol=tol,
+                                   atol=tol * np.abs(want[1]).max())
+    else:
+        assert db is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_activation_fp8_output(rng, name, dtype):
+    x, bias, _ = inputs(rng, name, dtype, (129, 1024), True)
+    scale = np.array([rng.uniform(1, 20)], np.float32)
+    q, amax = run(f"{name}_fwd", [x, bias, scale, E4M3], True)
+    q_ref, amax_ref = run(f"{name}_fwd", [x, bias, scale, E4M3], False)
+    table = np.arange(256, dtype=np.uint8).view(E4M3.ml_dtype).astype(np.float32)
+    g, w = table[asnp(q)], table[asnp(q_ref)]
+    differ = g != w  # float32 activations may land on either side of a rounding boundary
+    assert differ.mean() < 0.01
+    assert np.all(np.abs(g - w)[differ] <= np.maximum(np.abs(w), 2.0 ** -9)[differ] / 8 * 1.01)
+    np.testing.assert_allclose(asnp(amax), amax_ref, rtol=1e-5)

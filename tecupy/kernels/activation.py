@@ -1,73 +1,111 @@
-"""CUDA gelu / relu / swiglu / geglu, forward and backward: cuda/act.cu."""
+"""CUDA gelu / relu / swiglu / geglu, forward and backward, with an optional bias and an
+optional FP8 output: cuda/act.cu."""
 import itertools
 
 import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, LOW_PRECISION, grid_1d, vec_width
+from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, grid_1d, vec_width
 
 FILE = "act.cu"
 ACT_ID = {"gelu": 0, "relu": 1, "swiglu": 2, "geglu": 0}  # gated ones: silu / gelu of a
-_TYPES = [CTYPE[d] for d in LOW_PRECISION]
-loader.declare(FILE, [f"{k}<{t}, {v}, {a}>" for k, t, v, a in itertools.product(
-    ("act_fwd", "act_bwd", "gated_fwd", "gated_bwd"), _TYPES, (1, 4, 8), (0, 1, 2))
-    if not (t == "float" and v == 8)])
+_VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
+_B = ("false", "true")
+
+
+def _names():
+    for t, a, bias in itertools.product(_VECS, (0, 1, 2), _B):
+        for v in _VECS[t]:
+            for out in (t,) + (tuple(FP8TYPE.values()) if v > 1 else ()):
+                yield from (f"act_fwd<{t}, {v}, {a}, {out}, {bias}>",
+                            f"gated_fwd<{t}, {v}, {a}, {out}, {bias}>")
+            yield from (f"act_bwd<{t}, {v}, {a}, {bias}>", f"gated_bwd<{t}, {v}, {a}, {bias}>")
+    for t in _VECS:
+        yield f"col_sum<{t}, float>"
+
+
+loader.declare(FILE, list(_names()))
 
 
 def supported(x, *args):
     return is_cupy(x) and x.dtype in LOW_PRECISION
 
 
-def _launch(kernel_name, name, n_last, total, args, dtype):
-    vec = vec_width(dtype, n_last)
-    k = loader.function(FILE, f"{kernel_name}<{CTYPE[dtype]}, {vec}, {ACT_ID[name]}>")
-    if total:
-        k((grid_1d(total, vec),), (256,), args)
+def supported_fwd(x, bias=None, scale=None, fmt=None):
+    """FP8 output only on the vectorized path (the output's last axis a multiple of 16
+    bytes of x; the gated halves then are too)."""
+    return supported(x) and (fmt is None or vec_width(x.dtype, x.shape[-1] // 2) > 1)
 
 
-def _plain(name):
-    @backends.register(f"{name}_fwd", "cuda", supports=supported)
-    def fwd(x):
-        import cupy
-        x = cupy.ascontiguousarray(x)
-        y = cupy.empty_like(x)
-        _launch("act_fwd", name, x.size, x.size, (x, y, np.int64(x.size)), x.dtype)
-        return y
-
-    @backends.register(f"{name}_bwd", "cuda", supports=supported)
-    def bwd(dy, x):
-        import cupy
-        dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
-        dx = cupy.empty_like(x)
-        _launch("act_bwd", name, x.size, x.size, (dy, x, dx, np.int64(x.size)), x.dtype)
-        return dx
+def _kernel(prefix, name, x, vec, out=None, bias=None):
+    types = f"{CTYPE[x.dtype]}, {vec}, {ACT_ID[name]}"
+    if out is not None:
+        types += f", {out}"
+    return loader.function(FILE, f"{prefix}<{types}, {cbool(bias is not None)}>")
 
 
-def _gated(name):
-    @backends.register(f"{name}_fwd", "cuda", supports=supported)
-    def fwd(x):
-        import cupy
-        x = cupy.ascontiguousarray(x)
-        n = x.shape[-1] // 2
-        rows = x.size // max(2 * n, 1)
-        y = cupy.empty(x.shape[:-1] + (n,), x.dtype)
-        _launch("gated_fwd", name, n, rows * n, (x, y, np.int64(rows), np.int32(n)), x.dtype)
-        return y
+def dbias(dx2):
+    """Column sums of dx2 [rows, ncols] in float32: per-split partials, then their sum."""
+    import cupy
+    rows, ncols = dx2.shape
+    splits = int(max(1, min(64, rows // 256)))
+    per = -(-rows // splits)
+    part = cupy.empty((splits, ncols), np.float32)
+    k = loader.function(FILE, f"col_sum<{CTYPE[dx2.dtype]}, float>")
+    k((-(-ncols // 32), splits), (32, 8), (dx2, part, np.int64(rows), np.int32(ncols),
+      np.int64(per)))
+    out = cupy.empty((1, ncols), np.float32)
+    k = loader.function(FILE, "col_sum<float, float>")
+    k((-(-ncols // 32), 1), (32, 8), (part, out, np.int64(splits), np.int32(ncols),
+      np.int64(splits)))
+    return out[0]
 
-    @backends.register(f"{name}_bwd", "cuda", supports=supported)
-    def bwd(dy, x):
-        import cupy
-        dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
-        n = x.shape[-1] // 2
-        rows = x.size // max(2 * n, 1)
-        dx = cupy.empty_like(x)
-        _launch("gated_bwd", name, n, rows * n, (dy, x, dx, np.int64(rows), np.int32(n)),
-                x.dtype)
-        return dx
+
+def _fwd(name, gated, x, bias, scale, fmt):
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    n = x.shape[-1] // 2 if gated else x.shape[-1]
+    rows = x.size // max(x.shape[-1], 1)
+    y = cupy.empty(x.shape[:-1] + (n,), np.uint8 if fmt else x.dtype)
+    amax = cupy.zeros((1,), np.float32)
+    vec = vec_width(x.dtype, n)
+    k = _kernel("gated_fwd" if gated else "act_fwd", name, x, vec,
+                FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype], bias)
+    b = x if bias is None else cupy.ascontiguousarray(bias)
+    s = amax if scale is None else scale
+    if rows * n:
+        shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
+        k((grid_1d(rows * n, vec),), (256,), (x, b, y) + shape + (s, amax))
+    return (y, amax) if fmt else y
+
+
+def _bwd(name, gated, dy, x, bias):
+    import cupy
+    dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
+    n = x.shape[-1] // 2 if gated else x.shape[-1]
+    rows = x.size // max(x.shape[-1], 1)
+    dx = cupy.empty_like(x)
+    vec = vec_width(x.dtype, n)
+    k = _kernel("gated_bwd" if gated else "act_bwd", name, x, vec, bias=bias)
+    b = x if bias is None else cupy.ascontiguousarray(bias)
+    if rows * n:
+        shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
+        k((grid_1d(rows * n, vec),), (256,), (dy, x, b, dx) + shape)
+    if bias is None:
+        return dx, None
+    db = dbias(dx.reshape(rows, x.shape[-1])) if rows else cupy.zeros(bias.shape, np.float32)
+    return dx, db.astype(bias.dtype)
+
+
+def _register(name, gated):
+    backends.register(f"{name}_fwd", "cuda", supports=supported_fwd)(
+        lambda x, bias=None, scale=None, fmt=None: _fwd(name, gated, x, bias, scale, fmt))
+    backends.register(f"{name}_bwd", "cuda", supports=supported)(
+        lambda dy, x, bias=None: _bwd(name, gated, dy, x, bias))
 
 
 for _name in ("gelu", "relu"):
-    _plain(_name)
+    _register(_name, False)
 for _name in ("swiglu", "geglu"):
-    _gated(_name)
+    _register(_name, True)

@@ -11,7 +11,7 @@ from .._array import array_module, check_float, check_shape
 from ..autocast import active_recipe, use_state
 from ..fp8 import FP8Tensor
 from ..tape import record
-from .activation import ACTIVATIONS, GATED, activation as apply_activation
+from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
 from .linear import check_fp8_dims, fp8_gemm, fp8_linear_backward, linear
 from .normalization import NORMALIZATIONS, normalize
 
@@ -101,12 +101,42 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
                          f"got {tuple(fc2_weight.shape)}")
     if fp8_state is not None and fp8_state.num_gemms < 2:
         raise ValueError("layernorm_mlp: fp8_state must hold 2 GEMMs (FP8State(num_gemms=2))")
+    # fc1's bias is added inside the activation's pass, not by the GEMM
     if return_layernorm_output:
         ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-        h = linear(ln_out, fc1_weight, fc1_bias, fp8_state=fp8_state, gemm_index=0)
+        h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0)
     else:
-        h = _norm_then_linear(x, ln_weight, ln_bias, fc1_weight, fc1_bias, eps,
+        h = _norm_then_linear(x, ln_weight, ln_bias, fc1_weight, None, eps,
                               zero_centered_gamma, normalization, fp8_state, gemm=0)
-    y = linear(apply_activation(h, activation), fc2_weight, fc2_bias, fp8_state=fp8_state,
-               gemm_index=1)
+    y = _act_then_linear(h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state)
     return (y, ln_out) if return_layernorm_output else y
+
+
+def _act_then_linear(h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
+    """linear(act(h + fc1_bias)); under delayed-scaling FP8 with a state, the activation
+    writes its output straight to FP8 for fc2 and this records one node for both."""
+    xp = array_module("layernorm_mlp", h=h, fc2_weight=fc2_weight)
+    state = use_state(fp8_state, xp) if active_recipe() is not None else None
+    if state is None:
+        a = apply_activation(h, activation, bias=fc1_bias)
+        return linear(a, fc2_weight, fc2_bias, fp8_state=fp8_state, gemm_index=1)
+    check_activation(activation, h, fc1_bias)
+    fmt = active_recipe().fp8_format
+    n, k = fc2_weight.shape
+    m = h.size // h.shape[-1]
+    check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
+    h2 = h.reshape(m, h.shape[-1])
+    scale, amax_out = state.fwd_slot(1, "input")
+    q, amax = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, scale, fmt.fwd)
+    xp.maximum(amax_out, amax, out=amax_out)
+    qa = FP8Tensor(q, fmt.fwd, (1.0 / scale).astype(np.float32))
+    qw = state.quantize_fwd(fc2_weight, 1, "weight", transpose=True)
+    y = fp8_gemm(qa, qw, h.dtype, fc2_bias).reshape(h.shape[:-1] + (n,))
+
+    def backward(dy):
+        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa, qw, fc2_bias, state, fmt, 1,
+                                          h.dtype)
+        dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
+        return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype), db2
+    record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,), fp8_states=(state,))
+    return y

@@ -3,9 +3,14 @@
 gelu: tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 Gated (input [..., 2n]: a = first half, b = second half): swiglu = silu(a) * b,
 geglu = gelu(a) * b.
+Optional: a bias over the last axis added to the input (its gradient, dbias, comes back from
+the backward), and an FP8 output (the codes of y * scale with amax of y) for the next GEMM.
 """
+import numpy as np
+
 from .. import backends
 from .._array import compute_dtype, xp_of
+from .fp8 import cast_to_fp8
 
 _K0, _K1 = 0.7978845608028654, 0.044715  # sqrt(2/pi), the cubic coefficient
 
@@ -40,32 +45,49 @@ _PLAIN = {"gelu": (_gelu, _dgelu), "relu": (_relu, _drelu)}
 _GATED = {"swiglu": (_silu, _dsilu), "geglu": (_gelu, _dgelu)}
 
 
+def _input(x, bias, ct):
+    xf = x.astype(ct)
+    return xf if bias is None else xf + bias.astype(ct)
+
+
+def _output(y, dtype, scale, fmt):
+    """y in `dtype`, or (FP8 codes of y * scale, amax of y) when `fmt` is given."""
+    return y.astype(dtype) if fmt is None else cast_to_fp8(y.astype(np.float32), scale, fmt)
+
+
+def _dbias(dxf, bias):
+    return None if bias is None else dxf.sum(axis=tuple(range(dxf.ndim - 1))).astype(bias.dtype)
+
+
 def _plain(name, f, df):
     @backends.register(f"{name}_fwd", "reference")
-    def fwd(x):
+    def fwd(x, bias=None, scale=None, fmt=None):
         xp = xp_of(x)
-        return f(x.astype(compute_dtype(x.dtype)), xp).astype(x.dtype)
+        return _output(f(_input(x, bias, compute_dtype(x.dtype)), xp), x.dtype, scale, fmt)
 
     @backends.register(f"{name}_bwd", "reference")
-    def bwd(dy, x):
+    def bwd(dy, x, bias=None):
+        """-> (dx, dbias or None); dbias sums the float dx over the rows."""
         xp, ct = xp_of(x), compute_dtype(x.dtype)
-        return (dy.astype(ct) * df(x.astype(ct), xp)).astype(x.dtype)
+        dxf = dy.astype(ct) * df(_input(x, bias, ct), xp)
+        return dxf.astype(x.dtype), _dbias(dxf, bias)
     return fwd, bwd
 
 
 def _gated(name, f, df):
     @backends.register(f"{name}_fwd", "reference")
-    def fwd(x):
-        xp, ct = xp_of(x), compute_dtype(x.dtype)
-        a, b = xp.split(x.astype(ct), 2, axis=-1)
-        return (f(a, xp) * b).astype(x.dtype)
+    def fwd(x, bias=None, scale=None, fmt=None):
+        xp = xp_of(x)
+        a, b = xp.split(_input(x, bias, compute_dtype(x.dtype)), 2, axis=-1)
+        return _output(f(a, xp) * b, x.dtype, scale, fmt)
 
     @backends.register(f"{name}_bwd", "reference")
-    def bwd(dy, x):
+    def bwd(dy, x, bias=None):
         xp, ct = xp_of(x), compute_dtype(x.dtype)
-        a, b = xp.split(x.astype(ct), 2, axis=-1)
+        a, b = xp.split(_input(x, bias, ct), 2, axis=-1)
         dyf = dy.astype(ct)
-        return xp.concatenate([dyf * b * df(a, xp), dyf * f(a, xp)], axis=-1).astype(x.dtype)
+        dxf = xp.concatenate([dyf * b * df(a, xp), dyf * f(a, xp)], axis=-1)
+        return dxf.astype(x.dtype), _dbias(dxf, bias)
     return fwd, bwd
 
 
