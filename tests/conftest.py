@@ -81,3 +81,10 @@ def f64(args):
     from tecupy._array import FLOAT_DTYPES
     return [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype in FLOAT_DTYPES
             else a for a in args]
+
+
+def fp8_step(values, fmt):
+    """The spacing of FP8 values around `values` (the subnormal spacing below the smallest
+    normal): two casts of nearly equal floats may differ by one step."""
+    v = np.maximum(np.abs(values), 2.0 ** (1 - fmt.bias))
+    return 2.0 ** (np.floor(np.log2(v)) - fmt.mbits)
