@@ -73,6 +73,21 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
     return make_float2(warp_sum(p.x), warp_sum(p.y));
 }
 
+// Four sums at once; valid in every thread.
+__device__ __forceinline__ float4 block_sum4(float a, float b, float c, float d) {
+    __shared__ float4 partial4[32];
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+    d = warp_sum(d);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) partial4[warp] = make_float4(a, b, c, d);
+    __syncthreads();
+    const float4 p = (lane < (blockDim.x >> 5)) ? partial4[lane] : make_float4(0, 0, 0, 0);
+    return make_float4(warp_sum(p.x), warp_sum(p.y), warp_sum(p.z), warp_sum(p.w));
+}
+
 // ---- vectors: VEC elements of T moved as one load/store (16 bytes when VEC*sizeof(T)=16)
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
 

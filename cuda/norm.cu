@@ -166,16 +166,18 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 }
 
 // ---- backward --------------------------------------------------------------------------
-// Registers hold the dgamma/dbeta sums and the packed x, dy of this row and the next; xhat
-// and dxhat are recomputed in the second pass and gamma re-read (an L1 hit), which keeps
-// the kernel free of spills at CHUNKS * VEC = 16.
+// Each iteration takes ROWS rows at once (rows r, r + 1, ...): their loads are in flight
+// together and one barrier pair reduces all their sums. Registers hold the dgamma/dbeta
+// sums and the packed x, dy; xhat and dxhat are recomputed in the second pass and gamma
+// re-read (an L1 hit), which keeps the kernel free of spills at CHUNKS * VEC = 16.
 #define SLOT(i, j) ((j) * (hidden / VEC) + (i) / VEC)
 
-template <typename T, int VEC, int CHUNKS, bool RMS, bool ACC_SMEM>
+template <typename T, int VEC, int CHUNKS, bool RMS, bool ACC_SMEM, int ROWS>
 __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
          float* __restrict__ part, long long rows, int hidden, int zero_centered) {
+    static_assert(ROWS == 1 || ROWS == 2, "one reduction takes the sums of at most 2 rows");
     // dgamma/dbeta sums of this block's rows: registers, or (ACC_SMEM) shared memory
     // [2 hidden], which frees registers for more resident rows. Each thread owns its columns;
     // in shared memory column i + j sits at j * (hidden / VEC) + i / VEC, so the lanes of a
@@ -190,52 +192,72 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
             if (ACC_SMEM && i < hidden) acc[SLOT(i, j)] = acc[hidden + SLOT(i, j)] = 0.f;
             if (!ACC_SMEM) dg[k][j] = db[k][j] = 0.f;
         }
-    Vec<T, VEC> nx[CHUNKS], nd[CHUNKS];
-    if (blockIdx.x < rows) {
-        load_row(nx, x + blockIdx.x * (long long)hidden, hidden);
-        load_row(nd, dy + blockIdx.x * (long long)hidden, hidden);
-    }
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
-        Vec<T, VEC> cx[CHUNKS], cd[CHUNKS];
-        float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat * xhat
+    for (long long row0 = blockIdx.x * (long long)ROWS; row0 < rows;
+         row0 += (long long)gridDim.x * ROWS) {
+        Vec<T, VEC> cx[ROWS][CHUNKS], cd[ROWS][CHUNKS];
+        float m[ROWS], rs[ROWS], s1[ROWS], s2[ROWS];  // s1 = sum dxhat, s2 = sum dxhat xhat
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q) {
+            const bool ok = row0 + q < rows;
+            m[q] = (RMS || !ok) ? 0.f : mu[row0 + q];
+            rs[q] = ok ? rsigma[row0 + q] : 0.f;
+            s1[q] = s2[q] = 0.f;
+            if (ok) {
+                load_row(cx[q], x + (row0 + q) * hidden, hidden);
+                load_row(cd[q], dy + (row0 + q) * hidden, hidden);
+            }
+        }
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
-            cx[k] = nx[k];
-            cd[k] = nd[k];
             const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float dyf = to_float(cd[k].v[j]), xh = (to_float(cx[k].v[j]) - m) * rs;
-                const float dxh = dyf * (to_float(gv.v[j]) + zc);
-                s1 += dxh;
-                s2 += dxh * xh;
-                if (ACC_SMEM) {
-                    acc[SLOT(i, j)] += dyf * xh;
-                    acc[hidden + SLOT(i, j)] += dyf;
-                } else {
-                    dg[k][j] += dyf * xh;
-                    db[k][j] += dyf;
+            for (int q = 0; q < ROWS; ++q) {
+                if (row0 + q >= rows) continue;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float dyf = to_float(cd[q][k].v[j]);
+                    const float xh = (to_float(cx[q][k].v[j]) - m[q]) * rs[q];
+                    const float dxh = dyf * (to_float(gv.v[j]) + zc);
+                    s1[q] += dxh;
+                    s2[q] += dxh * xh;
+                    if (ACC_SMEM) {
+                        acc[SLOT(i, j)] += dyf * xh;
+                        acc[hidden + SLOT(i, j)] += dyf;
+                    } else {
+                        dg[k][j] += dyf * xh;
+                        db[k][j] += dyf;
+                    }
                 }
             }
         }
-        if (row + gridDim.x < rows) {
-            load_row(nx, x + (row + gridDim.x) * hidden, hidden);
-            load_row(nd, dy + (row + gridDim.x) * hidden, hidden);
+        float mean1[ROWS], mean2[ROWS];
+        if (ROWS == 1) {
+            const float2 s = block_sum2(s1[0], s2[0]);
+            mean1[0] = s.x / hidden;
+            mean2[0] = s.y / hidden;
+        } else {
+            const float4 s = block_sum4(s1[0], s2[0], s1[ROWS - 1], s2[ROWS - 1]);
+            mean1[0] = s.x / hidden;
+            mean2[0] = s.y / hidden;
+            mean1[ROWS - 1] = s.z / hidden;
+            mean2[ROWS - 1] = s.w / hidden;
         }
-        const float2 s = block_sum2(s1, s2);
-        const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
             const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
-            Vec<T, VEC> out;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float xh = (to_float(cx[k].v[j]) - m) * rs;
-                const float dxh = to_float(cd[k].v[j]) * (to_float(gv.v[j]) + zc);
-                out.v[j] = from_float<T>(rs * (dxh - mean1 - xh * mean2));
+            for (int q = 0; q < ROWS; ++q) {
+                if (row0 + q >= rows) continue;
+                Vec<T, VEC> out;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float xh = (to_float(cx[q][k].v[j]) - m[q]) * rs[q];
+                    const float dxh = to_float(cd[q][k].v[j]) * (to_float(gv.v[j]) + zc);
+                    out.v[j] = from_float<T>(rs[q] * (dxh - (RMS ? 0.f : mean1[q])
+                                                      - xh * mean2[q]));
+                }
+                store_vec<VEC>(dx + (row0 + q) * hidden + i, out);
             }
-            store_vec<VEC>(dx + row * hidden + i, out);
         }
     }
     float* p = part + (long long)blockIdx.x * 2 * hidden;

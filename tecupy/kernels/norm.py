@@ -24,8 +24,8 @@ def _outs(t, v):
 loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
     ("norm_fwd", CHUNKS), ("norm_fwd_warp", WARP_CHUNKS)) for t, c, r in itertools.product(
     _VECS, cs, _BOOLS) for v in _VECS[t] for o in _outs(t, v)]
-    + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}>" for t, c, r, a in itertools.product(
-        _VECS, CHUNKS, _BOOLS, _BOOLS) for v in _VECS[t]]
+    + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}, {q}>" for t, c, r, a, q in itertools.product(
+        _VECS, CHUNKS, _BOOLS, _BOOLS, (1, 2)) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
 
@@ -34,6 +34,7 @@ THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
 FWD_THREADS_PER_SM, BWD_THREADS_PER_SM = 2048, 512  # resident threads the grid aims at
 BWD_ACC_SMEM = False     # True: dgamma/dbeta sums in shared memory (slower, PERFLOG.md)
 MAX_ACC_SMEM = 192 << 10
+BWD_ROWS = 2  # rows per backward iteration (loads of both in flight, one barrier pair)
 
 
 def supported(x, *args, **kwargs):
@@ -111,8 +112,9 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     # Sums in shared memory when asked, or when 4+ chunks per thread would spill registers.
     use_smem = (BWD_ACC_SMEM or chunks > 2) and 8 * hidden <= MAX_ACC_SMEM
     smem = 8 * hidden if use_smem else 0
+    rows_at_once = BWD_ROWS if chunks <= 2 else 1  # more chunks: registers are full
     k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}, "
-                              f"{cbool(smem)}>")
+                              f"{cbool(smem)}, {rows_at_once}>")
     if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
     k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
