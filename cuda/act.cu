@@ -32,20 +32,6 @@ template <int ACT> __device__ __forceinline__ float dact(float x) {
     return s * (1.f + x * (1.f - s));
 }
 
-// Output element: T, or the FP8 code of v * scale.
-template <typename OUT> struct Out {
-    static constexpr bool fp8 = false;
-    __device__ static OUT make(float v, float) { return from_float<OUT>(v); }
-};
-template <> struct Out<__nv_fp8_e4m3> {
-    static constexpr bool fp8 = true;
-    __device__ static __nv_fp8_e4m3 make(float v, float s) { return __nv_fp8_e4m3(v * s); }
-};
-template <> struct Out<__nv_fp8_e5m2> {
-    static constexpr bool fp8 = true;
-    __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
-};
-
 // x + bias for the VEC columns starting at column c (bias may be unused).
 template <bool BIAS, typename T, int VEC>
 __device__ __forceinline__ float input(const Vec<T, VEC>& a, const T* bias, long long c,

@@ -20,6 +20,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) {
     return __float2bfloat16_rn(v);
 }
 
+// Output element of kernels with an optional fused FP8 cast: T itself, or (OUT =
+// __nv_fp8_e4m3 / __nv_fp8_e5m2) the FP8 code of v * scale, in which case the kernel also
+// reduces amax = max |v| into amax[0].
+template <typename OUT> struct Out {
+    static constexpr bool fp8 = false;
+    __device__ static OUT make(float v, float) { return from_float<OUT>(v); }
+};
+template <> struct Out<__nv_fp8_e4m3> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e4m3 make(float v, float s) { return __nv_fp8_e4m3(v * s); }
+};
+template <> struct Out<__nv_fp8_e5m2> {
+    static constexpr bool fp8 = true;
+    __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
+};
+
 // ---- reductions --------------------------------------------------------------------------
 // fmaxf ignores NaN, which is Transformer Engine's amax rule.
 struct MaxOp {

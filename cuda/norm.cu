@@ -25,21 +25,6 @@ __device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, i
     OWNED(k, i) if (i < hidden) r[k] = load_vec<VEC>(p + i);
 }
 
-// Output element: T, or an FP8 code of v * scale (OUT = __nv_fp8_e4m3 / __nv_fp8_e5m2), in
-// which case the kernel also reduces amax = max |v| into amax[0].
-template <typename OUT> struct Out {
-    static constexpr bool fp8 = false;
-    __device__ static OUT make(float v, float) { return from_float<OUT>(v); }
-};
-template <> struct Out<__nv_fp8_e4m3> {
-    static constexpr bool fp8 = true;
-    __device__ static __nv_fp8_e4m3 make(float v, float s) { return __nv_fp8_e4m3(v * s); }
-};
-template <> struct Out<__nv_fp8_e5m2> {
-    static constexpr bool fp8 = true;
-    __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
-};
-
 // ---- forward ---------------------------------------------------------------------------
 template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT>
 __global__ void __launch_bounds__(512)
