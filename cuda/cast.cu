@@ -49,23 +49,22 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // ---- cast + transpose ----------------------------------------------------------------------
 // cast_transpose<T, F8>: the cast above, writing both q [rows, cols] and its transpose
 // qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy). rows % 16 == 0
-// and cols % 8 == 0. Launch: one block of 256 threads per 128 x 128 tile, grid
-// (cols/128, rows/128) rounded up. Read: each thread casts eight 8-wide row chunks and
-// stores the codes to shared memory 8 bytes at a time. Write: thread (g, c) takes rows
-// 16g..16g+15 of columns 4c..4c+3, reads them as 16 words, transposes 4 x 4 byte blocks in
-// registers (__byte_perm) and writes four 16-byte chunks of qt.
+// and cols % 8 == 0. Launch: one block of 256 threads per 128 x 64 tile (rows x cols), grid
+// (cols/64, rows/128) rounded up; each thread casts four 8-wide row chunks (16-byte loads
+// of bf16), the tile's bytes go through shared memory, and each thread writes two 16-byte
+// column chunks of qt.
 template <typename T, typename F8>
 __global__ void __launch_bounds__(256)
 cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
                unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                float* __restrict__ amax, int rows, int cols) {
-    __shared__ __align__(16) unsigned char tile[128][128 + 16];
+    __shared__ unsigned char tile[128][64 + 4];
     const float s = scale[0];
-    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
+    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 64;
     float m = 0.f;
 #pragma unroll
-    for (int h = 0; h < 8; ++h) {
-        const int v = threadIdx.x + h * 256, tr = v >> 4, tc = (v & 15) * 8;
+    for (int h = 0; h < 4; ++h) {
+        const int v = threadIdx.x + h * 256, tr = v >> 3, tc = (v & 7) * 8;
         const int r = r0 + tr, c = c0 + tc;
         if (r < rows && c < cols) {
             const Vec<T, 8> a = load_vec<8>(x + (long long)r * cols + c);
@@ -75,31 +74,21 @@ cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
                 const float f = to_float(a.v[j]);
                 m = fmaxf(m, fabsf(f));
                 out.v[j] = F8(f * s).__x;
+                tile[tr][tc + j] = out.v[j];
             }
             store_vec<8>(q + (long long)r * cols + c, out);
-            store_vec<8>(&tile[tr][tc], out);
         }
     }
     __syncthreads();
-    const int g = threadIdx.x >> 5, cq = threadIdx.x & 31;  // rows 16g.., columns 4cq..
-    unsigned w[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-        w[i] = *reinterpret_cast<const unsigned*>(&tile[16 * g + i][4 * cq]);
+    for (int h = 0; h < 2; ++h) {
+        const int v = threadIdx.x + h * 256, tc = v >> 3, tr = (v & 7) * 16;
+        const int r = r0 + tr, c = c0 + tc;
+        if (r < rows && c < cols) {
+            Vec<unsigned char, 16> out;
 #pragma unroll
-    for (int col = 0; col < 4; ++col) {
-        const int c = c0 + 4 * cq + col, r = r0 + 16 * g;
-        if (c < cols && r < rows) {
-            // byte `col` of rows 4b..4b+3, packed into one word, for b = 0..3
-            uint4 out;
-            unsigned* o = reinterpret_cast<unsigned*>(&out);
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const unsigned lo = __byte_perm(w[4 * b], w[4 * b + 1], col | ((col + 4) << 4));
-                const unsigned hi = __byte_perm(w[4 * b + 2], w[4 * b + 3], col | ((col + 4) << 4));
-                o[b] = __byte_perm(lo, hi, 0x5410);
-            }
-            *reinterpret_cast<uint4*>(qt + (long long)c * rows + r) = out;
+            for (int j = 0; j < 16; ++j) out.v[j] = tile[tr + j][tc];
+            store_vec<16>(qt + (long long)c * rows + r, out);
         }
     }
     m = block_max(m);

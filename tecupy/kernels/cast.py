@@ -55,6 +55,6 @@ def cast_transpose(x, scale, fmt):
     amax = cupy.zeros((1,), np.float32)
     if x.size:
         k = loader.function(FILE, f"cast_transpose<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}>")
-        k(((cols + 127) // 128, (rows + 127) // 128), (256,), (x, scale, q, qt, amax,
+        k(((cols + 63) // 64, (rows + 127) // 128), (256,), (x, scale, q, qt, amax,
           np.int32(rows), np.int32(cols)))
     return q, qt, amax
