@@ -13,13 +13,13 @@ def on_gpu(x, *args, **kwargs):
     return is_cupy(x)
 
 
-def grid_1d(n, per_thread=1, threads=256, max_blocks=132 * 16):
-    """Blocks for a grid-stride loop over n elements: enough to fill the GPU, no more."""
-    return max(1, min(max_blocks, -(-n // (threads * per_thread))))
-
-
 LOW_PRECISION = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)
 _sm_counts = {}
+
+
+def grid_1d(n, per_thread=1, threads=256, blocks_per_sm=16):
+    """Blocks for a grid-stride loop over n elements: enough to fill the GPU, no more."""
+    return max(1, min(sm_count() * blocks_per_sm, -(-n // (threads * per_thread))))
 
 
 def sm_count():
