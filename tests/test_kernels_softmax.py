@@ -10,7 +10,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16],
                          ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 7, 9), (4, 33, 1000), (2, 128, 2048)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 7, 9), (4, 33, 1000), (2, 128, 2048),
+                                   (3, 40, 256), (2, 9, 4096), (2, 5, 6144)], ids=str)
 @pytest.mark.parametrize("masking", ["none", "mask", "causal", "both"])
 def test_softmax(rng, dtype, shape, masking):
     x = (rng.standard_normal(shape) * 4).astype(dtype)
