@@ -18,7 +18,8 @@ _sm_counts = {}
 
 
 def grid_1d(n, per_thread=1, threads=256, blocks_per_sm=16):
-    """Blocks for a grid-stride loop over n elements: enough to fill the GPU, no more."""
+    """Blocks for a grid-stride loop over n items, `threads` items per block each taking
+    `per_thread`: enough to fill the GPU (blocks_per_sm per SM), no more."""
     return max(1, min(sm_count() * blocks_per_sm, -(-n // (threads * per_thread))))
 
 

@@ -46,7 +46,7 @@ def softmax_fwd(x, scale, mask, causal):
     if rows and sk and warp:
         k = loader.function(FILE, f"softmax_fwd_warp<{CTYPE[x.dtype]}, {warp[0]}, {warp[1]}, "
                                   f"{cbool(mask is not None)}>")
-        k((grid_1d(rows, 4, 128, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
+        k((grid_1d(rows, 1, 4, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
           np.int32(sk), np.float32(scale), np.int32(causal)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_fwd<{CTYPE[x.dtype]}, {cbool(mask is not None)}>")
@@ -65,7 +65,7 @@ def softmax_bwd(dy, y, scale):
     warp = _warp_chunks(y.dtype, sk, most=8)
     if rows and sk and warp:
         k = loader.function(FILE, f"softmax_bwd_warp<{CTYPE[y.dtype]}, {warp[0]}, {warp[1]}>")
-        k((grid_1d(rows, 4, 128, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
+        k((grid_1d(rows, 1, 4, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
           np.float32(scale)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_bwd<{CTYPE[y.dtype]}>")
