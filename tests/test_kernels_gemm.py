@@ -1,0 +1,28 @@
+"""cuBLAS high-precision GEMM (the `cuda` gemm) against the float64 reference, within
+Transformer Engine's per-dtype tolerances (cuBLAS rounds the product, then the bias is added)."""
+import numpy as np
+import pytest
+
+import tecupy
+from conftest import asnp, f64, run
+
+pytestmark = pytest.mark.gpu
+TOL = {np.dtype(np.float32): (1.3e-6, 1e-5), np.dtype(np.float16): (1e-3, 1e-5),
+       tecupy.bfloat16: (1.6e-2, 1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm(rng, dtype, trans_b, with_bias):
+    m, k, n = 67, 129, 45
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    bias = rng.standard_normal(n).astype(dtype) if with_bias else None
+    got = run("gemm", [a, b, np.dtype(dtype), bias, trans_b], True)
+    want = run("gemm", f64([a, b]) + [np.dtype(np.float64), f64([bias])[0], trans_b], False)
+    rtol, atol = TOL[np.dtype(dtype)]
+    scale = np.sqrt(k)  # the outputs' magnitude: relative tolerance on that scale
+    np.testing.assert_allclose(asnp(got).astype(np.float64) / scale, want / scale,
+                               rtol=rtol, atol=max(atol, rtol))
