@@ -1,10 +1,10 @@
-"""GEMMs on CuPy arrays through cuBLAS (cupy.matmul) in the inputs' own dtype: tensor cores
-for bf16/fp16 with float32 accumulation, instead of the reference's upcast to float32; and an
-interim FP8 GEMM on bf16 tensor cores until the CUTLASS kernel (issue 4) lands."""
+"""High-precision GEMM on CuPy arrays through cuBLAS (cupy.matmul) in the inputs' own dtype:
+tensor cores for bf16/fp16 with float32 accumulation, instead of the reference's upcast to
+float32. (FP8 GEMMs are issue 4's CUTLASS kernels.)"""
 import numpy as np
 
 from .. import backends
-from .._array import bfloat16, is_cupy
+from .._array import is_cupy
 from .common import LOW_PRECISION
 
 _works = {}  # dtype -> whether cupy.matmul takes it on this install (bf16 support varies)
@@ -34,23 +34,3 @@ def gemm(a, b, out_dtype, bias=None, trans_b=True):
     if bias is not None:
         y += bias
     return y
-
-
-def fp8_supported(a, *args):
-    return is_cupy(a) and _matmul_ok(bfloat16)
-
-
-@backends.register("fp8_gemm", "cuda", supports=fp8_supported)
-def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None):
-    """Interim FP8 GEMM until the CUTLASS kernel (issue 4): FP8 codes decode exactly to
-    bf16, cuBLAS multiplies in bf16 with float32 accumulation (one extra bf16 rounding of
-    the product, ~2^-9 relative, far under FP8's own 2^-4), then the product is scaled by
-    scale_inv_a * scale_inv_b (read on the device) and the bias added in float32."""
-    import cupy
-    one = cupy.ones((1,), np.float32)
-    da = backends.dispatch("fp8_dequantize", a, a_fmt, one, bfloat16)
-    db = backends.dispatch("fp8_dequantize", b, b_fmt, one, bfloat16)
-    y = (da @ db.T).astype(np.float32) * (a_scale_inv * b_scale_inv)
-    if bias is not None:
-        y += bias.astype(np.float32)
-    return y.astype(out_dtype)
