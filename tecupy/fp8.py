@@ -99,6 +99,8 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False):
         data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
     if amax_out is not None:
         xp.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
+    # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
+    # rewrites the state's scales before backward uses this tensor (TE saves them too).
     return FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)
 
 

@@ -195,3 +195,19 @@ def test_fused_mlp_fp8_matches_unfused(xp, rng, activation):
         out.append([asnp(y)] + [asnp(t) for t in grads] + [asnp(st.fwd.scale)])
     for a, c in zip(*out):
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_backward_uses_the_scales_of_its_forward(rng):
+    """The forward update at autocast exit changes the state's scales before backward runs;
+    gradients must still dequantize with the scales the forward cast used."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=6)
+    x, dy = data(np, rng, 16, 32), data(np, rng, 16, 16)
+    r = DelayedScaling(amax_history_len=1)
+    with tecupy.Tape() as tape:
+        with tecupy.fp8_autocast(fp8_recipe=r):
+            y = lin(x)  # first call: scale 1
+    assert np.all(lin.fp8_state.fwd.scale[:2] != 1)  # updated at exit, before backward
+    dx = tape.gradient(y, x, output_grad=dy)
+    qw = tecupy.quantize(lin.weight, 1.0, "e4m3").dequantize()
+    qdy = tecupy.quantize(dy, 1.0, "e5m2").dequantize()
+    np.testing.assert_allclose(dx, qdy @ qw, rtol=1e-5, atol=1e-6)
