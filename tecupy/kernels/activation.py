@@ -5,8 +5,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .._array import is_cupy
-from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, grid_1d, vec_width
+from .common import CTYPE, FP8TYPE, cbool, grid_1d, on_gpu_low_precision, vec_width
 
 FILE = "act.cu"
 ACT_ID = {"gelu": 0, "relu": 1, "swiglu": 2, "geglu": 0}  # gated ones: silu / gelu of a
@@ -28,8 +27,7 @@ def _names():
 loader.declare(FILE, list(_names()))
 
 
-def supported(x, *args):
-    return is_cupy(x) and x.dtype in LOW_PRECISION
+supported = on_gpu_low_precision
 
 
 def supported_fwd(x, bias=None, scale=None, fmt=None):

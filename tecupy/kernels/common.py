@@ -6,6 +6,7 @@ from .._array import bfloat16, is_cupy
 CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
          np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 FP8TYPE = {"e4m3": "__nv_fp8_e4m3", "e5m2": "__nv_fp8_e5m2"}
+LOW_PRECISION = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)
 
 
 def on_gpu(x, *args, **kwargs):
@@ -13,7 +14,11 @@ def on_gpu(x, *args, **kwargs):
     return is_cupy(x)
 
 
-LOW_PRECISION = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)
+def on_gpu_low_precision(x, *args, **kwargs):
+    """supports(): the first argument is a CuPy array of float32, float16 or bfloat16."""
+    return is_cupy(x) and x.dtype in LOW_PRECISION
+
+
 _sm_counts = {}
 
 

@@ -4,8 +4,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .._array import is_cupy
-from .common import CTYPE, LOW_PRECISION, cbool, grid_1d
+from .common import CTYPE, on_gpu_low_precision, LOW_PRECISION, cbool, grid_1d
 
 FILE = "dropout.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -14,8 +13,7 @@ loader.declare(FILE, [f"dropout_fwd<{t}, {v}, {r}>" for t, v, r in itertools.pro
                                            itertools.product(_TYPES, (1, 4))])
 
 
-def supported(x, *args):
-    return is_cupy(x) and x.dtype in LOW_PRECISION
+supported = on_gpu_low_precision
 
 
 def _factor(p):

@@ -2,8 +2,7 @@
 import numpy as np
 
 from .. import backends, loader
-from .._array import is_cupy
-from .common import CTYPE, LOW_PRECISION, cbool, grid_1d, vec_width
+from .common import CTYPE, LOW_PRECISION, cbool, grid_1d, on_gpu_low_precision, vec_width
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -29,7 +28,7 @@ def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
 
 
 def supported(x, *args):
-    return is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim >= 1 and x.shape[-1] < 2**31
+    return on_gpu_low_precision(x) and x.ndim >= 1 and x.shape[-1] < 2**31
 
 
 @backends.register("softmax_fwd", "cuda", supports=supported)
