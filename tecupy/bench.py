@@ -220,12 +220,15 @@ def kernels(args):
 
 def main():
     p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
-    p.add_argument("suite", choices=["kernels"])
+    p.add_argument("suite", choices=["kernels", "gemm", "attention"])
     p.add_argument("--cpu", action="store_true", help="also time the NumPy reference at 8192x4096")
     args = p.parse_args()
     if not tecupy.gpu_available():
         raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
-    {"kernels": kernels}[args.suite](args)
+    if args.suite == "kernels":
+        return kernels(args)
+    import importlib  # the other suites live in their own modules: bench_<suite>.py
+    importlib.import_module(f"tecupy.bench_{args.suite}").run(args)
 
 
 if __name__ == "__main__":
