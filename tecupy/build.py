@@ -12,7 +12,7 @@ from . import loader
 def build(archs, jobs=None):
     """Compile every declared kernel for each arch, `jobs` NVRTC programs at a time;
     returns [(file, arch, seconds of compile time summed over its kernels)]."""
-    work = [(f, n, a) for a in archs for f, names in sorted(loader.declared().items())
+    work = [(f, n, a) for a in archs for f, names in sorted(loader.declared(a).items())
             for n in names]
 
     def one(item):

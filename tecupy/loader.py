@@ -1,8 +1,9 @@
 """The one module that owns NVRTC: kernel sources, include paths, options, the cubin cache
 and error messages.
 
-Sources are `cuda/*.cu` (from a checkout: <repo>/cuda; from an install: tecupy/cuda). Each
-kernel module in tecupy/kernels declares its file and the template instantiations it needs
+Sources are `cuda/*.cu` and `cutlass_templates/*.cu` (from a checkout: <repo>/cuda; from an
+install: tecupy/cuda). Each kernel module in tecupy/kernels declares its file, the template
+instantiations it needs, and optionally the archs it is for and extra NVRTC options
 (`declare`); `function` compiles them once per (file, arch, options) with NVRTC into a cubin
 kept on disk (TECUPY_CACHE_DIR, default ~/.cache/tecupy) and loads it with CuPy.
 Compiling needs no GPU, so `python -m tecupy.build --arch sm_90a` fills the cache ahead of
@@ -17,6 +18,7 @@ import pathlib
 _PKG = pathlib.Path(__file__).resolve().parent
 BASE_OPTIONS = ("-std=c++17",)  # no fast math: denormals and IEEE division as TE
 _declared = {}   # file name -> sorted name expressions
+_file_meta = {}  # file name -> (archs it is built for or None = all, extra NVRTC options)
 _functions = {}  # (file, name, arch, options) -> cupy function
 
 
@@ -24,12 +26,28 @@ class CompileError(RuntimeError):
     pass
 
 
-def cuda_dir():
-    for d in (_PKG / "cuda", _PKG.parent / "cuda"):
+def _source_dir(name):
+    for d in (_PKG / name, _PKG.parent / name):
         if d.is_dir() and any(d.glob("*.cu")):
             return d
-    raise FileNotFoundError(f"tecupy: no cuda/*.cu next to {_PKG} (checkout) or inside it "
+    raise FileNotFoundError(f"tecupy: no {name}/*.cu next to {_PKG} (checkout) or inside it "
                             "(install); the package is incomplete")
+
+
+def cuda_dir():
+    return _source_dir("cuda")
+
+
+def templates_dir():
+    return _source_dir("cutlass_templates")
+
+
+def source_path(file):
+    """cuda/<file>, else cutlass_templates/<file>."""
+    for d in (cuda_dir(), templates_dir()):
+        if (d / file).exists():
+            return d / file
+    raise FileNotFoundError(f"tecupy: {file} is in neither {cuda_dir()} nor {templates_dir()}")
 
 
 def include_dirs():
@@ -64,13 +82,17 @@ def arch_of_device():
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
-def declare(file, name_expressions):
-    """Record the template instantiations a kernel module needs from `file`."""
+def declare(file, name_expressions, archs=None, options=()):
+    """Record the template instantiations a kernel module needs from `file`, the archs the
+    file is for (None: every arch) and extra NVRTC options it needs."""
     _declared[file] = sorted(set(_declared.get(file, ())) | set(name_expressions))
+    _file_meta[file] = (None if archs is None else tuple(archs), tuple(options))
 
 
-def declared():
-    return dict(_declared)
+def declared(arch=None):
+    """file -> name expressions, only files built for `arch` when one is given."""
+    return {f: n for f, n in _declared.items()
+            if arch is None or _file_meta[f][0] is None or arch in _file_meta[f][0]}
 
 
 def cache_dir():
@@ -83,30 +105,32 @@ def cache_dir():
 def _key(file, arch, names, options):
     from cupy.cuda import nvrtc
     h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
-    h.update(_sources_digest())
+    h.update(_sources_digest(source_path(file).parent))
     return h.hexdigest()[:20]
 
 
 _digest = {}
 
 
-def _sources_digest():
-    """Digest of every cuda/*.cu* (a shared header change rebuilds all), by mtime."""
-    files = sorted(cuda_dir().glob("*.cu*"))
+def _sources_digest(folder):
+    """Digest of every *.cu* in the source's folder (a shared header change rebuilds the
+    folder's kernels), recomputed when a file's mtime changes."""
+    files = sorted(folder.glob("*.cu*"))
     stamp = tuple((f.name, f.stat().st_mtime_ns) for f in files)
-    if _digest.get("stamp") != stamp:
+    if _digest.get(folder, (None,))[0] != stamp:
         h = hashlib.sha256()
         for f in files:
             h.update(f.name.encode() + f.read_bytes())
-        _digest.update(stamp=stamp, value=h.digest())
-    return _digest["value"]
+        _digest[folder] = (stamp, h.digest())
+    return _digest[folder][1]
 
 
 def compile_kernel(file, name, arch, options=()):
     """Compile one declared instantiation `name` of cuda/<file> for `arch` (each kernel is
     its own small program, so a first call compiles only what it runs); returns
     (cubin path, lowered name). Cached on disk."""
-    options = BASE_OPTIONS + tuple(options) + (f"-arch={arch}",)
+    options = BASE_OPTIONS + _file_meta.get(file, (None, ()))[1] + tuple(options) + \
+        (f"-arch={arch}",)
     base = cache_dir() / f"{pathlib.Path(file).stem}-{arch}-{_key(file, arch, name, options)}"
     cubin, meta = base.with_suffix(".cubin"), base.with_suffix(".json")
     if cubin.exists() and meta.exists():
@@ -126,7 +150,7 @@ def compile_file(file, arch, options=()):
 
 def _nvrtc(file, names, options):
     from cupy.cuda import nvrtc
-    path = cuda_dir() / file
+    path = source_path(file)
     opts = list(options) + [f"-I{d}" for d in include_dirs()]
     prog = nvrtc.createProgram(path.read_text(), str(path), [], [])
     try:

@@ -25,10 +25,13 @@ def check_fp8_dims(op, m, n, k):
             f"16-byte rows for wgrad's transposed FP8 copies); got M={m}, N={n}, K={k}")
 
 
-def fp8_gemm(qa, qb, out_dtype, bias=None):
-    """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype."""
+def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False):
+    """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype. split_accumulator:
+    accumulate in float32 rather than the tensor cores' faster, shorter accumulator
+    (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad)."""
     return backends.dispatch("fp8_gemm", qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
-                             qb.scale_inv, out_dtype, bias)
+                             qb.scale_inv, out_dtype, bias,
+                             split_accumulator=split_accumulator)
 
 
 def _check(op, x, weight, bias):
@@ -103,6 +106,6 @@ def fp8_linear_backward(dy2, qx, qw, bias, state, fmt, gemm, x_dtype):
     transposed copy), dgrad = dy8 @ w8, wgrad = dy8.T @ x8."""
     qdy = (quantize_current(dy2, fmt.bwd, transpose=True) if state is None
            else state.quantize_bwd(dy2, gemm, "grad_output", transpose=True))
-    dx = fp8_gemm(qdy, qw.T, x_dtype)            # [M, N] x [K, N]^T
-    dw = fp8_gemm(qdy.T, qx.T, x_dtype)          # [N, M] x [K, M]^T
+    dx = fp8_gemm(qdy, qw.T, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
+    dw = fp8_gemm(qdy.T, qx.T, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
     return dx, dw, _dbias(dy2, bias)

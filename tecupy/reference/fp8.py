@@ -66,16 +66,26 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 
 
 @backends.register("fp8_gemm", "reference")
-def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None):
+def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
+             accumulate=False, split_accumulator=False):
     """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
 
     Products of the decoded codes are summed in float32, then multiplied by
-    a_scale_inv * b_scale_inv (read from device memory) and the bias is added."""
+    a_scale_inv * b_scale_inv (read from device memory) and the bias is added. With
+    accumulate, the result is added into `out` (float32, wgrad accumulation) in place.
+    split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
+    use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
     if bias is not None:
         acc = acc + bias.astype(np.float32)
+    if accumulate:
+        out += acc.astype(out.dtype)
+        return out
+    if out is not None:
+        out[...] = acc
+        return out
     return acc.astype(out_dtype)
 
 

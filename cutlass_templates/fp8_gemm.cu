@@ -1,0 +1,204 @@
+// FP8 GEMM for Hopper (sm_90a), built from CuTe/CUTLASS arch-level pieces (TMA copy atoms,
+// transaction barriers, wgmma atoms, register reconfiguration) and compiled by NVRTC.
+//
+//   D[M, N] = alpha * A[M, K] . B[N, K]^T  (+ bias[N])  (+ D when ACCUM),  alpha = *sa * *sb
+//
+// "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
+// alpha and bias are applied in float32 once, in the epilogue; D is rounded once to TOut.
+// Scales are read from device memory (no host sync).
+//
+// Launch: persistent grid (<= one CTA per SM), 384 threads = 3 warpgroups.
+//   warpgroup 0: producer. One thread issues TMA loads of a BM x BK tile of A and a BN x BK
+//                tile of B (128-byte swizzled, zero-filled past M, N, K) into stage s and
+//                arms full[s] with their byte count; it waits on empty[s] before reuse.
+//   warpgroups 1, 2: math. Each owns 64 rows of the BM = 128 row tile, waits on full[s],
+//                runs BK / 32 wgmma m64nBNk32 on it, then lane 0 of each warp arrives on
+//                empty[s]. The accumulator stays in registers (BN / 2 floats per thread).
+// PROMOTE (TE's split accumulator): each k-block of 128 accumulates into a fresh fragment
+// that is added into a float32 total, since Hopper's FP8 wgmma accumulates with fewer bits
+// than float32 (DeepSeek-V3 sec. 3.3); otherwise wgmma accumulates in place ("fast").
+// Tiles are visited in groups of GROUP_M row blocks so that concurrent CTAs share A and B in
+// L2. Dynamic shared memory: STAGES x (BM + BN) x BK bytes + barriers, 1024-byte aligned.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/numeric/integer_sequence.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+namespace tc {
+
+constexpr int BM = 128, BK = 128, THREADS = 384, GROUP_M = 16;
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+using cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x128x32_F32E5M2E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x256x32_F32E5M2E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x128x32_F32E4M3E5M2_SS_TN;
+using cute::SM90::GMMA::MMA_64x256x32_F32E4M3E5M2_SS_TN;
+
+// wgmma shared-memory descriptor of a K-major tile with 128-byte rows, 128B swizzle, as TMA
+// wrote it: 8-row groups 1024 bytes apart (SBO); LBO is unused for this layout.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+    cute::GmmaDescriptor d;
+    d.bitfield.start_address_ = cute::cast_smem_ptr_to_uint(p) >> 4;
+    d.bitfield.leading_byte_offset_ = 1;
+    d.bitfield.stride_byte_offset_ = 1024 >> 4;
+    d.bitfield.base_offset_ = 0;
+    d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+    return d.desc_;
+}
+
+// One wgmma with the accumulator array unpacked into the atom's N / 2 register operands.
+template <class MMA, int N, int... I>
+__device__ __forceinline__ void wgmma(uint64_t da, uint64_t db, float (&d)[N], bool acc,
+                                      cute::integer_sequence<int, I...>) {
+    MMA::fma(da, db, d[I]..., acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <class MMA, int N>
+__device__ __forceinline__ void wgmma(uint64_t da, uint64_t db, float (&d)[N], bool acc) {
+    wgmma<MMA>(da, db, d, acc, cute::make_integer_sequence<int, N>{});
+}
+
+template <int N>
+__device__ __forceinline__ void fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// Tile t -> (row block, column block), row blocks grouped by GROUP_M for L2 reuse.
+__device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb, int& nb) {
+    const int per_group = GROUP_M * num_n, first = (t / per_group) * GROUP_M;
+    const int size = min(num_m - first, GROUP_M), r = t % per_group;
+    mb = first + r % size;
+    nb = r / size;
+}
+
+template <class T> __device__ __forceinline__ void store2(T* p, float a, float b);
+template <> __device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ void store2(__half* p, float a, float b) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ void store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
+// Epilogue of one warpgroup's 64 x BN fragment: thread (warp w, lane l) holds rows 16w + l/4
+// and + 8, columns 8j + 2(l % 4) + {0, 1} (the wgmma accumulator layout).
+template <int BN, class TOut, bool BIAS, bool ACCUM>
+__device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], float alpha,
+                                         const float* __restrict__ bias, TOut* __restrict__ d,
+                                         int M, int N, int row0, int col0) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int r0 = row0 + 16 * warp + lane / 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int c = col0 + 8 * j + 2 * (lane % 4);
+        if (c >= N) continue;  // N is even, so c < N means c + 1 < N too
+        float b0 = 0.f, b1 = 0.f;
+        if (BIAS) { b0 = __ldg(bias + c); b1 = __ldg(bias + c + 1); }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+            if (r >= M) continue;
+            TOut* p = d + (long long)r * N + c;
+            float v0 = alpha * acc[4 * j + 2 * h] + b0, v1 = alpha * acc[4 * j + 2 * h + 1] + b1;
+            if (ACCUM) { const float2 o = *reinterpret_cast<const float2*>(p); v0 += o.x; v1 += o.y; }
+            store2(p, v0, v1);
+        }
+    }
+}
+
+template <int BN, int STAGES>
+__device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
+                                         const cute::TmaDescriptor* tb, uint8_t* sa,
+                                         uint8_t* sb, uint64_t* full, uint64_t* empty,
+                                         int num_m, int num_n, int nk) {
+    const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    int s = 0, phase = 0;
+    for (int t = blockIdx.x; t < num_m * num_n; t += gridDim.x) {
+        int mb, nb;
+        tile_coords(t, num_m, num_n, mb, nb);
+        for (int kb = 0; kb < nk; ++kb) {
+            Barrier::wait(&empty[s], phase ^ 1);
+            Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
+            cute::SM90_TMA_LOAD_2D::copy(ta, &full[s], hint, sa + s * BM * BK, kb * BK, mb * BM);
+            cute::SM90_TMA_LOAD_2D::copy(tb, &full[s], hint, sb + s * BN * BK, kb * BK, nb * BN);
+            if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+    }
+}
+
+template <int BN, int STAGES, class MMA, class TOut, bool BIAS, bool ACCUM, bool PROMOTE>
+__global__ void __launch_bounds__(THREADS, 1)
+fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,
+            const float* __restrict__ bias, TOut* __restrict__ d, int M, int N, int K,
+            const __grid_constant__ cute::TmaDescriptor tma_a,
+            const __grid_constant__ cute::TmaDescriptor tma_b) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    uint8_t* sa = smem;
+    uint8_t* sb = smem + STAGES * BM * BK;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * BN * BK);
+    uint64_t* empty = full + STAGES;
+    const int num_m = (M + BM - 1) / BM, num_n = (N + BN - 1) / BN, nk = (K + BK - 1) / BK;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        cute::prefetch_tma_descriptor(&tma_a);
+        cute::prefetch_tma_descriptor(&tma_b);
+        for (int s = 0; s < STAGES; ++s) {
+            Barrier::init(&full[s], 1);
+            Barrier::init(&empty[s], 8);  // one arrival per math warp
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        cutlass::arch::warpgroup_reg_dealloc<40>();
+        if (threadIdx.x == 0)
+            producer<BN, STAGES>(&tma_a, &tma_b, sa, sb, full, empty, num_m, num_n, nk);
+        return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    const float alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
+    const int row_off = (wg - 1) * 64;
+    float acc[BN / 2], part[BN / 2];  // part: only used when PROMOTE
+    int s = 0, phase = 0;
+    for (int t = blockIdx.x; t < num_m * num_n; t += gridDim.x) {
+        int mb, nb;
+        tile_coords(t, num_m, num_n, mb, nb);
+        for (int kb = 0; kb < nk; ++kb) {
+            Barrier::wait(&full[s], phase);
+            const uint8_t* a = sa + s * BM * BK + row_off * BK;
+            const uint8_t* b = sb + s * BN * BK;
+            if constexpr (PROMOTE) fence(part); else fence(acc);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < BK / 32; ++k) {
+                if constexpr (PROMOTE)
+                    wgmma<MMA>(smem_desc(a + 32 * k), smem_desc(b + 32 * k), part, k > 0);
+                else
+                    wgmma<MMA>(smem_desc(a + 32 * k), smem_desc(b + 32 * k), acc, kb > 0 || k > 0);
+            }
+            cute::warpgroup_commit_batch();
+            cute::warpgroup_wait<0>();
+            if constexpr (PROMOTE) {
+                fence(part);
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[i] = kb > 0 ? acc[i] + part[i] : part[i];
+            } else {
+                fence(acc);
+            }
+            if (threadIdx.x % 32 == 0) Barrier::arrive(&empty[s]);
+            if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN);
+    }
+}
+
+}  // namespace tc

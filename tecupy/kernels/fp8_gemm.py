@@ -1,0 +1,135 @@
+"""FP8 GEMM on Hopper: cutlass_templates/fp8_gemm.cu (TMA + wgmma, warp-specialized,
+persistent), the `cutlass` implementation of fp8_gemm.
+
+Python's part: pick a configuration, encode the two TMA descriptors (cached: a descriptor
+only encodes an address and a shape), launch. Both operands are K-major uint8 codes; the
+scales stay in device memory. Configurations (BN, stages): "fast" accumulation runs
+128 x 256 tiles; the split accumulator (TE's default for dgrad and wgrad) needs a second
+register fragment, so it runs 128 x 128 tiles.
+"""
+import collections
+
+import numpy as np
+
+from .. import backends, loader
+from .._array import is_cupy
+from .common import CTYPE, cbool, sm_count
+
+FILE = "fp8_gemm.cu"
+OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
+THREADS, BM, BK = 384, 128, 128
+CONFIGS = {False: (256, 4), True: (128, 6)}  # split accumulator -> (BN, stages)
+_ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
+         ("e4m3", "e5m2"): "E4M3E5M2"}
+_OUT = ("float", "__half", "__nv_bfloat16")
+
+
+def kernel_name(a_fmt, b_fmt, out, bias, accumulate, split):
+    bn, stages = CONFIGS[split]
+    atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
+    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {atom}, {out}, {cbool(bias)}, "
+            f"{cbool(accumulate)}, {cbool(split)}>")
+
+
+def _names():
+    for fmts in _ATOM:
+        for split in (False, True):
+            for out in _OUT:
+                for bias in (False, True):
+                    yield kernel_name(*fmts, out, bias, False, split)
+            yield kernel_name(*fmts, "float", False, True, split)
+
+
+loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
+
+
+def smem_bytes(split):
+    bn, stages = CONFIGS[split]
+    return stages * (BM + bn) * BK + 2 * stages * 8
+
+
+def hopper():
+    import cupy
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
+              accumulate=False, split_accumulator=False):
+    if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM and hopper()):
+        return False
+    k = a.shape[1]
+    ok = (a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
+          and b.shape[0] % 2 == 0 and np.dtype(out_dtype).name in ("float32", "float16",
+                                                                   "bfloat16"))
+    ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0 for t in (a, b))
+    return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
+
+
+_descs = collections.OrderedDict()  # (ptr, rows, cols, box_rows) -> TMA descriptor (V128)
+
+
+def tma_desc(t, box_rows):
+    """128B-swizzled TMA descriptor of a K-major uint8 matrix t [rows, K], box 128 x box_rows."""
+    key = (t.data.ptr, t.shape[0], t.shape[1], box_rows)
+    if key not in _descs:
+        from cuda.bindings import driver as cu
+        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, t.data.ptr,
+            [u64(t.shape[1]), u64(t.shape[0])], [u64(t.shape[1])], [u32(BK), u32(box_rows)],
+            [u32(1), u32(1)],
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"fp8_gemm: cuTensorMapEncodeTiled failed ({err}) for a "
+                               f"{t.shape} uint8 matrix at {t.data.ptr:#x}")
+        words = np.array(tmap.opaque, np.uint64)
+        if t.nbytes < 128 << 10 and _driver_version() <= 13010:
+            words[1] &= ~np.uint64(1 << 21)  # driver bug on small tensors (CUTLASS 4.3.4)
+        _descs[key] = words.view("V128")
+        if len(_descs) > 512:
+            _descs.popitem(last=False)
+    return _descs[key]
+
+
+_driver = []
+
+
+def _driver_version():
+    if not _driver:
+        import cupy
+        _driver.append(cupy.cuda.runtime.driverGetVersion())
+    return _driver[0]
+
+
+_ready = set()  # kernels whose shared-memory limit was raised
+
+
+@backends.register("fp8_gemm", "cutlass", supports=supported)
+def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
+             accumulate=False, split_accumulator=False):
+    import cupy
+    m, k = a.shape
+    n = b.shape[0]
+    out_dtype = np.dtype(out_dtype)
+    name = kernel_name(a_fmt.name, b_fmt.name, CTYPE[out_dtype], bias is not None,
+                       accumulate, split_accumulator)
+    fn = loader.function(FILE, name)
+    smem = smem_bytes(split_accumulator)
+    if name not in _ready:
+        fn.max_dynamic_shared_size_bytes = smem
+        _ready.add(name)
+    if out is None:
+        out = cupy.empty((m, n), out_dtype)
+    elif out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous:
+        raise ValueError(f"fp8_gemm: out must be a contiguous {out_dtype} array of shape "
+                         f"{(m, n)}, got {out.dtype} {out.shape}")
+    bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)  # unread
+    bn = CONFIGS[split_accumulator][0]
+    tiles = -(-m // BM) * -(-n // bn)
+    fn((min(tiles, sm_count()),), (THREADS,),
+       (a_scale_inv, b_scale_inv, bias32, out, np.int32(m), np.int32(n), np.int32(k),
+        tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
+    return out

@@ -1,0 +1,137 @@
+"""The Hopper FP8 GEMM (cutlass_templates/fp8_gemm.cu) against the float64 product of the
+dequantized inputs, for every format pair, output dtype, bias, accumulation mode and
+wgrad-style accumulation, with M, N and K tails that are not multiples of the tiles."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy import backends
+from tecupy.fp8 import E4M3, E5M2
+from tecupy.reference.fp8 import _decode_table
+from conftest import HAVE_GPU, asnp, poison_gpu_pool
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    from tecupy.kernels.fp8_gemm import hopper
+    return HAVE_GPU and hopper()
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the FP8 GEMM kernel needs sm_90")
+PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+OUTS = [np.float32, np.float16, tecupy.bfloat16]
+
+
+def _codes(rng, shape, fmt):
+    """Random FP8 codes of normal-ish data (no NaN codes), via the reference cast."""
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.5, 4)
+    return tecupy.quantize(x, 1.0, fmt).data
+
+
+def _operands(rng, m, n, k, fa, fb):
+    a, b = _codes(rng, (m, k), fa), _codes(rng, (n, k), fb)
+    sa = np.array([rng.uniform(0.5, 2)], np.float32)
+    sb = np.array([rng.uniform(0.01, 0.1)], np.float32)
+    return a, sa, b, sb
+
+
+def _want64(a, fa, sa, b, fb, sb, bias):
+    da = _decode_table(np, fa)[a].astype(np.float64)
+    db = _decode_table(np, fb)[b].astype(np.float64)
+    want = da @ db.T * (float(sa[0]) * float(sb[0]))
+    return want if bias is None else want + bias.astype(np.float64)
+
+
+def _gpu(*arrays):
+    import cupy
+    return [cupy.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
+
+
+def _check(got, want, ref_lp, split, name):
+    """flash-attention's 2x rule against the float32-accumulating reference, plus an atol
+    for the tensor cores' FP8 accumulator, which keeps fewer bits than float32: measured on
+    an H200 at K = 4112, 3.5e-3 of the output's magnitude with fast accumulation, 1.6e-4
+    with the split accumulator (which still sums each k-block of 128 in it)."""
+    got, ref_lp = asnp(got).astype(np.float64), asnp(ref_lp).astype(np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values (unwritten output?)"
+    scale = np.abs(want).max()
+    err, err_ref = np.abs(got - want).max(), np.abs(ref_lp - want).max()
+    extra = (5e-4 if split else 1e-2) * scale
+    assert err <= 2 * err_ref + extra, f"{name}: error {err:.3e} vs reference {err_ref:.3e}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("fa,fb", PAIRS, ids=lambda f: f.name)
+@pytest.mark.parametrize("out_dtype", OUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("mnk", [(200, 272, 4112), (16, 32, 48), (1000, 528, 256)], ids=str)
+def test_fp8_gemm(rng, fa, fb, out_dtype, split, bias, mnk):
+    m, n, k = mnk
+    a, sa, b, sb = _operands(rng, m, n, k, fa, fb)
+    bvec = (rng.standard_normal(n) * 3).astype(out_dtype) if bias else None
+    args = [a, fa, sa, b, fb, sb, out_dtype, bvec]
+    gargs = _gpu(*args)
+    assert backends.chosen("fp8_gemm", *gargs, split_accumulator=split) == "cutlass"
+    poison_gpu_pool()
+    got = backends.candidates("fp8_gemm", *gargs)[0].fn(*gargs, split_accumulator=split)
+    assert got.dtype == np.dtype(out_dtype) and got.shape == (m, n)
+    ref_lp = backends.dispatch("fp8_gemm", *args)  # NumPy reference, float32 accumulation
+    _check(got, _want64(a, fa, sa, b, fb, sb, bvec), ref_lp, split, f"{mnk}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+def test_fp8_gemm_accumulates_into_float32(rng, split):
+    import cupy
+    m, n, k = 300, 144, 1040
+    a, sa, b, sb = _operands(rng, m, n, k, E5M2, E4M3)
+    start = rng.standard_normal((m, n)).astype(np.float32)
+    out = cupy.asarray(start)
+    impl = backends.candidates("fp8_gemm", *_gpu(a, E5M2, sa, b, E4M3, sb, np.float32))[0]
+    assert impl.kind == "cutlass"
+    got = impl.fn(*_gpu(a, E5M2, sa, b, E4M3, sb), np.float32, None, out=out,
+                  accumulate=True, split_accumulator=split)
+    assert got is out
+    want = _want64(a, E5M2, sa, b, E4M3, sb, None) + start
+    ref = backends.dispatch("fp8_gemm", a, E5M2, sa, b, E4M3, sb, np.float32, None,
+                            out=start.copy(), accumulate=True)
+    _check(out, want, ref, split, "accumulate")
+
+
+@needs_hopper
+def test_fp8_gemm_reads_scales_from_device_memory(rng):
+    """Changing the scale arrays on the device changes the next result (no cached value)."""
+    import cupy
+    a, sa, b, sb = _operands(rng, 64, 64, 64, E4M3, E4M3)
+    ga, gsa, gb, gsb = _gpu(a, sa, b, sb)
+    impl = backends.candidates("fp8_gemm", ga, E4M3, gsa, gb, E4M3, gsb, np.float32)[0]
+    y1 = impl.fn(ga, E4M3, gsa, gb, E4M3, gsb, np.float32)
+    gsa *= 2
+    y2 = impl.fn(ga, E4M3, gsa, gb, E4M3, gsb, np.float32)
+    np.testing.assert_allclose(asnp(y2), 2 * asnp(y1), rtol=1e-6)
+    assert float(cupy.abs(y1).max()) > 0
+
+
+@needs_hopper
+def test_fp8_gemm_declines_what_it_cannot_take(rng):
+    a, sa, b, sb = _gpu(*_operands(rng, 32, 32, 48, E5M2, E5M2))
+    assert backends.chosen("fp8_gemm", a, E5M2, sa, b, E5M2, sb, np.float32) == "reference"
+    a2, sa, b2, sb = _gpu(*_operands(rng, 32, 32, 40, E4M3, E4M3))  # K % 16 != 0
+    assert backends.chosen("fp8_gemm", a2, E4M3, sa, b2, E4M3, sb, np.float32) == "reference"
+
+
+@needs_hopper
+def test_linear_fp8_runs_on_the_kernel(rng):
+    """The FP8 linear, forward and backward, through the kernel, close to high precision."""
+    import cupy
+    x = cupy.asarray(rng.standard_normal((96, 160)).astype(np.float32)).astype(tecupy.bfloat16)
+    w = cupy.asarray((rng.standard_normal((48, 160)) / 12).astype(np.float32)).astype(
+        tecupy.bfloat16)
+    with tecupy.Tape() as tape, tecupy.fp8_autocast():
+        y = tecupy.linear(x, w)
+    dx, dw = tape.gradient(y, [x, w], cupy.ones_like(y))
+    y_hp = (x.astype(np.float32) @ w.astype(np.float32).T)
+    rel = float(cupy.abs(y.astype(np.float32) - y_hp).max() / cupy.abs(y_hp).max())
+    assert rel < 0.1 and dx.shape == x.shape and dw.shape == w.shape
