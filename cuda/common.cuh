@@ -114,3 +114,20 @@ template <int VEC, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, VEC>& v) {
     *reinterpret_cast<Vec<T, VEC>*>(p) = v;
 }
+
+// ---- Philox4x32-10 (dropout.cu, attention.cu; reference/dropout.py has the same maths)
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const unsigned lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+        const unsigned lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+        k.x += 0x9E3779B9u;
+        k.y += 0xBB67AE85u;
+    }
+    return c;
+}
+
+__device__ __forceinline__ bool keep_word(unsigned w, float p) {
+    return (float)(w >> 8) * 5.9604644775390625e-8f >= p;  // 2^-24
+}

@@ -9,22 +9,6 @@
 // VEC = 4 elements (one Philox call each; n % 4 == 0) or single elements (VEC = 1).
 #include "common.cuh"
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-#pragma unroll
-    for (int r = 0; r < 10; ++r) {
-        const unsigned lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
-        const unsigned lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
-        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-        k.x += 0x9E3779B9u;
-        k.y += 0xBB67AE85u;
-    }
-    return c;
-}
-
-__device__ __forceinline__ bool keep_word(unsigned w, float p) {
-    return (float)(w >> 8) * 5.9604644775390625e-8f >= p;  // 2^-24
-}
-
 template <typename T, int VEC, bool RES>
 __global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ residual,
                             T* __restrict__ y, unsigned char* __restrict__ keep, long long n,

@@ -1,0 +1,522 @@
+// attention.cu — fused scaled dot-product attention, forward and backward (FlashAttention-2
+// scheme on mma.sync m16n8k16, bf16/fp16 in, float32 accumulate; sm_80 and newer).
+//
+// Layout bshd: q [b, sq, h, d], k and v [b, skv, hk, d], h % hk == 0 (query head i reads KV
+// head i / (h / hk)). S = scale Q K^T; keep (i, j) iff j < kv_len and (not CAUSAL or
+// j <= i) (top-left); query rows i >= q_len give o = 0, lse = +inf (q_len, kv_len =
+// seqlens_q[b], seqlens_kv[b] where those pointers are not null, else sq, skv); a row with
+// nothing kept gives o = 0, lse = +inf too. P = softmax(S) over the kept entries;
+// lse = log sum exp S (float32 [b, h, sq]); O = (P * Z) V with Z = keep / (1 - p) drawn
+// from Philox over the flat index ((b h + head) sq + i) skv + j of [b, h, sq, skv], word
+// (index % 4) of philox(counter = (index / 4, 0), key = seed), as reference/dropout.py.
+//
+//   attention_fwd       grid (ceil(sq / 128), h, b), 256 threads: 8 warps x 16 query rows;
+//                       Q fragments in registers, K/V tiles of 64 rows double-buffered
+//                       by cp.async; online softmax in base 2 (scores pre-scaled by
+//                       scale log2 e). Dynamic shared memory (128 + 4 * 64) d * 2 bytes.
+//   attention_bwd_dot   delta = rowsum(dO * O) [b, h, sq] float32; a warp per row.
+//   attention_bwd       grid (ceil(skv / BN), hk, b), NW warps x 16 KV rows (BN = 16 NW);
+//                       dK, dV in registers over the GQA group's heads and all query
+//                       blocks of 64 rows: S^T = K Q^T, dP^T = V dO^T, P = exp(S - lse),
+//                       dS = P (dP Z - delta) scale, dV += (P Z)^T dO, dK += dS^T Q; dS^T
+//                       goes to shared memory and dQ = dS K is added (float32 atomics)
+//                       into dq_acc [b, sq, h, d].
+//   attention_convert   dq_acc -> dq in T.
+//
+// Shared tiles are [rows][width] with the 16-byte chunk c of row r stored at c ^ (r & 7),
+// so ldmatrix (8 rows, one chunk column) and cp.async rows hit distinct banks.
+#include "common.cuh"
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- PTX helpers -------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 16 (or 4) bytes global -> shared; zero-filled when !pred (src is then not read)
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(pred ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void ldsm4(unsigned r[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm4_t(unsigned r[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// c[16x8] += a[16x16] b[16x8] (row.col): a, b as ldmatrix gives them, c float32
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    __device__ static unsigned pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+template <> struct Mma<__half> {
+    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    __device__ static unsigned pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+
+// ---- shared tiles ----------------------------------------------------------------------
+// element offset of (r, c) in a swizzled tile of W elements per row (W >= 64)
+template <int W> __device__ __forceinline__ int swz(int r, int c) {
+    return r * W + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7));
+}
+
+// rows row0 .. row0 + R - 1 of a [rows, W] matrix (row stride `stride`) into a tile;
+// rows >= limit are zero-filled. NT threads.
+template <int R, int W, int NT, typename T>
+__device__ __forceinline__ void load_tile(T* tile, const T* g, long long stride, int row0,
+                                          int limit) {
+    constexpr int CPR = W / 8, N = R * CPR;
+    static_assert(N % NT == 0, "tile chunks must split evenly over the threads");
+#pragma unroll
+    for (int it = 0; it < N / NT; ++it) {
+        const int i = threadIdx.x + it * NT, r = i / CPR, c = (i % CPR) * 8;
+        const bool ok = row0 + r < limit;
+        cp_async16(smem_u32(tile + swz<W>(r, c)), ok ? g + (row0 + r) * stride + c : g, ok);
+    }
+}
+
+// A fragment (16 x 16 at rows m0, cols k0) of a row-major tile
+template <int W, typename T> __device__ __forceinline__ void frag_a(unsigned a[4], const T* t,
+                                                                    int m0, int k0) {
+    const int l = threadIdx.x & 31;
+    ldsm4(a, smem_u32(t + swz<W>(m0 + (l & 7) + ((l >> 3) & 1) * 8, k0 + (l >> 4) * 8)));
+}
+// A fragment (16 x 16, m0, k0) of a tile stored transposed, [k][m]
+template <int W, typename T> __device__ __forceinline__ void frag_a_t(unsigned a[4], const T* t,
+                                                                      int m0, int k0) {
+    const int l = threadIdx.x & 31;
+    ldsm4_t(a, smem_u32(t + swz<W>(k0 + (l & 7) + (l >> 4) * 8, m0 + ((l >> 3) & 1) * 8)));
+}
+// B fragments of two n8 tiles (n0, n0 + 8) x k16 from a tile stored [n][k]
+template <int W, typename T> __device__ __forceinline__ void frag_b(unsigned b[4], const T* t,
+                                                                    int n0, int k0) {
+    const int l = threadIdx.x & 31;
+    ldsm4(b, smem_u32(t + swz<W>(n0 + (l & 7) + (l >> 4) * 8, k0 + ((l >> 3) & 1) * 8)));
+}
+// the same from a tile stored [k][n]
+template <int W, typename T> __device__ __forceinline__ void frag_b_t(unsigned b[4], const T* t,
+                                                                      int n0, int k0) {
+    const int l = threadIdx.x & 31;
+    ldsm4_t(b, smem_u32(t + swz<W>(k0 + (l & 7) + ((l >> 3) & 1) * 8, n0 + (l >> 4) * 8)));
+}
+
+// acc[16 x 8 NB] += A (16 x 16 KB, fragments a[KB]) B; B from a tile (stored [n][k] when
+// !TRANS_B, [k][n] when TRANS_B), columns n0.., rows k0..
+template <typename T, int W, int KB, int NB, bool TRANS_B>
+__device__ __forceinline__ void mma_rows(float acc[][4], const unsigned a[][4], const T* tb,
+                                         int n0, int k0) {
+#pragma unroll
+    for (int kk = 0; kk < KB; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < NB / 2; ++nn) {
+            unsigned b[4];
+            if (TRANS_B) frag_b_t<W>(b, tb, n0 + 16 * nn, k0 + 16 * kk);
+            else frag_b<W>(b, tb, n0 + 16 * nn, k0 + 16 * kk);
+            Mma<T>::run(acc[2 * nn], a[kk], b[0], b[1]);
+            Mma<T>::run(acc[2 * nn + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
+// C fragments of a 16 x 16 KB block (float) -> A fragments in T
+template <typename T, int KB>
+__device__ __forceinline__ void c_to_a(unsigned a[][4], const float c[][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KB; ++kk) {
+        a[kk][0] = Mma<T>::pack(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = Mma<T>::pack(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = Mma<T>::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = Mma<T>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+// Philox keep flag of element `index` of the flat [b, h, sq, skv] score array
+__device__ __forceinline__ bool dropout_keep(unsigned long long index, uint2 key, float p) {
+    const unsigned long long g = index >> 2;
+    const uint4 w = philox4x32_10(make_uint4((unsigned)g, (unsigned)(g >> 32), 0u, 0u), key);
+    const unsigned s = index & 3;
+    return keep_word(s == 0 ? w.x : s == 1 ? w.y : s == 2 ? w.z : w.w, p);
+}
+
+struct Dropout {
+    uint2 key;
+    float p, factor;
+};
+
+// ---- forward -----------------------------------------------------------------------------
+constexpr int kFwdBM = 128, kFwdBN = 64, kFwdThreads = 256;
+
+// One K/V tile for one warp's 16 rows: s = scores (log2 units), online softmax update of
+// (m, l, acc), acc += P V. row: this thread's first query row; col0: the tile's first key.
+template <typename T, int D, bool CAUSAL, bool DROPOUT>
+__device__ __forceinline__ void fwd_tile(float acc[][4], float m[2], float l[2],
+                                         const unsigned qf[][4], const T* sk, const T* sv,
+                                         int row, int col0, int kv_len, bool masked,
+                                         float scale_log2, unsigned long long index0,
+                                         int skv, const Dropout& dr) {
+    constexpr int BN = kFwdBN;
+    const int t = threadIdx.x & 3;
+    float s[BN / 8][4] = {};
+    mma_rows<T, D, D / 16, BN / 8, false>(s, qf, sk, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float mx = -kInf;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = col0 + 8 * nt + 2 * t + e;
+                float x = s[nt][2 * i + e] * scale_log2;
+                if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i))) x = -kInf;
+                s[nt][2 * i + e] = x;
+                mx = fmaxf(mx, x);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[i], mx), m_use = m_new == -kInf ? 0.f : m_new;
+        const float corr = fast_exp2(m[i] - m_use);
+        m[i] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float pe = fast_exp2(s[nt][2 * i + e] - m_use);
+                sum += pe;
+                if (DROPOUT) {
+                    const int c = col0 + 8 * nt + 2 * t + e;
+                    const unsigned long long idx = index0 + (unsigned long long)(8 * i) * skv + c;
+                    pe = dropout_keep(idx, dr.key, dr.p) ? pe * dr.factor : 0.f;
+                }
+                s[nt][2 * i + e] = pe;
+            }
+        l[i] = l[i] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            acc[dt][2 * i] *= corr;
+            acc[dt][2 * i + 1] *= corr;
+        }
+    }
+    unsigned pf[BN / 16][4];
+    c_to_a<T, BN / 16>(pf, s);
+    mma_rows<T, D, BN / 16, D / 8, true>(acc, pf, sv, 0, 0);
+}
+
+// Write this warp's 16 rows of O (acc / l, or 0) and their lse.
+template <typename T, int D>
+__device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][4],
+                                          const float m[2], float l[2], int row, int sq,
+                                          int q_len, long long stride) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = row + 8 * i;
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const bool ok = r < q_len && li > 0.f;
+        const float inv = ok ? 1.f / li : 0.f;
+        if (r >= sq) continue;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<unsigned*>(ob + r * stride + 8 * dt + 2 * t) =
+                Mma<T>::pack(acc[dt][2 * i] * inv, acc[dt][2 * i + 1] * inv);
+        if (t == 0) lseb[r] = ok ? m[i] * kLn2 + logf(li) : kInf;
+    }
+}
+
+template <typename T, int D, bool CAUSAL, bool DROPOUT>
+__global__ void __launch_bounds__(kFwdThreads)
+attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
+              const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
+              float scale_log2, float p_drop, float factor, unsigned long long seed) {
+    constexpr int BM = kFwdBM, BN = kFwdBN, NT = kFwdThreads;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sK = sQ + BM * D;   // [2][BN][D]
+    T* sV = sK + 2 * BN * D;
+    const int m0 = blockIdx.x * BM, head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
+    const long long qs = (long long)h * D, ks = (long long)hk * D;
+    const T* kb = k + (long long)b * skv * ks + kvh * D;
+    const T* vb = v + (long long)b * skv * ks + kvh * D;
+    const int n_end = CAUSAL ? min(kv_len, m0 + BM) : kv_len;
+    const int n_tiles = m0 < q_len ? (n_end + BN - 1) / BN : 0;
+    load_tile<BM, D, NT>(sQ, q + (long long)b * sq * qs + head * D, qs, m0, sq);
+    if (n_tiles > 0) {
+        load_tile<BN, D, NT>(sK, kb, ks, 0, kv_len);
+        load_tile<BN, D, NT>(sV, vb, ks, 0, kv_len);
+    }
+    cp_async_commit();
+    const int row = m0 + 16 * warp + (lane >> 2);
+    const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
+    const unsigned long long index0 = ((unsigned long long)(b * h + head) * sq + row) * skv;
+    float acc[D / 8][4] = {}, m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};
+    unsigned qf[D / 16][4];
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait_all();
+        __syncthreads();
+        if (j == 0)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQ, 16 * warp, 16 * kk);
+        if (j + 1 < n_tiles) {
+            const int nb = ((j + 1) & 1) * BN * D;
+            load_tile<BN, D, NT>(sK + nb, kb, ks, (j + 1) * BN, kv_len);
+            load_tile<BN, D, NT>(sV + nb, vb, ks, (j + 1) * BN, kv_len);
+        }
+        cp_async_commit();
+        const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > m0);
+        fwd_tile<T, D, CAUSAL, DROPOUT>(acc, m, l, qf, sK + (j & 1) * BN * D,
+                                        sV + (j & 1) * BN * D, row, j * BN, kv_len, masked,
+                                        scale_log2, index0, skv, dr);
+    }
+    cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
+    fwd_store<T, D>(o + (long long)b * sq * qs + head * D, lse + (long long)(b * h + head) * sq,
+                    acc, m, l, row, sq, q_len, qs);
+}
+
+// ---- backward ----------------------------------------------------------------------------
+// delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d]; a warp per (b, i, h) row, 8 per block
+template <typename T, int D>
+__global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restrict__ out,
+                                  float* __restrict__ delta, long long rows, int sq, int h) {
+    constexpr int V = D / 32;
+    const long long r = blockIdx.x * 8LL + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const Vec<T, V> a = load_vec<V>(dout + r * D + lane * V);
+    const Vec<T, V> c = load_vec<V>(out + r * D + lane * V);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += to_float(a.v[j]) * to_float(c.v[j]);
+    s = warp_sum(s);
+    const long long bi = r / h;  // b * sq + i
+    const int head = r % h;
+    if (lane == 0) delta[((bi / sq) * h + head) * sq + bi % sq] = s;
+}
+
+constexpr int kBwdBM = 64;
+
+// Shared memory of the backward kernel, in elements of T (lse and delta are float).
+template <int D, int NW> struct BwdSmem {
+    static constexpr int BN = 16 * NW, BM = kBwdBM;
+    static constexpr int K = 0, V = BN * D, Q = 2 * BN * D, DO = Q + 2 * BM * D,
+                         DS = DO + 2 * BM * D, END = DS + BN * BM;  // then lse, delta [2][BM] float
+};
+
+// Load query block `it` of the group's heads (Q, dO rows, lse, delta) into buffer `buf`.
+template <typename T, int D, int NW>
+__device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q, const T* dout,
+                                           const float* lse, const float* delta, int hh,
+                                           int q0, int b, int sq, int h, int q_len) {
+    constexpr int BM = kBwdBM, NT = 32 * NW;
+    using S = BwdSmem<D, NW>;
+    const long long qs = (long long)h * D, base = (long long)b * sq * qs + hh * D;
+    load_tile<BM, D, NT>(sm + S::Q + buf * BM * D, q + base, qs, q0, q_len);
+    load_tile<BM, D, NT>(sm + S::DO + buf * BM * D, dout + base, qs, q0, q_len);
+    const int i = threadIdx.x;
+    const long long row = (long long)(b * h + hh) * sq + q0 + (i & (BM - 1));
+    if (i < 2 * BM) {
+        const bool ok = q0 + (i & (BM - 1)) < q_len;
+        const float* src = i < BM ? lse : delta;
+        cp_async4(smem_u32(sf + (i / BM) * 2 * BM + buf * BM + (i & (BM - 1))),
+                  ok ? src + row : src, ok);
+    }
+}
+
+// One query block against this block's KV rows, for this warp's 16 KV rows (kv_row: the
+// thread's first): dK, dV accumulate; dS^T (scale folded in) goes to shared memory.
+template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
+__device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, const float* sf,
+                                          int buf, int kv_row, int q0, int q_len, int kv_len,
+                                          bool masked, float scale, unsigned long long index0,
+                                          int skv, const Dropout& dr) {
+    constexpr int BM = kBwdBM;
+    using S = BwdSmem<D, NW>;
+    const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+    const T* cq = sm + S::Q + buf * BM * D;
+    const T* cdo = sm + S::DO + buf * BM * D;
+    const float *L = sf + buf * BM, *Dl = sf + 2 * BM + buf * BM;
+    float s[BM / 8][4] = {}, dp[BM / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[1][4];
+        frag_a<D>(a[0], sm + S::K, 16 * warp, 16 * kk);
+        mma_rows<T, D, 1, BM / 8, false>(s, a, cq, 0, 16 * kk);
+        frag_a<D>(a[0], sm + S::V, 16 * warp, 16 * kk);
+        mma_rows<T, D, 1, BM / 8, false>(dp, a, cdo, 0, 16 * kk);
+    }
+    const float scale_log2 = scale * kLog2e;
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = 8 * nt + 2 * t + e, qc = q0 + c;
+            const float lse2 = L[c] * kLog2e, dl = Dl[c];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = kv_row + 8 * i;
+                float x = fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -lse2));
+                if (masked && (r >= kv_len || qc >= q_len || (CAUSAL && r > qc))) x = 0.f;
+                float dpe = dp[nt][2 * i + e], z = 1.f;
+                if (DROPOUT) {
+                    z = dropout_keep(index0 + (unsigned long long)qc * skv + r, dr.key, dr.p)
+                            ? dr.factor : 0.f;
+                    dpe *= z;
+                }
+                dp[nt][2 * i + e] = x * (dpe - dl) * scale;
+                s[nt][2 * i + e] = x * z;
+            }
+        }
+    unsigned pa[BM / 16][4];
+    c_to_a<T, BM / 16>(pa, s);
+    mma_rows<T, D, BM / 16, D / 8, true>(dv, pa, cdo, 0, 0);
+    c_to_a<T, BM / 16>(pa, dp);
+    mma_rows<T, D, BM / 16, D / 8, true>(dk, pa, cq, 0, 0);
+    T* sds = sm + S::DS;  // dS^T [BN][BM]
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+            *reinterpret_cast<unsigned*>(sds + swz<BM>(16 * warp + g + 8 * (x & 1),
+                                                       16 * kk + 8 * (x >> 1) + 2 * t)) = pa[kk][x];
+}
+
+// dQ[q0.., :] += dS K from shared memory: warp w takes 16 query rows (w % 4) and D / (NW / 4)
+// columns; float32 atomics into dq (pointing at [b, 0, head, 0], row stride h D).
+template <typename T, int D, int NW>
+__device__ __forceinline__ void bwd_dq(float* dq, const T* sm, int q0, int q_len, int h) {
+    constexpr int BM = kBwdBM, BN = 16 * NW, DQC = D / (NW / 4);
+    using S = BwdSmem<D, NW>;
+    const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+    const int wq = warp & 3, c0 = (warp >> 2) * DQC;
+    float acc[DQC / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        unsigned a[1][4];
+        frag_a_t<BM>(a[0], sm + S::DS, 16 * wq, 16 * kk);
+        mma_rows<T, D, 1, DQC / 8, true>(acc, a, sm + S::K, c0, 16 * kk);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = q0 + 16 * wq + g + 8 * i;
+        if (r >= q_len) continue;
+        float* dst = dq + (long long)r * h * D + c0 + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < DQC / 8; ++nt) {
+            atomicAdd(dst + 8 * nt, acc[nt][2 * i]);
+            atomicAdd(dst + 8 * nt + 1, acc[nt][2 * i + 1]);
+        }
+    }
+}
+
+template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
+__global__ void __launch_bounds__(32 * NW)
+attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+              const T* __restrict__ v, const float* __restrict__ lse,
+              const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
+              T* __restrict__ dv, const int* __restrict__ seqlens_q,
+              const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
+              float p_drop, float factor, unsigned long long seed) {
+    constexpr int BM = kBwdBM, BN = 16 * NW, NT = 32 * NW;
+    using S = BwdSmem<D, NW>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sm = reinterpret_cast<T*>(smem);
+    float* sf = reinterpret_cast<float*>(sm + S::END);
+    const int n0 = blockIdx.x * BN, kvh = blockIdx.y, b = blockIdx.z, group = h / hk;
+    const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
+    const long long ks = (long long)hk * D, kbase = (long long)b * skv * ks + kvh * D;
+    const int qb0 = CAUSAL ? n0 / BM : 0, qb1 = (q_len + BM - 1) / BM;
+    const int nqb = n0 < kv_len ? max(qb1 - qb0, 0) : 0, total = group * nqb;
+    load_tile<BN, D, NT>(sm + S::K, k + kbase, ks, n0, kv_len);
+    load_tile<BN, D, NT>(sm + S::V, v + kbase, ks, n0, kv_len);
+    if (total > 0)
+        bwd_load_q<T, D, NW>(sm, sf, 0, q, dout, lse, delta, kvh * group, qb0 * BM, b, sq, h,
+                             q_len);
+    cp_async_commit();
+    const int kv_row = n0 + 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
+    const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
+    float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
+    for (int it = 0; it < total; ++it) {
+        const int hh = kvh * group + it / nqb, q0 = (qb0 + it % nqb) * BM;
+        cp_async_wait_all();
+        __syncthreads();
+        if (it + 1 < total)
+            bwd_load_q<T, D, NW>(sm, sf, (it + 1) & 1, q, dout, lse, delta,
+                                 kvh * group + (it + 1) / nqb, (qb0 + (it + 1) % nqb) * BM, b,
+                                 sq, h, q_len);
+        cp_async_commit();
+        const bool masked = q0 + BM > q_len || n0 + BN > kv_len || (CAUSAL && n0 + BN - 1 > q0);
+        bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sf, it & 1, kv_row, q0, q_len, kv_len,
+                                             masked, scale,
+                                             (unsigned long long)(b * h + hh) * sq * skv, skv, dr);
+        __syncthreads();
+        bwd_dq<T, D, NW>(dq_acc + ((long long)b * sq * h + hh) * D, sm, q0, q_len, h);
+    }
+    cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = kv_row + 8 * i;
+        if (r >= skv) continue;
+        const long long off = ((long long)b * skv + r) * ks + kvh * D + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =
+                Mma<T>::pack(dkr[dt][2 * i], dkr[dt][2 * i + 1]);
+            *reinterpret_cast<unsigned*>(dv + off + 8 * dt) =
+                Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
+        }
+    }
+}
+
+// dq = dq_acc in T, 4 elements per thread step (n % 4 == 0)
+template <typename T>
+__global__ void attention_convert(const float* __restrict__ x, T* __restrict__ y, long long n) {
+    for (long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
+         i += 4LL * gridDim.x * blockDim.x) {
+        const float4 a = *reinterpret_cast<const float4*>(x + i);
+        Vec<T, 4> out;
+        out.v[0] = from_float<T>(a.x);
+        out.v[1] = from_float<T>(a.y);
+        out.v[2] = from_float<T>(a.z);
+        out.v[3] = from_float<T>(a.w);
+        store_vec<4>(y + i, out);
+    }
+}

@@ -1,0 +1,113 @@
+"""CUDA fused attention (FlashAttention-2 scheme on mma.sync): cuda/attention.cu.
+
+attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
+(reference/attention.py). bf16/fp16, head dim 64 or 128, layout bshd; other inputs fall
+back to the reference (supports() declines them).
+"""
+import itertools
+
+import numpy as np
+
+from .. import backends, loader
+from .._array import bfloat16, is_cupy
+from .common import CTYPE, cbool, grid_1d
+
+FILE = "attention.cu"
+_TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
+HEAD_DIMS = (64, 128)
+FWD_BM, FWD_BN, FWD_THREADS = 128, 64, 256
+BWD_BM = 64
+BWD_WARPS = (4, 8)
+CONFIG = {"bwd_warps": 4}  # warps (16 KV rows each) per backward block; the bench varies it
+_TF = ("false", "true")
+loader.declare(FILE, [f"attention_fwd<{t}, {d}, {c}, {r}>"
+                      for t, d, c, r in itertools.product(_TYPES, HEAD_DIMS, _TF, _TF)]
+               + [f"attention_bwd<{t}, {d}, {w}, {c}, {r}>" for t, d, w, c, r in
+                  itertools.product(_TYPES, HEAD_DIMS, BWD_WARPS, _TF, _TF)]
+               + [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
+               + [f"attention_convert<{t}>" for t in _TYPES])
+
+
+def _ok(t, like):
+    return is_cupy(t) and t.dtype == like.dtype
+
+
+def _supports(q, k, v, *rest):
+    b, sq, h, d = q.shape
+    return (_ok(q, q) and q.dtype in (np.dtype(np.float16), bfloat16) and _ok(k, q)
+            and _ok(v, q) and d in HEAD_DIMS and min(b, sq, k.shape[1]) > 0
+            and max(q.size, k.size) < 2**31 and b * h * sq * k.shape[1] < 2**62)
+
+
+def _supports_bwd(do, q, k, v, o, lse, *rest):
+    return _supports(q, k, v) and _ok(do, q) and _ok(o, q)
+
+
+def _function(name, smem):
+    fn = loader.function(FILE, name)
+    if smem > 48 << 10 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
+    return fn
+
+
+def _lengths(mask_type, seqlens_q, seqlens_kv):
+    """int32 device arrays of the padding lengths, or null pointers."""
+    import cupy
+    if "padding" not in mask_type:
+        return np.uint64(0), np.uint64(0)
+    lq = cupy.ascontiguousarray(cupy.asarray(seqlens_q), dtype=np.int32)
+    lkv = lq if seqlens_kv is None else cupy.ascontiguousarray(cupy.asarray(seqlens_kv),
+                                                                 dtype=np.int32)
+    return lq, lkv
+
+
+def _dropout_args(p, seed):
+    factor = np.float32(1 / (1 - p))  # rounded as the reference rounds it
+    return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
+
+
+@backends.register("attention_fwd", "cuda", supports=_supports)
+def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, seed):
+    import cupy
+    q, k, v = (cupy.ascontiguousarray(t) for t in (q, k, v))
+    b, sq, h, d = q.shape
+    skv, hk = k.shape[1], k.shape[2]
+    o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
+    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    smem = (FWD_BM + 4 * FWD_BN) * d * 2
+    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {cbool('causal' in mask_type)}, "
+                   f"{cbool(dropout_p > 0)}>", smem)
+    fn((-(-sq // FWD_BM), h, b), (FWD_THREADS,),
+       (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
+        np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed)), shared_mem=smem)
+    return o, lse
+
+
+@backends.register("attention_bwd", "cuda", supports=_supports_bwd)
+def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, dropout_p,
+                  seed):
+    import cupy
+    do, q, k, v, o = (cupy.ascontiguousarray(t) for t in (do, q, k, v, o))
+    lse = cupy.ascontiguousarray(lse, dtype=np.float32)
+    b, sq, h, d = q.shape
+    skv, hk = k.shape[1], k.shape[2]
+    t, rows = CTYPE[q.dtype], b * sq * h
+    delta = cupy.empty((b, h, sq), np.float32)
+    loader.function(FILE, f"attention_bwd_dot<{t}, {d}>")(
+        (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h)))
+    dq_acc = cupy.zeros((b, sq, h, d), np.float32)
+    dk, dv = cupy.empty_like(k), cupy.empty_like(v)
+    nw = CONFIG["bwd_warps"]
+    bn = 16 * nw
+    smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
+    fn = _function(f"attention_bwd<{t}, {d}, {nw}, {cbool('causal' in mask_type)}, "
+                   f"{cbool(dropout_p > 0)}>", smem)
+    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    fn((-(-skv // bn), hk, b), (32 * nw,),
+       (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
+        np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed)),
+       shared_mem=smem)
+    dq = cupy.empty_like(q)
+    loader.function(FILE, f"attention_convert<{t}>")(
+        (grid_1d(dq.size, 4),), (256,), (dq_acc, dq, np.int64(dq.size)))
+    return dq, dk, dv

@@ -1,0 +1,105 @@
+"""CUDA fused attention (cuda/attention.cu) against the float64 reference: the output, lse
+and all three gradients, by flash-attention's rule (error at most 2x the error of the
+reference run in the same low precision, plus one unit of the format's precision at the
+data's largest value: the kernel rounds P and dS to the input dtype before the second
+matrix product, as FlashAttention does; the reference rounds only its result)."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy import backends
+from conftest import asnp, assert_within_2x_reference, f64, run
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, tecupy.bfloat16]
+CASES = {  # (b, sq, skv, h, hk, d, mask_type, dropout); tiles are 128/64 rows
+    "gqa-d64-nomask": (2, 77, 131, 4, 2, 64, "no_mask", 0.0),
+    "mha-d128-causal": (2, 131, 77, 2, 2, 128, "causal", 0.0),
+    "mqa-d128-padding": (3, 200, 150, 4, 1, 128, "padding", 0.0),
+    "gqa-d64-padding-causal": (3, 150, 270, 4, 2, 64, "padding_causal", 0.0),
+    "mqa-d128-causal-long": (1, 300, 333, 2, 1, 128, "causal", 0.0),
+    "gqa-d128-dropout": (2, 77, 131, 4, 2, 128, "no_mask", 0.1),
+    "mha-d64-padding-causal-dropout": (2, 131, 77, 2, 2, 64, "padding_causal", 0.1),
+}
+
+
+def _lengths(rng, b, s):
+    """Uneven lengths: the full length, 0 (an empty sequence), then random ones."""
+    lens = rng.integers(1, s + 1, size=b)
+    lens[0] = s
+    lens[1 % b] = 0 if b > 2 else lens[1 % b]
+    return lens.astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_fwd_bwd(rng, dtype, case):
+    b, sq, skv, h, hk, d, mask, p = CASES[case]
+    q, k, v, do = (rng.standard_normal(shape).astype(dtype) for shape in
+                   ((b, sq, h, d), (b, skv, hk, d), (b, skv, hk, d), (b, sq, h, d)))
+    lq = lkv = None
+    if "padding" in mask:
+        lq, lkv = _lengths(rng, b, sq), _lengths(rng, b, skv)[::-1].copy()
+    scale = float(rng.uniform(0.5, 2) / np.sqrt(d))
+    seed = int(rng.integers(0, 2**63))
+    args = [q, k, v, scale, mask, lq, lkv, p, seed]
+    atol = float(np.finfo(dtype).eps)
+    o, lse = run("attention_fwd", args, True)
+    o64, lse64 = run("attention_fwd", f64(args), False)
+    o_lp, lse_lp = run("attention_fwd", args, False)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == (b, h, sq)
+    assert_within_2x_reference(o, o64, o_lp, "o", atol)
+    np.testing.assert_allclose(asnp(lse), lse64, rtol=2e-5, atol=2e-5)  # +inf rows equal
+    tail = [scale, mask, lq, lkv, p, seed]
+    grads = run("attention_bwd", [do, q, k, v, o, lse] + tail, True)
+    want = run("attention_bwd", f64([do, q, k, v, o64, lse64]) + tail, False)
+    ref_lp = run("attention_bwd", [do, q, k, v, o_lp, lse_lp] + tail, False)
+    for name, g, w, r, like in zip(("dq", "dk", "dv"), grads, want, ref_lp, (q, k, v)):
+        assert g.dtype == like.dtype and g.shape == like.shape, name
+        assert_within_2x_reference(g, w, r, name, atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_attention_dropout_reproducible(rng, dtype):
+    """The same seed gives the same output; another seed another one."""
+    import cupy
+    q = cupy.asarray(rng.standard_normal((1, 64, 2, 64)).astype(dtype))
+    args = [q, q, q, 0.125, "no_mask", None, None, 0.2]
+    a = backends.dispatch("attention_fwd", *args, 5)[0]
+    assert cupy.array_equal(a, backends.dispatch("attention_fwd", *args, 5)[0])
+    assert not cupy.array_equal(a, backends.dispatch("attention_fwd", *args, 6)[0])
+
+
+def test_attention_declines_what_it_cannot_take(rng):
+    import cupy
+    for dtype, d in ((np.float32, 64), (tecupy.bfloat16, 96)):
+        q = cupy.asarray(rng.standard_normal((1, 8, 2, d)).astype(dtype))
+        assert backends.chosen("attention_fwd", q, q, q, 0.1, "causal", None, None, 0.0,
+                               None) == "reference"
+
+
+def test_dot_product_attention_sbhd_gqa_tape(rng):
+    """The public function through the kernels: sbhd layout, GQA, gradients on the tape."""
+    import cupy
+    dt = tecupy.bfloat16
+    q = cupy.asarray(rng.standard_normal((70, 2, 4, 64)).astype(dt))   # sbhd
+    k = cupy.asarray(rng.standard_normal((90, 2, 2, 64)).astype(dt))
+    v = cupy.asarray(rng.standard_normal((90, 2, 2, 64)).astype(dt))
+    do = cupy.asarray(rng.standard_normal((70, 2, 4, 64)).astype(dt))
+    with tecupy.Tape() as tape:
+        o = tecupy.dot_product_attention(q, k, v, "causal", qkv_format="sbhd")
+    grads = tape.gradient([o], [q, k, v], [do])
+    ref = [a.get() for a in (q, k, v, do)]
+    r64 = f64(ref)
+    with tecupy.Tape() as tape:
+        o_ref = tecupy.dot_product_attention(*r64[:3], "causal", qkv_format="sbhd")
+    want = tape.gradient([o_ref], r64[:3], [r64[3]])
+    with tecupy.Tape() as tape:
+        o_lp = tecupy.dot_product_attention(*ref[:3], "causal", qkv_format="sbhd")
+    lp = tape.gradient([o_lp], ref[:3], [ref[3]])
+    atol = float(np.finfo(dt).eps)
+    assert_within_2x_reference(o, o_ref, o_lp, "o", atol)
+    for name, g, w, r in zip("qkv", grads, want, lp):
+        assert_within_2x_reference(g, w, r, "d" + name, atol)
