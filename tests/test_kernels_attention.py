@@ -3,6 +3,7 @@ and all three gradients, by flash-attention's rule (error at most 2x the error o
 reference run in the same low precision, plus one unit of the format's precision at the
 data's largest value: the kernel rounds P and dS to the input dtype before the second
 matrix product, as FlashAttention does; the reference rounds only its result)."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -44,7 +45,7 @@ def test_attention_fwd_bwd(rng, dtype, case):
     scale = float(rng.uniform(0.5, 2) / np.sqrt(d))
     seed = int(rng.integers(0, 2**63))
     args = [q, k, v, scale, mask, lq, lkv, p, seed]
-    atol = float(np.finfo(dtype).eps)
+    atol = float(ml_dtypes.finfo(dtype).eps)
     o, lse = run("attention_fwd", args, True)
     o64, lse64 = run("attention_fwd", f64(args), False)
     o_lp, lse_lp = run("attention_fwd", args, False)
@@ -99,7 +100,7 @@ def test_dot_product_attention_sbhd_gqa_tape(rng):
     with tecupy.Tape() as tape:
         o_lp = tecupy.dot_product_attention(*ref[:3], "causal", qkv_format="sbhd")
     lp = tape.gradient([o_lp], ref[:3], [ref[3]])
-    atol = float(np.finfo(dt).eps)
+    atol = float(ml_dtypes.finfo(dt).eps)
     assert_within_2x_reference(o, o_ref, o_lp, "o", atol)
     for name, g, w, r in zip("qkv", grads, want, lp):
         assert_within_2x_reference(g, w, r, "d" + name, atol)
