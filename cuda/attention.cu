@@ -55,6 +55,18 @@ __device__ __forceinline__ void ldsm4_t(unsigned r[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+// p[0..3] += (a, b, c, d) in float32, one vector reduction on sm_90 (p 16-byte aligned)
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
+                 "f"(c), "f"(d) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+    atomicAdd(p + 2, c);
+    atomicAdd(p + 3, d);
+#endif
+}
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -178,20 +190,47 @@ struct Dropout {
 };
 
 // ---- forward -----------------------------------------------------------------------------
-constexpr int kFwdBM = 128, kFwdBN = 64, kFwdThreads = 256;
+constexpr int kFwdBM = 128, kFwdBN = 64;
 
-// One K/V tile for one warp's 16 rows: s = scores (log2 units), online softmax update of
-// (m, l, acc), acc += P V. row: this thread's first query row; col0: the tile's first key.
-template <typename T, int D, bool CAUSAL, bool DROPOUT>
-__device__ __forceinline__ void fwd_tile(float acc[][4], float m[2], float l[2],
-                                         const unsigned qf[][4], const T* sk, const T* sv,
-                                         int row, int col0, int kv_len, bool masked,
-                                         float scale_log2, unsigned long long index0,
-                                         int skv, const Dropout& dr) {
+// s[mt] = Q K^T for the warp's MW row tiles of 16 (rows qrow + 16 mt of the Q tile): Q
+// fragments from registers (qf, MW = 1) or from the shared tile (MW = 2, which reuses
+// each K fragment for two row tiles and so halves the shared-memory reads of K).
+template <typename T, int D, int MW>
+__device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsigned qf[][4],
+                                           const T* sq, int qrow, const T* sk) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[MW][4];
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt)
+            if (MW == 1)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
+            else
+                frag_a<D>(a[mt], sq, qrow + 16 * mt, 16 * kk);
+#pragma unroll
+        for (int nn = 0; nn < kFwdBN / 16; ++nn) {
+            unsigned b[4];
+            frag_b<D>(b, sk, 16 * nn, 16 * kk);
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt) {
+                Mma<T>::run(s[mt][2 * nn], a[mt], b[0], b[1]);
+                Mma<T>::run(s[mt][2 * nn + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
+// (base 2) and acc are updated. row: this thread's first query row; col0: first key.
+template <int D, bool CAUSAL, bool DROPOUT>
+__device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
+                                            float acc[][4], int row, int col0, int kv_len,
+                                            bool masked, float scale_log2,
+                                            unsigned long long index0, int skv,
+                                            const Dropout& dr) {
     constexpr int BN = kFwdBN;
     const int t = threadIdx.x & 3;
-    float s[BN / 8][4] = {};
-    mma_rows<T, D, D / 16, BN / 8, false>(s, qf, sk, 0, 0);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float mx = -kInf;
@@ -231,15 +270,34 @@ __device__ __forceinline__ void fwd_tile(float acc[][4], float m[2], float l[2],
             acc[dt][2 * i + 1] *= corr;
         }
     }
-    unsigned pf[BN / 16][4];
-    c_to_a<T, BN / 16>(pf, s);
-    mma_rows<T, D, BN / 16, D / 8, true>(acc, pf, sv, 0, 0);
 }
 
-// Write this warp's 16 rows of O (acc / l, or 0) and their lse.
+// acc[mt] += P[mt] V for the warp's MW row tiles
+template <typename T, int D, int MW>
+__device__ __forceinline__ void fwd_pv(float acc[][D / 8][4], const float s[][kFwdBN / 8][4],
+                                       const T* sv) {
+#pragma unroll
+    for (int kk = 0; kk < kFwdBN / 16; ++kk) {
+        unsigned a[MW][1][4];
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt) c_to_a<T, 1>(a[mt], s[mt] + 2 * kk);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+            unsigned b[4];
+            frag_b_t<D>(b, sv, 16 * dn, 16 * kk);
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt) {
+                Mma<T>::run(acc[mt][2 * dn], a[mt][0], b[0], b[1]);
+                Mma<T>::run(acc[mt][2 * dn + 1], a[mt][0], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Write one 16-row tile of O (acc / l, or 0) and its lse.
 template <typename T, int D>
 __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][4],
-                                          const float m[2], float l[2], int row, int sq,
+                                          const float m[2], const float l[2], int row, int sq,
                                           int q_len, long long stride) {
     const int t = threadIdx.x & 3;
 #pragma unroll
@@ -259,19 +317,19 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
     }
 }
 
-template <typename T, int D, bool CAUSAL, bool DROPOUT>
-__global__ void __launch_bounds__(kFwdThreads)
+// MW row tiles of 16 per warp, 128 / (16 MW) warps; MW = 2 runs two blocks per SM.
+template <typename T, int D, int MW, bool CAUSAL, bool DROPOUT>
+__global__ void __launch_bounds__(256 / MW, MW)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
               float scale_log2, float p_drop, float factor, unsigned long long seed) {
-    constexpr int BM = kFwdBM, BN = kFwdBN, NT = kFwdThreads;
+    constexpr int BM = kFwdBM, BN = kFwdBN, NT = 256 / MW;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + BM * D;   // [2][BN][D]
     T* sV = sK + 2 * BN * D;
     const int m0 = blockIdx.x * BM, head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
     const long long qs = (long long)h * D, ks = (long long)hk * D;
     const T* kb = k + (long long)b * skv * ks + kvh * D;
@@ -284,17 +342,19 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         load_tile<BN, D, NT>(sV, vb, ks, 0, kv_len);
     }
     cp_async_commit();
-    const int row = m0 + 16 * warp + (lane >> 2);
+    const int qrow = 16 * MW * (threadIdx.x >> 5), row = m0 + qrow + ((threadIdx.x & 31) >> 2);
     const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
     const unsigned long long index0 = ((unsigned long long)(b * h + head) * sq + row) * skv;
-    float acc[D / 8][4] = {}, m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};
-    unsigned qf[D / 16][4];
+    float acc[MW][D / 8][4] = {}, m[MW][2], l[MW][2];
+#pragma unroll
+    for (int mt = 0; mt < MW; ++mt) m[mt][0] = m[mt][1] = -kInf, l[mt][0] = l[mt][1] = 0.f;
+    unsigned qf[MW == 1 ? D / 16 : 1][4];
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait_all();
         __syncthreads();
-        if (j == 0)
+        if (MW == 1 && j == 0)
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQ, 16 * warp, 16 * kk);
+            for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQ, qrow, 16 * kk);
         if (j + 1 < n_tiles) {
             const int nb = ((j + 1) & 1) * BN * D;
             load_tile<BN, D, NT>(sK + nb, kb, ks, (j + 1) * BN, kv_len);
@@ -302,13 +362,21 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         }
         cp_async_commit();
         const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > m0);
-        fwd_tile<T, D, CAUSAL, DROPOUT>(acc, m, l, qf, sK + (j & 1) * BN * D,
-                                        sV + (j & 1) * BN * D, row, j * BN, kv_len, masked,
-                                        scale_log2, index0, skv, dr);
+        float s[MW][BN / 8][4] = {};
+        fwd_scores<T, D, MW>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt)
+            fwd_softmax<D, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt, j * BN,
+                                            kv_len, masked, scale_log2,
+                                            index0 + 16ULL * mt * skv, skv, dr);
+        fwd_pv<T, D, MW>(acc, s, sV + (j & 1) * BN * D);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
-    fwd_store<T, D>(o + (long long)b * sq * qs + head * D, lse + (long long)(b * h + head) * sq,
-                    acc, m, l, row, sq, q_len, qs);
+#pragma unroll
+    for (int mt = 0; mt < MW; ++mt)
+        fwd_store<T, D>(o + (long long)b * sq * qs + head * D,
+                        lse + (long long)(b * h + head) * sq, acc[mt], m[mt], l[mt],
+                        row + 16 * mt, sq, q_len, qs);
 }
 
 // ---- backward ----------------------------------------------------------------------------
@@ -433,15 +501,18 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, int q0, int q_len
         frag_a_t<BM>(a[0], sm + S::DS, 16 * wq, 16 * kk);
         mma_rows<T, D, 1, DQC / 8, true>(acc, a, sm + S::K, c0, 16 * kk);
     }
+    // lanes t, t ^ 1 swap halves so that each adds 4 consecutive floats of one row:
+    // even t row g, odd t row g + 8, columns 2 (t & ~1) .. + 3
+    const bool odd = t & 1;
+    const int r = q0 + 16 * wq + g + (odd ? 8 : 0);
+    float* dst = dq + (long long)r * h * D + c0 + 2 * (t & ~1);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = q0 + 16 * wq + g + 8 * i;
-        if (r >= q_len) continue;
-        float* dst = dq + (long long)r * h * D + c0 + 2 * t;
-#pragma unroll
-        for (int nt = 0; nt < DQC / 8; ++nt) {
-            atomicAdd(dst + 8 * nt, acc[nt][2 * i]);
-            atomicAdd(dst + 8 * nt + 1, acc[nt][2 * i + 1]);
+    for (int nt = 0; nt < DQC / 8; ++nt) {
+        const float y0 = __shfl_xor_sync(0xffffffffu, odd ? acc[nt][0] : acc[nt][2], 1);
+        const float y1 = __shfl_xor_sync(0xffffffffu, odd ? acc[nt][1] : acc[nt][3], 1);
+        if (r < q_len) {
+            if (odd) red_add4(dst + 8 * nt, y0, y1, acc[nt][2], acc[nt][3]);
+            else red_add4(dst + 8 * nt, acc[nt][0], acc[nt][1], y0, y1);
         }
     }
 }

@@ -15,13 +15,16 @@ from .common import CTYPE, cbool, grid_1d
 FILE = "attention.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
 HEAD_DIMS = (64, 128)
-FWD_BM, FWD_BN, FWD_THREADS = 128, 64, 256
+FWD_BM, FWD_BN = 128, 64
+FWD_ROW_TILES = (1, 2)  # row tiles of 16 per forward warp (8 or 4 warps)
 BWD_BM = 64
 BWD_WARPS = (4, 8)
-CONFIG = {"bwd_warps": 4}  # warps (16 KV rows each) per backward block; the bench varies it
+# fwd_tiles: 16-row tiles per forward warp; bwd_warps: warps (16 KV rows each) per
+# backward block. The bench varies them.
+CONFIG = {"fwd_tiles": 1, "bwd_warps": 8}
 _TF = ("false", "true")
-loader.declare(FILE, [f"attention_fwd<{t}, {d}, {c}, {r}>"
-                      for t, d, c, r in itertools.product(_TYPES, HEAD_DIMS, _TF, _TF)]
+loader.declare(FILE, [f"attention_fwd<{t}, {d}, {m}, {c}, {r}>" for t, d, m, c, r in
+                      itertools.product(_TYPES, HEAD_DIMS, FWD_ROW_TILES, _TF, _TF)]
                + [f"attention_bwd<{t}, {d}, {w}, {c}, {r}>" for t, d, w, c, r in
                   itertools.product(_TYPES, HEAD_DIMS, BWD_WARPS, _TF, _TF)]
                + [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
@@ -75,9 +78,10 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
     o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     smem = (FWD_BM + 4 * FWD_BN) * d * 2
-    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {cbool('causal' in mask_type)}, "
-                   f"{cbool(dropout_p > 0)}>", smem)
-    fn((-(-sq // FWD_BM), h, b), (FWD_THREADS,),
+    mw = CONFIG["fwd_tiles"]
+    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {mw}, "
+                   f"{cbool('causal' in mask_type)}, {cbool(dropout_p > 0)}>", smem)
+    fn((-(-sq // FWD_BM), h, b), (256 // mw,),
        (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
         np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed)), shared_mem=smem)
     return o, lse

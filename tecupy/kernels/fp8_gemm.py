@@ -18,17 +18,18 @@ from .common import CTYPE, cbool, sm_count
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
 THREADS, BM, BK = 384, 128, 128
-CONFIGS = {False: (256, 4), True: (128, 6)}  # split accumulator -> (BN, stages)
+# split accumulator? -> (BN, stages, promote)
+CONFIGS = {False: (256, 4, False), True: (128, 6, True)}
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
 
 
-def kernel_name(a_fmt, b_fmt, out, bias, accumulate, split):
-    bn, stages = CONFIGS[split]
+def kernel_name(a_fmt, b_fmt, out, bias, accumulate, config):
+    bn, stages, promote = config
     atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
     return (f"tc::fp8_gemm_tn<{bn}, {stages}, {atom}, {out}, {cbool(bias)}, "
-            f"{cbool(accumulate)}, {cbool(split)}>")
+            f"{cbool(accumulate)}, {cbool(promote)}>")
 
 
 def _names():
@@ -36,15 +37,15 @@ def _names():
         for split in (False, True):
             for out in _OUT:
                 for bias in (False, True):
-                    yield kernel_name(*fmts, out, bias, False, split)
-            yield kernel_name(*fmts, "float", False, True, split)
+                    yield kernel_name(*fmts, out, bias, False, CONFIGS[split])
+            yield kernel_name(*fmts, "float", False, True, CONFIGS[split])
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 
 
-def smem_bytes(split):
-    bn, stages = CONFIGS[split]
+def smem_bytes(config):
+    bn, stages, _ = config
     return stages * (BM + bn) * BK + 2 * stages * 8
 
 
@@ -110,14 +111,21 @@ _ready = set()  # kernels whose shared-memory limit was raised
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False):
+    return launch(CONFIGS[split_accumulator], a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
+                  out_dtype, bias, out, accumulate)
+
+
+def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out,
+           accumulate):
+    """Run the kernel of `config` (BN, stages, promote)."""
     import cupy
     m, k = a.shape
     n = b.shape[0]
     out_dtype = np.dtype(out_dtype)
     name = kernel_name(a_fmt.name, b_fmt.name, CTYPE[out_dtype], bias is not None,
-                       accumulate, split_accumulator)
+                       accumulate, config)
     fn = loader.function(FILE, name)
-    smem = smem_bytes(split_accumulator)
+    smem = smem_bytes(config)
     if name not in _ready:
         fn.max_dynamic_shared_size_bytes = smem
         _ready.add(name)
@@ -127,7 +135,7 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
         raise ValueError(f"fp8_gemm: out must be a contiguous {out_dtype} array of shape "
                          f"{(m, n)}, got {out.dtype} {out.shape}")
     bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)  # unread
-    bn = CONFIGS[split_accumulator][0]
+    bn = config[0]
     tiles = -(-m // BM) * -(-n // bn)
     fn((min(tiles, sm_count()),), (THREADS,),
        (a_scale_inv, b_scale_inv, bias32, out, np.int32(m), np.int32(n), np.int32(k),
