@@ -193,9 +193,9 @@ struct Dropout {
 constexpr int kFwdBM = 128, kFwdBN = 64;
 
 // s[mt] = Q K^T for the warp's MW row tiles of 16 (rows qrow + 16 mt of the Q tile): Q
-// fragments from registers (qf, MW = 1) or from the shared tile (MW = 2, which reuses
-// each K fragment for two row tiles and so halves the shared-memory reads of K).
-template <typename T, int D, int MW>
+// fragments from registers (qf, QREG) or from the shared tile. MW = 2 reuses each K
+// fragment for two row tiles, which halves the shared-memory reads of K.
+template <typename T, int D, int MW, bool QREG>
 __device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsigned qf[][4],
                                            const T* sq, int qrow, const T* sk) {
 #pragma unroll
@@ -203,7 +203,7 @@ __device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsig
         unsigned a[MW][4];
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
-            if (MW == 1)
+            if (QREG)
 #pragma unroll
                 for (int x = 0; x < 4; ++x) a[mt][x] = qf[kk][x];
             else
@@ -317,9 +317,10 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
     }
 }
 
-// MW row tiles of 16 per warp, 128 / (16 MW) warps; MW = 2 runs two blocks per SM.
-template <typename T, int D, int MW, bool CAUSAL, bool DROPOUT>
-__global__ void __launch_bounds__(256 / MW, MW)
+// MW row tiles of 16 per warp, 128 / (16 MW) warps; Q fragments in registers (QREG, one
+// block per SM) or re-read from shared memory (two blocks per SM).
+template <typename T, int D, int MW, bool QREG, bool CAUSAL, bool DROPOUT>
+__global__ void __launch_bounds__(256 / MW, QREG ? 1 : 2)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
@@ -348,11 +349,12 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     float acc[MW][D / 8][4] = {}, m[MW][2], l[MW][2];
 #pragma unroll
     for (int mt = 0; mt < MW; ++mt) m[mt][0] = m[mt][1] = -kInf, l[mt][0] = l[mt][1] = 0.f;
-    unsigned qf[MW == 1 ? D / 16 : 1][4];
+    static_assert(!QREG || MW == 1, "Q fragments stay in registers for one row tile only");
+    unsigned qf[QREG ? D / 16 : 1][4];
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait_all();
         __syncthreads();
-        if (MW == 1 && j == 0)
+        if (QREG && j == 0)
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQ, qrow, 16 * kk);
         if (j + 1 < n_tiles) {
@@ -363,7 +365,7 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         cp_async_commit();
         const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > m0);
         float s[MW][BN / 8][4] = {};
-        fwd_scores<T, D, MW>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
+        fwd_scores<T, D, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
             fwd_softmax<D, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt, j * BN,

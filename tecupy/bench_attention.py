@@ -7,7 +7,7 @@ through the backend registry (the `cuda` implementation), the peers are
 F.scaled_dot_product_attention under sdpa_kernel(FLASH_ATTENTION) and
 sdpa_kernel(CUDNN_ATTENTION), measured in the same run when torch is importable. The
 largest difference of our output from the flash backend's is printed as a sanity check.
-Set TECUPY_BENCH_BWD_WARPS="4,8" to time the backward block variants.
+TECUPY_BENCH_VARIANTS=1 times every forward variant and backward block size.
 """
 import os
 import time
@@ -97,7 +97,8 @@ def run(args):
     arrays, ts = _inputs(torch)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"{name}: attention b{B} h{H} s{S} d{D} bf16 bshd, TFLOP/s (ms)")
-    warps = [int(w) for w in os.environ.get("TECUPY_BENCH_BWD_WARPS", "").split(",") if w]
+    every = os.environ.get("TECUPY_BENCH_VARIANTS") == "1"
+    default = dict(kernel.CONFIG)
     rows = []
     for causal in (False, True):
         fwd, fwd_bwd = _ours(arrays, causal)
@@ -106,13 +107,13 @@ def run(args):
         cupy.cuda.Device().synchronize()
         first = (time.perf_counter() - t0) * 1e3
         for label, fn, bwd in (("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)):
-            variants = [None] if not bwd or not warps else warps
-            for w in variants:
-                if w:
-                    kernel.CONFIG["bwd_warps"] = w
+            key, values = ("bwd_warps", kernel.BWD_WARPS) if bwd else ("fwd", kernel.FWD_VARIANTS)
+            for value in values if every else [default[key]]:
+                kernel.CONFIG.update(default, **{key: value})
                 ms = _time(fn, False)
-                tag = f"{label}{'' if w is None else f' (bwd {w} warps)'}"
+                tag = f"{label} {key}={value}".replace(" ", "") if every else label
                 rows.append((("causal " if causal else "full   ") + tag, ms, bwd, causal))
+            kernel.CONFIG.update(default)
         if torch is not None:
             diff = _sanity(torch, arrays, ts, causal)
             print(f"  {'causal' if causal else 'full'}: first call {first:.0f} ms; "

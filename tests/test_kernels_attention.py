@@ -9,6 +9,7 @@ import pytest
 
 import tecupy
 from tecupy import backends
+from tecupy.kernels import attention as kernel
 from conftest import asnp, assert_within_2x_reference, f64, run
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +37,19 @@ def _lengths(rng, b, s):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", list(CASES))
 def test_attention_fwd_bwd(rng, dtype, case):
+    _check(rng, dtype, case)
+
+
+@pytest.mark.parametrize("fwd", kernel.FWD_VARIANTS, ids=str)
+@pytest.mark.parametrize("bwd_warps", kernel.BWD_WARPS)
+@pytest.mark.parametrize("case", ["mha-d128-causal", "gqa-d64-padding-causal"])
+def test_attention_kernel_variants(rng, monkeypatch, fwd, bwd_warps, case):
+    monkeypatch.setitem(kernel.CONFIG, "fwd", fwd)
+    monkeypatch.setitem(kernel.CONFIG, "bwd_warps", bwd_warps)
+    _check(rng, tecupy.bfloat16, case)
+
+
+def _check(rng, dtype, case):
     b, sq, skv, h, hk, d, mask, p = CASES[case]
     q, k, v, do = (rng.standard_normal(shape).astype(dtype) for shape in
                    ((b, sq, h, d), (b, skv, hk, d), (b, skv, hk, d), (b, sq, h, d)))

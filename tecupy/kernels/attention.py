@@ -16,15 +16,16 @@ FILE = "attention.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
 HEAD_DIMS = (64, 128)
 FWD_BM, FWD_BN = 128, 64
-FWD_ROW_TILES = (1, 2)  # row tiles of 16 per forward warp (8 or 4 warps)
+# forward variants (row tiles of 16 per warp, Q fragments kept in registers)
+FWD_VARIANTS = ((1, True), (1, False), (2, False))
 BWD_BM = 64
 BWD_WARPS = (4, 8)
-# fwd_tiles: 16-row tiles per forward warp; bwd_warps: warps (16 KV rows each) per
-# backward block. The bench varies them.
-CONFIG = {"fwd_tiles": 1, "bwd_warps": 8}
+# fwd: one of FWD_VARIANTS; bwd_warps: warps (16 KV rows each) per backward block. The
+# bench varies them.
+CONFIG = {"fwd": (1, True), "bwd_warps": 8}
 _TF = ("false", "true")
-loader.declare(FILE, [f"attention_fwd<{t}, {d}, {m}, {c}, {r}>" for t, d, m, c, r in
-                      itertools.product(_TYPES, HEAD_DIMS, FWD_ROW_TILES, _TF, _TF)]
+loader.declare(FILE, [f"attention_fwd<{t}, {d}, {m}, {cbool(qr)}, {c}, {r}>" for t, d, (m, qr),
+                      c, r in itertools.product(_TYPES, HEAD_DIMS, FWD_VARIANTS, _TF, _TF)]
                + [f"attention_bwd<{t}, {d}, {w}, {c}, {r}>" for t, d, w, c, r in
                   itertools.product(_TYPES, HEAD_DIMS, BWD_WARPS, _TF, _TF)]
                + [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
@@ -78,8 +79,8 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
     o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     smem = (FWD_BM + 4 * FWD_BN) * d * 2
-    mw = CONFIG["fwd_tiles"]
-    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {mw}, "
+    mw, qreg = CONFIG["fwd"]
+    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {mw}, {cbool(qreg)}, "
                    f"{cbool('causal' in mask_type)}, {cbool(dropout_p > 0)}>", smem)
     fn((-(-sq // FWD_BM), h, b), (256 // mw,),
        (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
