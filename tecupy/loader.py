@@ -157,7 +157,7 @@ def _nvrtc(file, names, options):
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, opts)
+            _compile_program(nvrtc, prog, opts)
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed to compile {path}\noptions: {' '.join(opts)}\n"
@@ -165,6 +165,17 @@ def _nvrtc(file, names, options):
         return nvrtc.getCUBIN(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _compile_program(nvrtc, prog, opts, tries=3):
+    """nvrtcCompileProgram, retried when NVRTC could not load its builtins library
+    (NVRTC_ERROR_BUILTIN_OPERATION_FAILURE, seen transiently under parallel builds)."""
+    for i in range(tries):
+        try:
+            return nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as err:
+            if "BUILTIN_OPERATION_FAILURE" not in str(err) or i == tries - 1:
+                raise
 
 
 def function(file, name, options=()):
