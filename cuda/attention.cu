@@ -10,7 +10,7 @@
 // from Philox over the flat index ((b h + head) sq + i) skv + j of [b, h, sq, skv], word
 // (index % 4) of philox(counter = (index / 4, 0), key = seed), as reference/dropout.py.
 //
-//   attention_fwd       grid (ceil(sq / 128), h, b), 256 threads: 8 warps x 16 query rows;
+//   attention_fwd       grid (ceil(sq / 128), h, b); warps of MW x 16 query rows;
 //                       Q fragments in registers, K/V tiles of 64 rows double-buffered
 //                       by cp.async; online softmax in base 2 (scores pre-scaled by
 //                       scale log2 e). Dynamic shared memory (128 + 4 * 64) d * 2 bytes.
@@ -190,13 +190,13 @@ struct Dropout {
 };
 
 // ---- forward -----------------------------------------------------------------------------
-constexpr int kFwdBM = 128, kFwdBN = 64;
+constexpr int kFwdBM = 128;
 
 // s[mt] = Q K^T for the warp's MW row tiles of 16 (rows qrow + 16 mt of the Q tile): Q
 // fragments from registers (qf, QREG) or from the shared tile. MW = 2 reuses each K
 // fragment for two row tiles, which halves the shared-memory reads of K.
-template <typename T, int D, int MW, bool QREG>
-__device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsigned qf[][4],
+template <typename T, int D, int BN, int MW, bool QREG>
+__device__ __forceinline__ void fwd_scores(float s[][BN / 8][4], const unsigned qf[][4],
                                            const T* sq, int qrow, const T* sk) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -209,7 +209,7 @@ __device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsig
             else
                 frag_a<D>(a[mt], sq, qrow + 16 * mt, 16 * kk);
 #pragma unroll
-        for (int nn = 0; nn < kFwdBN / 16; ++nn) {
+        for (int nn = 0; nn < BN / 16; ++nn) {
             unsigned b[4];
             frag_b<D>(b, sk, 16 * nn, 16 * kk);
 #pragma unroll
@@ -223,13 +223,12 @@ __device__ __forceinline__ void fwd_scores(float s[][kFwdBN / 8][4], const unsig
 
 // Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
 // (base 2) and acc are updated. row: this thread's first query row; col0: first key.
-template <int D, bool CAUSAL, bool DROPOUT>
+template <int D, int BN, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
                                             float acc[][4], int row, int col0, int kv_len,
                                             bool masked, float scale_log2,
                                             unsigned long long index0, int skv,
                                             const Dropout& dr) {
-    constexpr int BN = kFwdBN;
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -239,14 +238,14 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int c = col0 + 8 * nt + 2 * t + e;
-                float x = s[nt][2 * i + e] * scale_log2;
-                if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i))) x = -kInf;
-                s[nt][2 * i + e] = x;
-                mx = fmaxf(mx, x);
+                if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i)))
+                    s[nt][2 * i + e] = -kInf;
+                mx = fmaxf(mx, s[nt][2 * i + e]);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[i], mx), m_use = m_new == -kInf ? 0.f : m_new;
+        // scale > 0: the raw maximum scaled is the maximum of the scaled scores
+        const float m_new = fmaxf(m[i], mx * scale_log2), m_use = m_new == -kInf ? 0.f : m_new;
         const float corr = fast_exp2(m[i] - m_use);
         m[i] = m_new;
         float sum = 0.f;
@@ -254,7 +253,7 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float pe = fast_exp2(s[nt][2 * i + e] - m_use);
+                float pe = fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use));
                 sum += pe;
                 if (DROPOUT) {
                     const int c = col0 + 8 * nt + 2 * t + e;
@@ -273,11 +272,11 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
 }
 
 // acc[mt] += P[mt] V for the warp's MW row tiles
-template <typename T, int D, int MW>
-__device__ __forceinline__ void fwd_pv(float acc[][D / 8][4], const float s[][kFwdBN / 8][4],
+template <typename T, int D, int BN, int MW>
+__device__ __forceinline__ void fwd_pv(float acc[][D / 8][4], const float s[][BN / 8][4],
                                        const T* sv) {
 #pragma unroll
-    for (int kk = 0; kk < kFwdBN / 16; ++kk) {
+    for (int kk = 0; kk < BN / 16; ++kk) {
         unsigned a[MW][1][4];
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt) c_to_a<T, 1>(a[mt], s[mt] + 2 * kk);
@@ -317,20 +316,22 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
     }
 }
 
-// MW row tiles of 16 per warp, 128 / (16 MW) warps; Q fragments in registers (QREG, one
-// block per SM) or re-read from shared memory (two blocks per SM).
-template <typename T, int D, int MW, bool QREG, bool CAUSAL, bool DROPOUT>
+// MW row tiles of 16 per warp, 128 / (16 MW) warps, K/V tiles of BN rows; Q fragments in
+// registers (QREG, one block per SM) or re-read from shared memory (two blocks per SM).
+template <typename T, int D, int BN, int MW, bool QREG, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(256 / MW, QREG ? 1 : 2)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
               float scale_log2, float p_drop, float factor, unsigned long long seed) {
-    constexpr int BM = kFwdBM, BN = kFwdBN, NT = 256 / MW;
+    constexpr int BM = kFwdBM, NT = 256 / MW;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + BM * D;   // [2][BN][D]
     T* sV = sK + 2 * BN * D;
-    const int m0 = blockIdx.x * BM, head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
+    // causal: the last query blocks have the most keys; they start first
+    const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
+    const int head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
     const long long qs = (long long)h * D, ks = (long long)hk * D;
     const T* kb = k + (long long)b * skv * ks + kvh * D;
@@ -365,13 +366,13 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         cp_async_commit();
         const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > m0);
         float s[MW][BN / 8][4] = {};
-        fwd_scores<T, D, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
+        fwd_scores<T, D, BN, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
-            fwd_softmax<D, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt, j * BN,
+            fwd_softmax<D, BN, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt, j * BN,
                                             kv_len, masked, scale_log2,
                                             index0 + 16ULL * mt * skv, skv, dr);
-        fwd_pv<T, D, MW>(acc, s, sV + (j & 1) * BN * D);
+        fwd_pv<T, D, BN, MW>(acc, s, sV + (j & 1) * BN * D);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
 #pragma unroll
@@ -404,10 +405,11 @@ __global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restric
 constexpr int kBwdBM = 64;
 
 // Shared memory of the backward kernel, in elements of T (lse and delta are float).
-template <int D, int NW> struct BwdSmem {
+template <int D, int NW, int NDS> struct BwdSmem {
     static constexpr int BN = 16 * NW, BM = kBwdBM;
     static constexpr int K = 0, V = BN * D, Q = 2 * BN * D, DO = Q + 2 * BM * D,
-                         DS = DO + 2 * BM * D, END = DS + BN * BM;  // then lse, delta [2][BM] float
+                         DS = DO + 2 * BM * D, END = DS + NDS * BN * BM;
+    // then float lse[2][BM], delta[2][BM]
 };
 
 // Load query block `it` of the group's heads (Q, dO rows, lse, delta) into buffer `buf`.
@@ -416,7 +418,7 @@ __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q
                                            const float* lse, const float* delta, int hh,
                                            int q0, int b, int sq, int h, int q_len) {
     constexpr int BM = kBwdBM, NT = 32 * NW;
-    using S = BwdSmem<D, NW>;
+    using S = BwdSmem<D, NW, 1>;
     const long long qs = (long long)h * D, base = (long long)b * sq * qs + hh * D;
     load_tile<BM, D, NT>(sm + S::Q + buf * BM * D, q + base, qs, q0, q_len);
     load_tile<BM, D, NT>(sm + S::DO + buf * BM * D, dout + base, qs, q0, q_len);
@@ -433,12 +435,13 @@ __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q
 // One query block against this block's KV rows, for this warp's 16 KV rows (kv_row: the
 // thread's first): dK, dV accumulate; dS^T (scale folded in) goes to shared memory.
 template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
-__device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, const float* sf,
-                                          int buf, int kv_row, int q0, int q_len, int kv_len,
+__device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T* sds,
+                                          const float* sf, int buf, int kv_row, int q0,
+                                          int q_len, int kv_len,
                                           bool masked, float scale, unsigned long long index0,
                                           int skv, const Dropout& dr) {
     constexpr int BM = kBwdBM;
-    using S = BwdSmem<D, NW>;
+    using S = BwdSmem<D, NW, 1>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     const T* cq = sm + S::Q + buf * BM * D;
     const T* cdo = sm + S::DO + buf * BM * D;
@@ -479,7 +482,7 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, c
     mma_rows<T, D, BM / 16, D / 8, true>(dv, pa, cdo, 0, 0);
     c_to_a<T, BM / 16>(pa, dp);
     mma_rows<T, D, BM / 16, D / 8, true>(dk, pa, cq, 0, 0);
-    T* sds = sm + S::DS;  // dS^T [BN][BM]
+    // dS^T [BN][BM] into sds
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -491,16 +494,17 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, c
 // dQ[q0.., :] += dS K from shared memory: warp w takes 16 query rows (w % 4) and D / (NW / 4)
 // columns; float32 atomics into dq (pointing at [b, 0, head, 0], row stride h D).
 template <typename T, int D, int NW>
-__device__ __forceinline__ void bwd_dq(float* dq, const T* sm, int q0, int q_len, int h) {
+__device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int q0, int q_len,
+                                       int h) {
     constexpr int BM = kBwdBM, BN = 16 * NW, DQC = D / (NW / 4);
-    using S = BwdSmem<D, NW>;
+    using S = BwdSmem<D, NW, 1>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     const int wq = warp & 3, c0 = (warp >> 2) * DQC;
     float acc[DQC / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
         unsigned a[1][4];
-        frag_a_t<BM>(a[0], sm + S::DS, 16 * wq, 16 * kk);
+        frag_a_t<BM>(a[0], sds, 16 * wq, 16 * kk);
         mma_rows<T, D, 1, DQC / 8, true>(acc, a, sm + S::K, c0, 16 * kk);
     }
     // lanes t, t ^ 1 swap halves so that each adds 4 consecutive floats of one row:
@@ -519,7 +523,9 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, int q0, int q_len
     }
 }
 
-template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
+// DEFER: dS^T double-buffered and dQ of query block it - 1 computed after block it's dK, dV
+// (one barrier per block instead of two; warps drift apart).
+template <typename T, int D, int NW, bool DEFER, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(32 * NW)
 attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
               const T* __restrict__ v, const float* __restrict__ lse,
@@ -528,7 +534,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
               float p_drop, float factor, unsigned long long seed) {
     constexpr int BM = kBwdBM, BN = 16 * NW, NT = 32 * NW;
-    using S = BwdSmem<D, NW>;
+    using S = BwdSmem<D, NW, DEFER ? 2 : 1>;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sm = reinterpret_cast<T*>(smem);
     float* sf = reinterpret_cast<float*>(sm + S::END);
@@ -546,6 +552,8 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     const int kv_row = n0 + 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
     const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
+    float* dqb = dq_acc + (long long)b * sq * h * D;
+    int prev_q0 = 0, prev_hh = 0;
     for (int it = 0; it < total; ++it) {
         const int hh = kvh * group + it / nqb, q0 = (qb0 + it % nqb) * BM;
         cp_async_wait_all();
@@ -556,13 +564,27 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                  sq, h, q_len);
         cp_async_commit();
         const bool masked = q0 + BM > q_len || n0 + BN > kv_len || (CAUSAL && n0 + BN - 1 > q0);
-        bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sf, it & 1, kv_row, q0, q_len, kv_len,
-                                             masked, scale,
+        T* sds = sm + S::DS + (DEFER ? (it & 1) * BN * BM : 0);
+        bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sds, sf, it & 1, kv_row, q0, q_len,
+                                             kv_len, masked, scale,
                                              (unsigned long long)(b * h + hh) * sq * skv, skv, dr);
-        __syncthreads();
-        bwd_dq<T, D, NW>(dq_acc + ((long long)b * sq * h + hh) * D, sm, q0, q_len, h);
+        if (DEFER) {
+            if (it > 0)
+                bwd_dq<T, D, NW>(dqb + prev_hh * D, sm, sm + S::DS + ((it - 1) & 1) * BN * BM,
+                                 prev_q0, q_len, h);
+            prev_q0 = q0;
+            prev_hh = hh;
+        } else {
+            __syncthreads();
+            bwd_dq<T, D, NW>(dqb + hh * D, sm, sds, q0, q_len, h);
+        }
     }
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
+    if (DEFER && total > 0) {
+        __syncthreads();
+        bwd_dq<T, D, NW>(dqb + prev_hh * D, sm, sm + S::DS + ((total - 1) & 1) * BN * BM,
+                         prev_q0, q_len, h);
+    }
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

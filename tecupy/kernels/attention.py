@@ -2,7 +2,7 @@
 
 attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
 (reference/attention.py). bf16/fp16, head dim 64 or 128, layout bshd; other inputs fall
-back to the reference (supports() declines them).
+back to the reference (supports() declines them, and a softmax scale <= 0).
 """
 import itertools
 
@@ -15,36 +15,54 @@ from .common import CTYPE, cbool, grid_1d
 FILE = "attention.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
 HEAD_DIMS = (64, 128)
-FWD_BM, FWD_BN = 128, 64
-# forward variants (row tiles of 16 per warp, Q fragments kept in registers)
-FWD_VARIANTS = ((1, True), (1, False), (2, False))
-BWD_BM = 64
-BWD_WARPS = (4, 8)
-# fwd: one of FWD_VARIANTS; bwd_warps: warps (16 KV rows each) per backward block. The
-# bench varies them.
-CONFIG = {"fwd": (1, True), "bwd_warps": 8}
+FWD_BM, BWD_BM = 128, 64
+# Kernel variants. Forward (K/V tile rows, 16-row tiles per warp, Q fragments kept in
+# registers); backward (warps of 16 KV rows per block, dQ deferred by one query block).
+# CONFIG holds the ones used; every (dtype, head dim, mask, dropout) has the CONFIG's
+# variants, the other variants exist without dropout for the tests and the bench.
+FWD_VARIANTS = ((64, 1, True), (64, 2, False), (32, 2, False))
+BWD_VARIANTS = ((8, False), (8, True), (4, True))
+CONFIG = {"fwd": (64, 1, True), "bwd": (8, False)}
 _TF = ("false", "true")
-loader.declare(FILE, [f"attention_fwd<{t}, {d}, {m}, {cbool(qr)}, {c}, {r}>" for t, d, (m, qr),
-                      c, r in itertools.product(_TYPES, HEAD_DIMS, FWD_VARIANTS, _TF, _TF)]
-               + [f"attention_bwd<{t}, {d}, {w}, {c}, {r}>" for t, d, w, c, r in
-                  itertools.product(_TYPES, HEAD_DIMS, BWD_WARPS, _TF, _TF)]
-               + [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
-               + [f"attention_convert<{t}>" for t in _TYPES])
+
+
+def _fwd_name(t, d, variant, causal, dropout):
+    bn, mw, qreg = variant
+    return f"attention_fwd<{t}, {d}, {bn}, {mw}, {cbool(qreg)}, {cbool(causal)}, {cbool(dropout)}>"
+
+
+def _bwd_name(t, d, variant, causal, dropout):
+    nw, defer = variant
+    return f"attention_bwd<{t}, {d}, {nw}, {cbool(defer)}, {cbool(causal)}, {cbool(dropout)}>"
+
+
+def _declare():
+    names = [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
+    names += [f"attention_convert<{t}>" for t in _TYPES]
+    for t, d, c, r in itertools.product(_TYPES, HEAD_DIMS, (False, True), (False, True)):
+        names += [_fwd_name(t, d, v, c, r) for v in FWD_VARIANTS if v == CONFIG["fwd"] or not r]
+        names += [_bwd_name(t, d, v, c, r) for v in BWD_VARIANTS if v == CONFIG["bwd"] or not r]
+    loader.declare(FILE, names)
+
+
+_declare()
+_DEFAULT = dict(CONFIG)  # the variants declared with dropout
 
 
 def _ok(t, like):
     return is_cupy(t) and t.dtype == like.dtype
 
 
-def _supports(q, k, v, *rest):
+def _supports(q, k, v, scale=1.0, *rest):
     b, sq, h, d = q.shape
-    return (_ok(q, q) and q.dtype in (np.dtype(np.float16), bfloat16) and _ok(k, q)
+    return (scale > 0 and _ok(q, q) and q.dtype in (np.dtype(np.float16), bfloat16)
+            and _ok(k, q)
             and _ok(v, q) and d in HEAD_DIMS and min(b, sq, k.shape[1]) > 0
             and max(q.size, k.size) < 2**31 and b * h * sq * k.shape[1] < 2**62)
 
 
-def _supports_bwd(do, q, k, v, o, lse, *rest):
-    return _supports(q, k, v) and _ok(do, q) and _ok(o, q)
+def _supports_bwd(do, q, k, v, o, lse, scale, *rest):
+    return _supports(q, k, v, scale) and _ok(do, q) and _ok(o, q)
 
 
 def _function(name, smem):
@@ -78,10 +96,11 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
     skv, hk = k.shape[1], k.shape[2]
     o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
-    smem = (FWD_BM + 4 * FWD_BN) * d * 2
-    mw, qreg = CONFIG["fwd"]
-    fn = _function(f"attention_fwd<{CTYPE[q.dtype]}, {d}, {mw}, {cbool(qreg)}, "
-                   f"{cbool('causal' in mask_type)}, {cbool(dropout_p > 0)}>", smem)
+    variant = CONFIG["fwd"] if dropout_p == 0 else _DEFAULT["fwd"]
+    bn, mw, _ = variant
+    smem = (FWD_BM + 4 * bn) * d * 2
+    fn = _function(_fwd_name(CTYPE[q.dtype], d, variant, "causal" in mask_type, dropout_p > 0),
+                   smem)
     fn((-(-sq // FWD_BM), h, b), (256 // mw,),
        (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
         np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed)), shared_mem=smem)
@@ -102,11 +121,11 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
         (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h)))
     dq_acc = cupy.zeros((b, sq, h, d), np.float32)
     dk, dv = cupy.empty_like(k), cupy.empty_like(v)
-    nw = CONFIG["bwd_warps"]
+    variant = CONFIG["bwd"] if dropout_p == 0 else _DEFAULT["bwd"]
+    nw, defer = variant
     bn = 16 * nw
-    smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
-    fn = _function(f"attention_bwd<{t}, {d}, {nw}, {cbool('causal' in mask_type)}, "
-                   f"{cbool(dropout_p > 0)}>", smem)
+    smem = (2 * bn * d + 4 * BWD_BM * d + (1 + defer) * bn * BWD_BM) * 2 + 4 * BWD_BM * 4
+    fn = _function(_bwd_name(t, d, variant, "causal" in mask_type, dropout_p > 0), smem)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     fn((-(-skv // bn), hk, b), (32 * nw,),
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
