@@ -223,7 +223,9 @@ __device__ __forceinline__ void fwd_scores(float s[][BN / 8][4], const unsigned 
 
 // Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
 // (base 2) and acc are updated. row: this thread's first query row; col0: first key.
-template <int D, int BN, bool CAUSAL, bool DROPOUT>
+// FOLD: the scale goes into the exponent's multiply-add (the maximum is taken over raw
+// scores, which needs scale > 0), else the scores are scaled first.
+template <int D, int BN, bool FOLD, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
                                             float acc[][4], int row, int col0, int kv_len,
                                             bool masked, float scale_log2,
@@ -238,14 +240,15 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int c = col0 + 8 * nt + 2 * t + e;
+                if (!FOLD) s[nt][2 * i + e] *= scale_log2;
                 if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i)))
                     s[nt][2 * i + e] = -kInf;
                 mx = fmaxf(mx, s[nt][2 * i + e]);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // scale > 0: the raw maximum scaled is the maximum of the scaled scores
-        const float m_new = fmaxf(m[i], mx * scale_log2), m_use = m_new == -kInf ? 0.f : m_new;
+        if (FOLD) mx *= scale_log2;
+        const float m_new = fmaxf(m[i], mx), m_use = m_new == -kInf ? 0.f : m_new;
         const float corr = fast_exp2(m[i] - m_use);
         m[i] = m_new;
         float sum = 0.f;
@@ -253,7 +256,8 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float pe = fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use));
+                float pe = FOLD ? fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use))
+                                : fast_exp2(s[nt][2 * i + e] - m_use);
                 sum += pe;
                 if (DROPOUT) {
                     const int c = col0 + 8 * nt + 2 * t + e;
@@ -318,7 +322,7 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
 
 // MW row tiles of 16 per warp, 128 / (16 MW) warps, K/V tiles of BN rows; Q fragments in
 // registers (QREG, one block per SM) or re-read from shared memory (two blocks per SM).
-template <typename T, int D, int BN, int MW, bool QREG, bool CAUSAL, bool DROPOUT>
+template <typename T, int D, int BN, int MW, bool QREG, bool FOLD, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(256 / MW, QREG ? 1 : 2)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
@@ -369,9 +373,10 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         fwd_scores<T, D, BN, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
-            fwd_softmax<D, BN, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt, j * BN,
-                                            kv_len, masked, scale_log2,
-                                            index0 + 16ULL * mt * skv, skv, dr);
+            fwd_softmax<D, BN, FOLD, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt],
+                                                      row + 16 * mt, j * BN, kv_len, masked,
+                                                      scale_log2, index0 + 16ULL * mt * skv,
+                                                      skv, dr);
         fwd_pv<T, D, BN, MW>(acc, s, sV + (j & 1) * BN * D);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
@@ -405,10 +410,10 @@ __global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restric
 constexpr int kBwdBM = 64;
 
 // Shared memory of the backward kernel, in elements of T (lse and delta are float).
-template <int D, int NW, int NDS> struct BwdSmem {
+template <int D, int NW> struct BwdSmem {
     static constexpr int BN = 16 * NW, BM = kBwdBM;
     static constexpr int K = 0, V = BN * D, Q = 2 * BN * D, DO = Q + 2 * BM * D,
-                         DS = DO + 2 * BM * D, END = DS + NDS * BN * BM;
+                         DS = DO + 2 * BM * D, END = DS + BN * BM;
     // then float lse[2][BM], delta[2][BM]
 };
 
@@ -418,7 +423,7 @@ __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q
                                            const float* lse, const float* delta, int hh,
                                            int q0, int b, int sq, int h, int q_len) {
     constexpr int BM = kBwdBM, NT = 32 * NW;
-    using S = BwdSmem<D, NW, 1>;
+    using S = BwdSmem<D, NW>;
     const long long qs = (long long)h * D, base = (long long)b * sq * qs + hh * D;
     load_tile<BM, D, NT>(sm + S::Q + buf * BM * D, q + base, qs, q0, q_len);
     load_tile<BM, D, NT>(sm + S::DO + buf * BM * D, dout + base, qs, q0, q_len);
@@ -434,14 +439,14 @@ __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q
 
 // One query block against this block's KV rows, for this warp's 16 KV rows (kv_row: the
 // thread's first): dK, dV accumulate; dS^T (scale folded in) goes to shared memory.
-template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
+template <typename T, int D, int NW, bool PAIR, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T* sds,
                                           const float* sf, int buf, int kv_row, int q0,
                                           int q_len, int kv_len,
                                           bool masked, float scale, unsigned long long index0,
                                           int skv, const Dropout& dr) {
     constexpr int BM = kBwdBM;
-    using S = BwdSmem<D, NW, 1>;
+    using S = BwdSmem<D, NW>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     const T* cq = sm + S::Q + buf * BM * D;
     const T* cdo = sm + S::DO + buf * BM * D;
@@ -457,11 +462,17 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
     }
     const float scale_log2 = scale * kLog2e;
 #pragma unroll
-    for (int nt = 0; nt < BM / 8; ++nt)
+    for (int nt = 0; nt < BM / 8; ++nt) {
+        float2 lp, dlp;  // PAIR: the two columns' lse and delta in one 8-byte load each
+        if (PAIR) {
+            lp = *reinterpret_cast<const float2*>(L + 8 * nt + 2 * t);
+            dlp = *reinterpret_cast<const float2*>(Dl + 8 * nt + 2 * t);
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int c = 8 * nt + 2 * t + e, qc = q0 + c;
-            const float lse2 = L[c] * kLog2e, dl = Dl[c];
+            const float lse2 = (PAIR ? (e ? lp.y : lp.x) : L[c]) * kLog2e;
+            const float dl = PAIR ? (e ? dlp.y : dlp.x) : Dl[c];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = kv_row + 8 * i;
@@ -477,6 +488,7 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
                 s[nt][2 * i + e] = x * z;
             }
         }
+    }
     unsigned pa[BM / 16][4];
     c_to_a<T, BM / 16>(pa, s);
     mma_rows<T, D, BM / 16, D / 8, true>(dv, pa, cdo, 0, 0);
@@ -491,41 +503,55 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
                                                        16 * kk + 8 * (x >> 1) + 2 * t)) = pa[kk][x];
 }
 
-// dQ[q0.., :] += dS K from shared memory: warp w takes 16 query rows (w % 4) and D / (NW / 4)
-// columns; float32 atomics into dq (pointing at [b, 0, head, 0], row stride h D).
-template <typename T, int D, int NW>
+// dQ[q0.., :] += dS K from shared memory; float32 vector reductions into dq (pointing at
+// [b, 0, head, 0], row stride h D). Warp tiles: MT row tiles of 16 (query rows
+// 16 MT (w % (4 / MT))) by D / (NW MT / 4) columns (MT = 2: fewer shared-memory reads).
+template <typename T, int D, int NW, int MT>
 __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int q0, int q_len,
                                        int h) {
-    constexpr int BM = kBwdBM, BN = 16 * NW, DQC = D / (NW / 4);
-    using S = BwdSmem<D, NW, 1>;
+    constexpr int BM = kBwdBM, BN = 16 * NW, WQ = 4 / MT, DQC = D / (NW / WQ);
+    using S = BwdSmem<D, NW>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
-    const int wq = warp & 3, c0 = (warp >> 2) * DQC;
-    float acc[DQC / 8][4] = {};
+    const int qw = 16 * MT * (warp % WQ), c0 = (warp / WQ) * DQC;
+    float acc[MT][DQC / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-        unsigned a[1][4];
-        frag_a_t<BM>(a[0], sds, 16 * wq, 16 * kk);
-        mma_rows<T, D, 1, DQC / 8, true>(acc, a, sm + S::K, c0, 16 * kk);
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) frag_a_t<BM>(a[mt], sds, qw + 16 * mt, 16 * kk);
+#pragma unroll
+        for (int nn = 0; nn < DQC / 16; ++nn) {
+            unsigned b[4];
+            frag_b_t<D>(b, sm + S::K, c0 + 16 * nn, 16 * kk);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Mma<T>::run(acc[mt][2 * nn], a[mt], b[0], b[1]);
+                Mma<T>::run(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
+            }
+        }
     }
     // lanes t, t ^ 1 swap halves so that each adds 4 consecutive floats of one row:
     // even t row g, odd t row g + 8, columns 2 (t & ~1) .. + 3
     const bool odd = t & 1;
-    const int r = q0 + 16 * wq + g + (odd ? 8 : 0);
-    float* dst = dq + (long long)r * h * D + c0 + 2 * (t & ~1);
 #pragma unroll
-    for (int nt = 0; nt < DQC / 8; ++nt) {
-        const float y0 = __shfl_xor_sync(0xffffffffu, odd ? acc[nt][0] : acc[nt][2], 1);
-        const float y1 = __shfl_xor_sync(0xffffffffu, odd ? acc[nt][1] : acc[nt][3], 1);
-        if (r < q_len) {
-            if (odd) red_add4(dst + 8 * nt, y0, y1, acc[nt][2], acc[nt][3]);
-            else red_add4(dst + 8 * nt, acc[nt][0], acc[nt][1], y0, y1);
+    for (int mt = 0; mt < MT; ++mt) {
+        const int r = q0 + qw + 16 * mt + g + (odd ? 8 : 0);
+        float* dst = dq + (long long)r * h * D + c0 + 2 * (t & ~1);
+#pragma unroll
+        for (int nt = 0; nt < DQC / 8; ++nt) {
+            const float* c = acc[mt][nt];
+            const float y0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+            const float y1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+            if (r < q_len) {
+                if (odd) red_add4(dst + 8 * nt, y0, y1, c[2], c[3]);
+                else red_add4(dst + 8 * nt, c[0], c[1], y0, y1);
+            }
         }
     }
 }
 
-// DEFER: dS^T double-buffered and dQ of query block it - 1 computed after block it's dK, dV
-// (one barrier per block instead of two; warps drift apart).
-template <typename T, int D, int NW, bool DEFER, bool CAUSAL, bool DROPOUT>
+// TUNED: paired lse/delta loads and 32-row dQ warp tiles (fewer shared-memory reads).
+template <typename T, int D, int NW, bool TUNED, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(32 * NW)
 attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
               const T* __restrict__ v, const float* __restrict__ lse,
@@ -534,7 +560,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
               float p_drop, float factor, unsigned long long seed) {
     constexpr int BM = kBwdBM, BN = 16 * NW, NT = 32 * NW;
-    using S = BwdSmem<D, NW, DEFER ? 2 : 1>;
+    using S = BwdSmem<D, NW>;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sm = reinterpret_cast<T*>(smem);
     float* sf = reinterpret_cast<float*>(sm + S::END);
@@ -553,7 +579,6 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
     float* dqb = dq_acc + (long long)b * sq * h * D;
-    int prev_q0 = 0, prev_hh = 0;
     for (int it = 0; it < total; ++it) {
         const int hh = kvh * group + it / nqb, q0 = (qb0 + it % nqb) * BM;
         cp_async_wait_all();
@@ -564,27 +589,14 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                  sq, h, q_len);
         cp_async_commit();
         const bool masked = q0 + BM > q_len || n0 + BN > kv_len || (CAUSAL && n0 + BN - 1 > q0);
-        T* sds = sm + S::DS + (DEFER ? (it & 1) * BN * BM : 0);
-        bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sds, sf, it & 1, kv_row, q0, q_len,
-                                             kv_len, masked, scale,
-                                             (unsigned long long)(b * h + hh) * sq * skv, skv, dr);
-        if (DEFER) {
-            if (it > 0)
-                bwd_dq<T, D, NW>(dqb + prev_hh * D, sm, sm + S::DS + ((it - 1) & 1) * BN * BM,
-                                 prev_q0, q_len, h);
-            prev_q0 = q0;
-            prev_hh = hh;
-        } else {
-            __syncthreads();
-            bwd_dq<T, D, NW>(dqb + hh * D, sm, sds, q0, q_len, h);
-        }
+        bwd_block<T, D, NW, TUNED, CAUSAL, DROPOUT>(dkr, dvr, sm, sm + S::DS, sf, it & 1, kv_row,
+                                                    q0, q_len, kv_len, masked, scale,
+                                                    (unsigned long long)(b * h + hh) * sq * skv,
+                                                    skv, dr);
+        __syncthreads();
+        bwd_dq<T, D, NW, TUNED ? 2 : 1>(dqb + hh * D, sm, sm + S::DS, q0, q_len, h);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
-    if (DEFER && total > 0) {
-        __syncthreads();
-        bwd_dq<T, D, NW>(dqb + prev_hh * D, sm, sm + S::DS + ((total - 1) & 1) * BN * BM,
-                         prev_q0, q_len, h);
-    }
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -17,23 +17,24 @@ _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
 HEAD_DIMS = (64, 128)
 FWD_BM, BWD_BM = 128, 64
 # Kernel variants. Forward (K/V tile rows, 16-row tiles per warp, Q fragments kept in
-# registers); backward (warps of 16 KV rows per block, dQ deferred by one query block).
-# CONFIG holds the ones used; every (dtype, head dim, mask, dropout) has the CONFIG's
-# variants, the other variants exist without dropout for the tests and the bench.
-FWD_VARIANTS = ((64, 1, True), (64, 2, False), (32, 2, False))
-BWD_VARIANTS = ((8, False), (8, True), (4, True))
-CONFIG = {"fwd": (64, 1, True), "bwd": (8, False)}
+# registers, scale folded into exp2); backward (warps of 16 KV rows per block, tuned
+# shared-memory reads). CONFIG holds the ones used; every (dtype, head dim, mask, dropout)
+# has the CONFIG's variants, the others exist without dropout for the tests and the bench.
+FWD_VARIANTS = ((64, 2, False, True), (64, 2, False, False), (64, 1, True, True))
+BWD_VARIANTS = ((8, False), (8, True))
+CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0]}
 _TF = ("false", "true")
 
 
 def _fwd_name(t, d, variant, causal, dropout):
-    bn, mw, qreg = variant
-    return f"attention_fwd<{t}, {d}, {bn}, {mw}, {cbool(qreg)}, {cbool(causal)}, {cbool(dropout)}>"
+    bn, mw, qreg, fold = variant
+    return (f"attention_fwd<{t}, {d}, {bn}, {mw}, {cbool(qreg)}, {cbool(fold)}, {cbool(causal)}, "
+            f"{cbool(dropout)}>")
 
 
 def _bwd_name(t, d, variant, causal, dropout):
-    nw, defer = variant
-    return f"attention_bwd<{t}, {d}, {nw}, {cbool(defer)}, {cbool(causal)}, {cbool(dropout)}>"
+    nw, tuned = variant
+    return f"attention_bwd<{t}, {d}, {nw}, {cbool(tuned)}, {cbool(causal)}, {cbool(dropout)}>"
 
 
 def _declare():
@@ -97,7 +98,7 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
     o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     variant = CONFIG["fwd"] if dropout_p == 0 else _DEFAULT["fwd"]
-    bn, mw, _ = variant
+    bn, mw = variant[:2]
     smem = (FWD_BM + 4 * bn) * d * 2
     fn = _function(_fwd_name(CTYPE[q.dtype], d, variant, "causal" in mask_type, dropout_p > 0),
                    smem)
@@ -122,12 +123,11 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
     dq_acc = cupy.zeros((b, sq, h, d), np.float32)
     dk, dv = cupy.empty_like(k), cupy.empty_like(v)
     variant = CONFIG["bwd"] if dropout_p == 0 else _DEFAULT["bwd"]
-    nw, defer = variant
-    bn = 16 * nw
-    smem = (2 * bn * d + 4 * BWD_BM * d + (1 + defer) * bn * BWD_BM) * 2 + 4 * BWD_BM * 4
+    bn = 16 * variant[0]
+    smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
     fn = _function(_bwd_name(t, d, variant, "causal" in mask_type, dropout_p > 0), smem)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
-    fn((-(-skv // bn), hk, b), (32 * nw,),
+    fn((-(-skv // bn), hk, b), (2 * bn,),
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
         np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed)),
        shared_mem=smem)

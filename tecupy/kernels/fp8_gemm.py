@@ -8,6 +8,7 @@ scales stay in device memory. Configurations (BN, stages): "fast" accumulation r
 register fragment, so it runs 128 x 128 tiles.
 """
 import collections
+import warnings
 
 import numpy as np
 
@@ -54,9 +55,19 @@ def hopper():
     return cupy.cuda.Device().compute_capability == "90"
 
 
+_warned = []
+
+
 def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
               accumulate=False, split_accumulator=False):
-    if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM and hopper()):
+    if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM):
+        return False
+    if not hopper():
+        if not _warned:
+            _warned.append(True)
+            warnings.warn("tecupy: the FP8 GEMM kernel needs a Hopper GPU (sm_90); FP8 GEMMs "
+                          "run on the reference (decode to float32, then cuBLAS), which is "
+                          "correct but slow", RuntimeWarning, stacklevel=2)
         return False
     k = a.shape[1]
     ok = (a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
