@@ -43,7 +43,7 @@ def test_attention_fwd_bwd(rng, dtype, case):
 @pytest.mark.parametrize("variant", range(max(len(kernel.FWD_VARIANTS),
                                                 len(kernel.BWD_VARIANTS))))
 @pytest.mark.parametrize("case", ["mha-d128-causal", "gqa-d64-padding-causal",
-                                  "mqa-d128-padding"])
+                                  "mqa-d128-padding", "mha-d64-padding-causal-dropout"])
 def test_attention_kernel_variants(rng, monkeypatch, variant, case):
     """Every forward and backward variant (the bench picks the fastest)."""
     fwd, bwd = kernel.FWD_VARIANTS, kernel.BWD_VARIANTS
