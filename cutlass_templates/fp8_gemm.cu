@@ -2,6 +2,7 @@
 // transaction barriers, wgmma atoms, register reconfiguration) and compiled by NVRTC.
 //
 //   D[M, N] = alpha * A[M, K] . B[N, K]^T  (+ bias[N])  (+ D when ACCUM),  alpha = *sa * *sb
+//   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
 // alpha and bias are applied in float32 once, in the epilogue; D is rounded once to TOut.
@@ -21,6 +22,7 @@
 // L2. Dynamic shared memory: STAGES x (BM + BN) x BK bytes + barriers, 1024-byte aligned.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -88,13 +90,35 @@ template <> __device__ __forceinline__ void store2(__half* p, float a, float b) 
 template <> __device__ __forceinline__ void store2(float* p, float a, float b) {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
+// FP8 output: a and b already scaled; saturating (inf -> max, NaN stays NaN) as TE's casts.
+template <> __device__ __forceinline__ void store2(__nv_fp8_e4m3* p, float a, float b) {
+    *reinterpret_cast<__nv_fp8x2_storage_t*>(p) =
+        __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+template <> __device__ __forceinline__ void store2(__nv_fp8_e5m2* p, float a, float b) {
+    *reinterpret_cast<__nv_fp8x2_storage_t*>(p) =
+        __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E5M2);
+}
+template <class T> constexpr bool is_fp8 = false;
+template <> constexpr bool is_fp8<__nv_fp8_e4m3> = true;
+template <> constexpr bool is_fp8<__nv_fp8_e5m2> = true;
+
+// amax of the unscaled output (NaN ignored by fmaxf, as TE): warp max, then one atomicMax on
+// the bits per warp (non-negative floats order as their unsigned bits).
+__device__ __forceinline__ void amax_atomic(float* amax_out, float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<unsigned*>(amax_out), __float_as_uint(v));
+}
 
 // Epilogue of one warpgroup's 64 x BN fragment: thread (warp w, lane l) holds rows 16w + l/4
-// and + 8, columns 8j + 2(l % 4) + {0, 1} (the wgmma accumulator layout).
+// and + 8, columns 8j + 2(l % 4) + {0, 1} (the wgmma accumulator layout). FP8 output: the
+// values are multiplied by out_scale before the cast and their amax gathered.
 template <int BN, class TOut, bool BIAS, bool ACCUM>
 __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], float alpha,
                                          const float* __restrict__ bias, TOut* __restrict__ d,
-                                         int M, int N, int row0, int col0) {
+                                         int M, int N, int row0, int col0, float out_scale,
+                                         float& amax) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int r0 = row0 + 16 * warp + lane / 4;
 #pragma unroll
@@ -110,6 +134,11 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], float alpha
             TOut* p = d + (long long)r * N + c;
             float v0 = alpha * acc[4 * j + 2 * h] + b0, v1 = alpha * acc[4 * j + 2 * h + 1] + b1;
             if (ACCUM) { const float2 o = *reinterpret_cast<const float2*>(p); v0 += o.x; v1 += o.y; }
+            if constexpr (is_fp8<TOut>) {
+                amax = fmaxf(amax, fmaxf(fabsf(v0), fabsf(v1)));
+                v0 *= out_scale;
+                v1 *= out_scale;
+            }
             store2(p, v0, v1);
         }
     }
@@ -205,7 +234,8 @@ __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t*
 template <int BN, int STAGES, class MMA, class TOut, bool BIAS, bool ACCUM, bool PROMOTE>
 __global__ void __launch_bounds__(THREADS, 1)
 fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,
-            const float* __restrict__ bias, TOut* __restrict__ d, int M, int N, int K,
+            const float* __restrict__ bias, const float* __restrict__ scale_out,
+            float* __restrict__ amax_out, TOut* __restrict__ d, int M, int N, int K,
             const __grid_constant__ cute::TmaDescriptor tma_a,
             const __grid_constant__ cute::TmaDescriptor tma_b) {
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -234,6 +264,8 @@ fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ sca
     cutlass::arch::warpgroup_reg_alloc<232>();
     const float alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
     const int row_off = (wg - 1) * 64;
+    const float out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
+    float amax = 0.f;
     int s = 0, phase = 0;
     for (int t = blockIdx.x; t < num_m * num_n; t += gridDim.x) {
         int mb, nb;
@@ -243,8 +275,10 @@ fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ sca
             mainloop_split<BN, STAGES, MMA>(sa + row_off * BK, sb, full, empty, nk, s, phase, acc);
         else
             mainloop_fast<BN, STAGES, MMA>(sa + row_off * BK, sb, full, empty, nk, s, phase, acc);
-        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN);
+        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN,
+                                        out_scale, amax);
     }
+    if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
 }
 
 }  // namespace tc

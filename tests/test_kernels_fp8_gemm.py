@@ -101,6 +101,41 @@ def test_fp8_gemm_accumulates_into_float32(rng, split):
 
 
 @needs_hopper
+@pytest.mark.parametrize("fa,fb", PAIRS, ids=lambda f: f.name)
+@pytest.mark.parametrize("out_fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("headroom", [2.0, 0.25], ids=["fits", "saturates"])
+def test_fp8_gemm_fp8_output_and_amax(rng, fa, fb, out_fmt, bias, headroom):
+    """FP8 output: codes of y * out_scale (saturating), amax of y gathered into amax_out."""
+    import cupy
+    m, n, k = 200, 272, 4112
+    a, sa, b, sb = _operands(rng, m, n, k, fa, fb)
+    bvec = (rng.standard_normal(n) * 3).astype(np.float32) if bias else None
+    want = _want64(a, fa, sa, b, fb, sb, bvec)
+    top = np.abs(want).max()
+    scale = np.array([out_fmt.max / top / headroom], np.float32)
+    amax = cupy.full(1, 1e-3, np.float32)
+    gargs = _gpu(a, fa, sa, b, fb, sb)
+    impl = backends.candidates("fp8_gemm", *gargs, out_fmt, None)[0]
+    assert impl.kind == "cutlass"
+    poison_gpu_pool()
+    codes = impl.fn(*gargs, out_fmt, *_gpu(bvec), out_scale=cupy.asarray(scale), amax_out=amax)
+    assert codes.dtype == np.uint8 and codes.shape == (m, n)
+    decode = _decode_table(np, out_fmt)
+    got = decode[asnp(codes)].astype(np.float64) / scale[0]
+    assert np.all(np.isfinite(got)), "NaN/inf codes: unwritten output or no saturation"
+    assert abs(float(amax[0]) - top) <= 1e-2 * top  # fast-accumulation tolerance
+    if headroom > 1:
+        ref_codes = backends.dispatch("fp8_gemm", a, fa, sa, b, fb, sb, out_fmt, bvec,
+                                      out_scale=scale, amax_out=np.zeros(1, np.float32))
+        _check(got, want, decode[ref_codes].astype(np.float64) / scale[0], False, "fp8 out")
+    else:  # values past the format's range saturate to +-max, never inf or NaN
+        over = np.abs(want) * scale[0] > 1.05 * out_fmt.max
+        assert over.any()
+        np.testing.assert_array_equal(np.abs(got[over]) * scale[0], out_fmt.max)
+
+
+@needs_hopper
 def test_fp8_gemm_reads_scales_from_device_memory(rng):
     """Changing the scale arrays on the device changes the next result (no cached value)."""
     import cupy
@@ -135,3 +170,18 @@ def test_linear_fp8_runs_on_the_kernel(rng):
     y_hp = (x.astype(np.float32) @ w.astype(np.float32).T)
     rel = float(cupy.abs(y.astype(np.float32) - y_hp).max() / cupy.abs(y_hp).max())
     assert rel < 0.1 and dx.shape == x.shape and dw.shape == w.shape
+
+
+@needs_hopper
+def test_tune_remembers_the_winner(rng, tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    times = tecupy.gemm.tune(256, 512, 384, "e5m2", "e4m3", split_accumulator=True, calls=2)
+    assert set(times) == set(tecupy.gemm.CANDIDATES[True]) and min(times.values()) > 0
+    table = json.loads((tmp_path / "fp8_gemm_tuned.json").read_text())
+    assert table["256,512,384,e5m2,e4m3,split"] == list(min(times, key=times.get))
+    a, sa, b, sb = _operands(rng, 256, 512, 384, E5M2, E4M3)  # the tuned config gives
+    got = backends.candidates("fp8_gemm", *_gpu(a, E5M2, sa, b, E4M3, sb, np.float32))[0].fn(
+        *_gpu(a, E5M2, sa, b, E4M3, sb), np.float32, split_accumulator=True)  # right results
+    _check(got, _want64(a, E5M2, sa, b, E4M3, sb, None),
+           backends.dispatch("fp8_gemm", a, E5M2, sa, b, E4M3, sb, np.float32), True, "tuned")

@@ -8,19 +8,24 @@ scales stay in device memory. Configurations (BN, stages): "fast" accumulation r
 register fragment, so it runs 128 x 128 tiles.
 """
 import collections
+import json
+import os
 import warnings
 
 import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, cbool, sm_count
+from ..fp8 import FP8Format
+from .common import CTYPE, FP8TYPE, cbool, sm_count
 
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
 THREADS, BM, BK = 384, 128, 128
-# split accumulator? -> (BN, stages, promote)
+# split accumulator? -> default (BN, stages, promote), and the candidates tune() times
 CONFIGS = {False: (256, 4, False), True: (128, 6, True)}
+CANDIDATES = {False: [(256, 4, False), (256, 3, False), (128, 6, False)],
+              True: [(128, 6, True), (128, 5, True), (128, 4, True)]}
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
@@ -40,6 +45,9 @@ def _names():
                 for bias in (False, True):
                     yield kernel_name(*fmts, out, bias, False, CONFIGS[split])
             yield kernel_name(*fmts, "float", False, True, CONFIGS[split])
+        for out in FP8TYPE.values():  # FP8 output: forward GEMMs, fast accumulation
+            for bias in (False, True):
+                yield kernel_name(*fmts, out, bias, False, CONFIGS[False])
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
@@ -59,7 +67,7 @@ _warned = []
 
 
 def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-              accumulate=False, split_accumulator=False):
+              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
     if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM):
         return False
     if not hopper():
@@ -70,9 +78,12 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
                           "correct but slow", RuntimeWarning, stacklevel=2)
         return False
     k = a.shape[1]
-    ok = (a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
-          and b.shape[0] % 2 == 0 and np.dtype(out_dtype).name in ("float32", "float16",
-                                                                   "bfloat16"))
+    if isinstance(out_dtype, FP8Format):
+        out_ok = not split_accumulator and out is None and not accumulate
+    else:
+        out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
+    ok = (out_ok and a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
+          and b.shape[0] % 2 == 0)
     ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0 for t in (a, b))
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
 
@@ -121,20 +132,27 @@ _ready = set()  # kernels whose shared-memory limit was raised
 
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-             accumulate=False, split_accumulator=False):
-    return launch(CONFIGS[split_accumulator], a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
-                  out_dtype, bias, out, accumulate)
+             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
+    config = _tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name, b_fmt.name,
+                                    split_accumulator), CONFIGS[split_accumulator])
+    return launch(tuple(config), a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
+                  out_dtype, bias, out, accumulate, out_scale, amax_out)
 
 
-def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out,
-           accumulate):
+def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out=None,
+           accumulate=False, out_scale=None, amax_out=None):
     """Run the kernel of `config` (BN, stages, promote)."""
     import cupy
     m, k = a.shape
     n = b.shape[0]
-    out_dtype = np.dtype(out_dtype)
-    name = kernel_name(a_fmt.name, b_fmt.name, CTYPE[out_dtype], bias is not None,
-                       accumulate, config)
+    fp8_out = isinstance(out_dtype, FP8Format)
+    if fp8_out and (out_scale is None or amax_out is None):
+        raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
+    ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
+    out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
+    name = kernel_name(a_fmt.name, b_fmt.name, ctype, bias is not None, accumulate, config)
+    if name not in loader.declared().get(FILE, ()):
+        loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)  # a tuned config
     fn = loader.function(FILE, name)
     smem = smem_bytes(config)
     if name not in _ready:
@@ -145,10 +163,61 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     elif out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous:
         raise ValueError(f"fp8_gemm: out must be a contiguous {out_dtype} array of shape "
                          f"{(m, n)}, got {out.dtype} {out.shape}")
-    bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)  # unread
+    # unused pointers get a_scale_inv: the kernel neither reads nor writes them
+    bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)
+    out_scale = a_scale_inv if out_scale is None else out_scale
+    amax_out = a_scale_inv if amax_out is None else amax_out
     bn = config[0]
     tiles = -(-m // BM) * -(-n // bn)
     fn((min(tiles, sm_count()),), (THREADS,),
-       (a_scale_inv, b_scale_inv, bias32, out, np.int32(m), np.int32(n), np.int32(k),
-        tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
+       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, np.int32(m), np.int32(n),
+        np.int32(k), tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
     return out
+
+
+# ---- autotuner: time the candidates for a shape, remember the winner on disk ----
+_tuned_cache = {}
+
+
+def _tune_file():
+    return loader.cache_dir() / "fp8_gemm_tuned.json"
+
+
+def _tune_key(m, n, k, a_fmt, b_fmt, split):
+    return f"{m},{n},{k},{a_fmt},{b_fmt},{'split' if split else 'fast'}"
+
+
+def _tuned():
+    """The remembered winners (re-read when the file changes)."""
+    path = _tune_file()
+    stamp = path.stat().st_mtime_ns if path.exists() else None
+    if _tuned_cache.get("stamp") != stamp:
+        _tuned_cache.update(stamp=stamp, table=json.loads(path.read_text()) if stamp else {})
+    return _tuned_cache["table"]
+
+
+def tune(m, n, k, a_fmt="e4m3", b_fmt="e4m3", split_accumulator=False, calls=10):
+    """Time every candidate configuration on random operands of shape (M, N, K), remember the
+    fastest in TECUPY_CACHE_DIR/fp8_gemm_tuned.json (used by every later call of that shape
+    and format pair) and return {config: ms}."""
+    import cupy
+    from .. import bfloat16
+    from ..bench import gpu_time_ms
+    from ..fp8 import as_format
+    fa, fb = as_format(a_fmt), as_format(b_fmt)
+    rng = cupy.random.default_rng()
+    a = rng.integers(0, 0x70, (m, k), dtype=np.uint8)  # finite codes of both formats
+    b = rng.integers(0, 0x70, (n, k), dtype=np.uint8)
+    one = cupy.ones(1, np.float32)
+    times = {}
+    for config in CANDIDATES[split_accumulator]:
+        def call():
+            return launch(config, a, fa, one, b, fb, one, bfloat16, None)
+        times[config] = gpu_time_ms(call, [()], calls=calls)
+    best = min(times, key=times.get)
+    table = dict(_tuned())
+    table[_tune_key(m, n, k, fa.name, fb.name, split_accumulator)] = list(best)
+    tmp = _tune_file().with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(_tune_file())
+    return times

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import backends
 from .._array import xp_of
-from ..fp8 import FLT_MAX
+from ..fp8 import FLT_MAX, FP8Format
 
 _decode_tables = {}
 
@@ -67,12 +67,14 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 
 @backends.register("fp8_gemm", "reference")
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-             accumulate=False, split_accumulator=False):
+             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
     """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
 
     Products of the decoded codes are summed in float32, then multiplied by
     a_scale_inv * b_scale_inv (read from device memory) and the bias is added. With
     accumulate, the result is added into `out` (float32, wgrad accumulation) in place.
+    out_dtype an FP8Format: the result is cast with `out_scale` (float32 (1,)) to uint8 codes
+    and max(amax_out, amax(result)) written into `amax_out`, as the cast kernel does.
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
@@ -80,6 +82,12 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
     if bias is not None:
         acc = acc + bias.astype(np.float32)
+    if isinstance(out_dtype, FP8Format):
+        if out_scale is None or amax_out is None:
+            raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out")
+        codes, a_max = cast_to_fp8(acc.astype(np.float32), out_scale, out_dtype)
+        amax_out[...] = xp.maximum(amax_out, a_max)
+        return codes
     if accumulate:
         out += acc.astype(out.dtype)
         return out
