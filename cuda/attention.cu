@@ -231,10 +231,11 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
                                             bool masked, float scale_log2,
                                             unsigned long long index0, int skv,
                                             const Dropout& dr) {
+    constexpr int NP = 4;  // partial maxima and sums: short dependency chains
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        float mx = -kInf;
+        float mp[NP] = {-kInf, -kInf, -kInf, -kInf};
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
@@ -243,22 +244,23 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
                 if (!FOLD) s[nt][2 * i + e] *= scale_log2;
                 if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i)))
                     s[nt][2 * i + e] = -kInf;
-                mx = fmaxf(mx, s[nt][2 * i + e]);
+                mp[nt % NP] = fmaxf(mp[nt % NP], s[nt][2 * i + e]);
             }
+        float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         if (FOLD) mx *= scale_log2;
         const float m_new = fmaxf(m[i], mx), m_use = m_new == -kInf ? 0.f : m_new;
         const float corr = fast_exp2(m[i] - m_use);
         m[i] = m_new;
-        float sum = 0.f;
+        float sp[NP] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float pe = FOLD ? fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use))
                                 : fast_exp2(s[nt][2 * i + e] - m_use);
-                sum += pe;
+                sp[nt % NP] += pe;
                 if (DROPOUT) {
                     const int c = col0 + 8 * nt + 2 * t + e;
                     const unsigned long long idx = index0 + (unsigned long long)(8 * i) * skv + c;
@@ -266,7 +268,7 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
                 }
                 s[nt][2 * i + e] = pe;
             }
-        l[i] = l[i] * corr + sum;
+        l[i] = l[i] * corr + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
             acc[dt][2 * i] *= corr;
