@@ -223,9 +223,9 @@ __device__ __forceinline__ void fwd_scores(float s[][BN / 8][4], const unsigned 
 
 // Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
 // (base 2) and acc are updated. row: this thread's first query row; col0: first key.
-// FOLD: the scale goes into the exponent's multiply-add (the maximum is taken over raw
-// scores, which needs scale > 0), else the scores are scaled first.
-template <int D, int BN, bool FOLD, bool CAUSAL, bool DROPOUT>
+// The scale goes into the exponent's multiply-add: the maximum is taken over the raw
+// scores, which needs scale > 0.
+template <int D, int BN, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
                                             float acc[][4], int row, int col0, int kv_len,
                                             bool masked, float scale_log2,
@@ -241,7 +241,6 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int c = col0 + 8 * nt + 2 * t + e;
-                if (!FOLD) s[nt][2 * i + e] *= scale_log2;
                 if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i)))
                     s[nt][2 * i + e] = -kInf;
                 mp[nt % NP] = fmaxf(mp[nt % NP], s[nt][2 * i + e]);
@@ -249,8 +248,7 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
         float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if (FOLD) mx *= scale_log2;
-        const float m_new = fmaxf(m[i], mx), m_use = m_new == -kInf ? 0.f : m_new;
+        const float m_new = fmaxf(m[i], mx * scale_log2), m_use = m_new == -kInf ? 0.f : m_new;
         const float corr = fast_exp2(m[i] - m_use);
         m[i] = m_new;
         float sp[NP] = {0.f, 0.f, 0.f, 0.f};
@@ -258,8 +256,7 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
         for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float pe = FOLD ? fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use))
-                                : fast_exp2(s[nt][2 * i + e] - m_use);
+                float pe = fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use));
                 sp[nt % NP] += pe;
                 if (DROPOUT) {
                     const int c = col0 + 8 * nt + 2 * t + e;
@@ -324,7 +321,7 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
 
 // MW row tiles of 16 per warp, 128 / (16 MW) warps, K/V tiles of BN rows; Q fragments in
 // registers (QREG, one block per SM) or re-read from shared memory (two blocks per SM).
-template <typename T, int D, int BN, int MW, bool QREG, bool FOLD, bool CAUSAL, bool DROPOUT>
+template <typename T, int D, int BN, int MW, bool QREG, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(256 / MW, QREG ? 1 : 2)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
@@ -375,10 +372,9 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         fwd_scores<T, D, BN, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
-            fwd_softmax<D, BN, FOLD, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt],
-                                                      row + 16 * mt, j * BN, kv_len, masked,
-                                                      scale_log2, index0 + 16ULL * mt * skv,
-                                                      skv, dr);
+            fwd_softmax<D, BN, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt,
+                                                j * BN, kv_len, masked, scale_log2,
+                                                index0 + 16ULL * mt * skv, skv, dr);
         fwd_pv<T, D, BN, MW>(acc, s, sV + (j & 1) * BN * D);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
@@ -441,7 +437,7 @@ __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q
 
 // One query block against this block's KV rows, for this warp's 16 KV rows (kv_row: the
 // thread's first): dK, dV accumulate; dS^T (scale folded in) goes to shared memory.
-template <typename T, int D, int NW, bool PAIR, bool CAUSAL, bool DROPOUT>
+template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T* sds,
                                           const float* sf, int buf, int kv_row, int q0,
                                           int q_len, int kv_len,
@@ -465,16 +461,13 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
     const float scale_log2 = scale * kLog2e;
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
-        float2 lp, dlp;  // PAIR: the two columns' lse and delta in one 8-byte load each
-        if (PAIR) {
-            lp = *reinterpret_cast<const float2*>(L + 8 * nt + 2 * t);
-            dlp = *reinterpret_cast<const float2*>(Dl + 8 * nt + 2 * t);
-        }
+        // the two columns' lse and delta in one 8-byte load each
+        const float2 lp = *reinterpret_cast<const float2*>(L + 8 * nt + 2 * t);
+        const float2 dlp = *reinterpret_cast<const float2*>(Dl + 8 * nt + 2 * t);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int c = 8 * nt + 2 * t + e, qc = q0 + c;
-            const float lse2 = (PAIR ? (e ? lp.y : lp.x) : L[c]) * kLog2e;
-            const float dl = PAIR ? (e ? dlp.y : dlp.x) : Dl[c];
+            const float lse2 = (e ? lp.y : lp.x) * kLog2e, dl = e ? dlp.y : dlp.x;
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = kv_row + 8 * i;
@@ -552,8 +545,7 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int
     }
 }
 
-// TUNED: paired lse/delta loads and 32-row dQ warp tiles (fewer shared-memory reads).
-template <typename T, int D, int NW, bool TUNED, bool CAUSAL, bool DROPOUT>
+template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
 __global__ void __launch_bounds__(32 * NW)
 attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
               const T* __restrict__ v, const float* __restrict__ lse,
@@ -591,12 +583,12 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                  sq, h, q_len);
         cp_async_commit();
         const bool masked = q0 + BM > q_len || n0 + BN > kv_len || (CAUSAL && n0 + BN - 1 > q0);
-        bwd_block<T, D, NW, TUNED, CAUSAL, DROPOUT>(dkr, dvr, sm, sm + S::DS, sf, it & 1, kv_row,
-                                                    q0, q_len, kv_len, masked, scale,
-                                                    (unsigned long long)(b * h + hh) * sq * skv,
-                                                    skv, dr);
+        bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sm + S::DS, sf, it & 1, kv_row, q0,
+                                             q_len, kv_len, masked, scale,
+                                             (unsigned long long)(b * h + hh) * sq * skv, skv,
+                                             dr);
         __syncthreads();
-        bwd_dq<T, D, NW, TUNED ? 2 : 1>(dqb + hh * D, sm, sm + S::DS, q0, q_len, h);
+        bwd_dq<T, D, NW, 2>(dqb + hh * D, sm, sm + S::DS, q0, q_len, h);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
     const int t = threadIdx.x & 3;

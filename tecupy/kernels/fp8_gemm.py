@@ -191,7 +191,7 @@ def _tuned():
     """The remembered winners (re-read when the file changes)."""
     path = _tune_file()
     stamp = path.stat().st_mtime_ns if path.exists() else None
-    if _tuned_cache.get("stamp") != stamp:
+    if "table" not in _tuned_cache or _tuned_cache["stamp"] != stamp:
         _tuned_cache.update(stamp=stamp, table=json.loads(path.read_text()) if stamp else {})
     return _tuned_cache["table"]
 
