@@ -10,17 +10,20 @@
 // from Philox over the flat index ((b h + head) sq + i) skv + j of [b, h, sq, skv], word
 // (index % 4) of philox(counter = (index / 4, 0), key = seed), as reference/dropout.py.
 //
-//   attention_fwd       grid (ceil(sq / 128), h, b); warps of MW x 16 query rows;
-//                       Q fragments in registers, K/V tiles of 64 rows double-buffered
-//                       by cp.async; online softmax in base 2 (scores pre-scaled by
-//                       scale log2 e). Dynamic shared memory (128 + 4 * 64) d * 2 bytes.
+//   attention_fwd       grid (ceil(sq / 128), h, b): 128 query rows per block, warps of
+//                       MW tiles of 16 rows (MW = 2: 4 warps, Q fragments re-read from
+//                       shared memory, two blocks per SM; MW = 1: 8 warps, Q fragments in
+//                       registers); K/V tiles of BN rows double-buffered by cp.async;
+//                       online softmax in base 2 (scale log2 e folded into exp2's
+//                       multiply-add, so scale > 0). Shared memory (128 + 4 BN) d * 2 bytes.
 //   attention_bwd_dot   delta = rowsum(dO * O) [b, h, sq] float32; a warp per row.
 //   attention_bwd       grid (ceil(skv / BN), hk, b), NW warps x 16 KV rows (BN = 16 NW);
 //                       dK, dV in registers over the GQA group's heads and all query
 //                       blocks of 64 rows: S^T = K Q^T, dP^T = V dO^T, P = exp(S - lse),
 //                       dS = P (dP Z - delta) scale, dV += (P Z)^T dO, dK += dS^T Q; dS^T
-//                       goes to shared memory and dQ = dS K is added (float32 atomics)
-//                       into dq_acc [b, sq, h, d].
+//                       goes to shared memory and dQ = dS K (warp tiles 32 x 2 D / NW) is
+//                       added into dq_acc [b, sq, h, d] (float32; red.global.add.v4.f32
+//                       on sm_90, scalar atomics before).
 //   attention_convert   dq_acc -> dq in T.
 //
 // Shared tiles are [rows][width] with the 16-byte chunk c of row r stored at c ^ (r & 7),
