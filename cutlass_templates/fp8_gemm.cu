@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -144,20 +145,36 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], float alpha
     }
 }
 
-template <int BN, int STAGES>
+// Tiles are handed out per cluster: the CLUSTER CTAs of a cluster take neighbouring column
+// blocks of one row block (num_n % CLUSTER == 0), so they share the A tile.
+template <int CLUSTER>
+__device__ __forceinline__ bool next_tile(int& u, int num_m, int num_n, int& mb, int& nb) {
+    u = u < 0 ? blockIdx.x / CLUSTER : u + gridDim.x / CLUSTER;
+    if (u >= num_m * (num_n / CLUSTER)) return false;
+    tile_coords(u, num_m, num_n / CLUSTER, mb, nb);
+    nb = nb * CLUSTER + (CLUSTER > 1 ? int(cute::block_rank_in_cluster()) : 0);
+    return true;
+}
+
+// With CLUSTER > 1, rank 0 loads the A tile once for the whole cluster (TMA multicast: it
+// lands in every CTA's stage s and counts on every CTA's full[s]); each CTA loads its own B.
+template <int BN, int STAGES, int CLUSTER>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          const cute::TmaDescriptor* tb, uint8_t* sa,
                                          uint8_t* sb, uint64_t* full, uint64_t* empty,
                                          int num_m, int num_n, int nk) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-    int s = 0, phase = 0;
-    for (int t = blockIdx.x; t < num_m * num_n; t += gridDim.x) {
-        int mb, nb;
-        tile_coords(t, num_m, num_n, mb, nb);
+    int s = 0, phase = 0, mb, nb;
+    for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
         for (int kb = 0; kb < nk; ++kb) {
             Barrier::wait(&empty[s], phase ^ 1);
             Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
-            cute::SM90_TMA_LOAD_2D::copy(ta, &full[s], hint, sa + s * BM * BK, kb * BK, mb * BM);
+            if constexpr (CLUSTER == 1)
+                cute::SM90_TMA_LOAD_2D::copy(ta, &full[s], hint, sa + s * BM * BK, kb * BK,
+                                             mb * BM);
+            else if (cute::block_rank_in_cluster() == 0)
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(ta, &full[s], (1 << CLUSTER) - 1, hint,
+                                                       sa + s * BM * BK, kb * BK, mb * BM);
             cute::SM90_TMA_LOAD_2D::copy(tb, &full[s], hint, sb + s * BN * BK, kb * BK, nb * BN);
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
@@ -177,8 +194,17 @@ __device__ __forceinline__ void mma_block(const uint8_t* a, const uint8_t* b, fl
     cute::warpgroup_commit_batch();
 }
 
+// A stage is free once the math warps of every CTA in the cluster are done with it (the
+// A multicast writes all of them): lane 0 of each warp arrives on empty[s] of each CTA.
+template <int CLUSTER>
 __device__ __forceinline__ void release(uint64_t* empty) {
-    if (threadIdx.x % 32 == 0) Barrier::arrive(empty);
+    if (threadIdx.x % 32 != 0) return;
+    if constexpr (CLUSTER == 1) {
+        Barrier::arrive(empty);
+    } else {
+#pragma unroll
+        for (int c = 0; c < CLUSTER; ++c) Barrier::arrive(empty, c, 1);
+    }
 }
 
 __device__ __forceinline__ void advance(int& s, int& phase, int stages) {
@@ -187,7 +213,7 @@ __device__ __forceinline__ void advance(int& s, int& phase, int stages) {
 
 // Fast accumulation: wgmma accumulates in place; one batch stays in flight, so a stage is
 // released once the batch after it has been issued (wait<1>).
-template <int BN, int STAGES, class MMA>
+template <int BN, int STAGES, int CLUSTER, class MMA>
 __device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* sb,
                                               uint64_t* full, uint64_t* empty, int nk,
                                               int& s, int& phase, float (&acc)[BN / 2]) {
@@ -196,13 +222,13 @@ __device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* 
         Barrier::wait(&full[s], phase);
         mma_block<MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, kb > 0);
         cute::warpgroup_wait<1>();
-        if (kb > 0) release(&empty[prev]);
+        if (kb > 0) release<CLUSTER>(&empty[prev]);
         prev = s;
         advance(s, phase, STAGES);
     }
     cute::warpgroup_wait<0>();
     fence(acc);
-    release(&empty[prev]);
+    release<CLUSTER>(&empty[prev]);
 }
 
 template <int N>
@@ -216,7 +242,7 @@ __device__ __forceinline__ void promote(float (&acc)[N], float (&part)[N], bool 
 // into acc (the other math warpgroup keeps the tensor cores busy meanwhile). Two fragments
 // alternating, so the adds overlap the next k-block, measured slower on an H200: they spill
 // under the 168-register cap of 384 threads.
-template <int BN, int STAGES, class MMA>
+template <int BN, int STAGES, int CLUSTER, class MMA>
 __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t* sb,
                                                uint64_t* full, uint64_t* empty, int nk,
                                                int& s, int& phase, float (&acc)[BN / 2]) {
@@ -225,14 +251,41 @@ __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t*
         Barrier::wait(&full[s], phase);
         mma_block<MMA>(sa + s * BM * BK, sb + s * BN * BK, part, false);
         cute::warpgroup_wait<0>();
-        release(&empty[s]);  // part is in registers now: the stage can be refilled
+        release<CLUSTER>(&empty[s]);  // part is in registers now: the stage can be refilled
         promote(acc, part, kb == 0);
         advance(s, phase, STAGES);
     }
 }
 
-template <int BN, int STAGES, class MMA, class TOut, bool BIAS, bool ACCUM, bool PROMOTE>
-__global__ void __launch_bounds__(THREADS, 1)
+// The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
+template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, bool BIAS, bool ACCUM,
+          bool PROMOTE>
+__device__ __forceinline__ void math(const float* scale_inv_a, const float* scale_inv_b,
+                                     const float* bias, const float* scale_out, float* amax_out,
+                                     TOut* d, int M, int N, int nk, const uint8_t* sa,
+                                     const uint8_t* sb, uint64_t* full, uint64_t* empty) {
+    const float alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
+    const int row_off = (threadIdx.x / 128 - 1) * 64;
+    const float out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
+    float amax = 0.f;
+    int s = 0, phase = 0, mb, nb;
+    for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb);) {
+        float acc[BN / 2];
+        if constexpr (PROMOTE)
+            mainloop_split<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
+                                                     phase, acc);
+        else
+            mainloop_fast<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
+                                                    phase, acc);
+        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN,
+                                        out_scale, amax);
+    }
+    if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
+}
+
+template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, bool BIAS, bool ACCUM,
+          bool PROMOTE>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,
             const float* __restrict__ bias, const float* __restrict__ scale_out,
             float* __restrict__ amax_out, TOut* __restrict__ d, int M, int N, int K,
@@ -243,42 +296,30 @@ fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ sca
     uint8_t* sb = smem + STAGES * BM * BK;
     uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * BN * BK);
     uint64_t* empty = full + STAGES;
-    const int num_m = (M + BM - 1) / BM, num_n = (N + BN - 1) / BN, nk = (K + BK - 1) / BK;
-    const int wg = threadIdx.x / 128;
+    const int nk = (K + BK - 1) / BK;
     if (threadIdx.x == 0) {
         cute::prefetch_tma_descriptor(&tma_a);
         cute::prefetch_tma_descriptor(&tma_b);
         for (int s = 0; s < STAGES; ++s) {
             Barrier::init(&full[s], 1);
-            Barrier::init(&empty[s], 8);  // one arrival per math warp
+            Barrier::init(&empty[s], 8 * CLUSTER);  // each math warp of each CTA
         }
         cutlass::arch::fence_barrier_init();
     }
-    __syncthreads();
-    if (wg == 0) {
+    if constexpr (CLUSTER > 1) cute::cluster_sync(); else __syncthreads();
+    if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)
-            producer<BN, STAGES>(&tma_a, &tma_b, sa, sb, full, empty, num_m, num_n, nk);
-        return;
+            producer<BN, STAGES, CLUSTER>(&tma_a, &tma_b, sa, sb, full, empty,
+                                          (M + BM - 1) / BM, (N + BN - 1) / BN, nk);
+    } else {
+        cutlass::arch::warpgroup_reg_alloc<232>();
+        math<BN, STAGES, CLUSTER, MMA, TOut, BIAS, ACCUM, PROMOTE>(
+            scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d, M, N, nk, sa, sb, full,
+            empty);
     }
-    cutlass::arch::warpgroup_reg_alloc<232>();
-    const float alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
-    const int row_off = (wg - 1) * 64;
-    const float out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
-    float amax = 0.f;
-    int s = 0, phase = 0;
-    for (int t = blockIdx.x; t < num_m * num_n; t += gridDim.x) {
-        int mb, nb;
-        tile_coords(t, num_m, num_n, mb, nb);
-        float acc[BN / 2];
-        if constexpr (PROMOTE)
-            mainloop_split<BN, STAGES, MMA>(sa + row_off * BK, sb, full, empty, nk, s, phase, acc);
-        else
-            mainloop_fast<BN, STAGES, MMA>(sa + row_off * BK, sb, full, empty, nk, s, phase, acc);
-        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN,
-                                        out_scale, amax);
-    }
-    if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
+    // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
+    if constexpr (CLUSTER > 1) cute::cluster_sync();
 }
 
 }  // namespace tc

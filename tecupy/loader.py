@@ -167,15 +167,33 @@ def _nvrtc(file, names, options):
         nvrtc.destroyProgram(prog)
 
 
-def _compile_program(nvrtc, prog, opts, tries=3):
-    """nvrtcCompileProgram, retried when NVRTC could not load its builtins library
-    (NVRTC_ERROR_BUILTIN_OPERATION_FAILURE, seen transiently under parallel builds)."""
-    for i in range(tries):
-        try:
-            return nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as err:
-            if "BUILTIN_OPERATION_FAILURE" not in str(err) or i == tries - 1:
-                raise
+_pinned = []  # the NVRTC builtins library, held open for the life of the process
+
+
+def _compile_program(nvrtc, prog, opts):
+    """nvrtcCompileProgram. NVRTC opens and closes its builtins library around each compile;
+    two threads doing so at once sometimes fail with "failed to open libnvrtc-builtins"
+    (about 1 compile in 60 with 4 threads here). Holding the library open avoids it."""
+    if not _pinned:
+        _pinned.append(_open_builtins(nvrtc))
+    nvrtc.compileProgram(prog, opts)
+
+
+def _open_builtins(nvrtc):
+    import ctypes
+    major = nvrtc.getVersion()[0]
+    spec = importlib.util.find_spec("nvidia")
+    roots = [pathlib.Path(r) / sub for r in (spec.submodule_search_locations if spec else [])
+             for sub in (f"cu{major}/lib", "cuda_nvrtc/lib")]
+    roots += [pathlib.Path(os.environ[v]) / "lib64" for v in ("CUDA_PATH", "CUDA_HOME")
+              if os.environ.get(v)] + [pathlib.Path("/usr/local/cuda/lib64")]
+    for root in roots:
+        for lib in sorted(root.glob(f"libnvrtc-builtins.so.{major}*")):
+            try:
+                return ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+    return None  # not found: NVRTC still works, parallel builds may need a retry
 
 
 def function(file, name, options=()):

@@ -22,19 +22,22 @@ from .common import CTYPE, FP8TYPE, cbool, sm_count
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
 THREADS, BM, BK = 384, 128, 128
-# split accumulator? -> default (BN, stages, promote), and the candidates tune() times
-CONFIGS = {False: (256, 4, False), True: (128, 6, True)}
-CANDIDATES = {False: [(256, 4, False), (256, 3, False), (128, 6, False)],
-              True: [(128, 6, True), (128, 5, True), (128, 4, True)]}
+# split accumulator? -> default (BN, stages, promote, cluster), and the candidates tune()
+# times. A cluster of 2 shares the A tile (TMA multicast) between CTAs of neighbouring
+# column blocks; shapes with an odd number of column blocks run the same config unclustered.
+CONFIGS = {False: (256, 4, False, 1), True: (128, 6, True, 1)}
+CANDIDATES = {False: [(256, 4, False, 1), (256, 4, False, 2), (256, 3, False, 2),
+                      (128, 6, False, 2)],
+              True: [(128, 6, True, 1), (128, 6, True, 2), (128, 5, True, 2)]}
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
 
 
 def kernel_name(a_fmt, b_fmt, out, bias, accumulate, config):
-    bn, stages, promote = config
+    bn, stages, promote, cluster = config
     atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
-    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {atom}, {out}, {cbool(bias)}, "
+    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {cluster}, {atom}, {out}, {cbool(bias)}, "
             f"{cbool(accumulate)}, {cbool(promote)}>")
 
 
@@ -54,7 +57,7 @@ loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 
 
 def smem_bytes(config):
-    bn, stages, _ = config
+    bn, stages = config[:2]
     return stages * (BM + bn) * BK + 2 * stages * 8
 
 
@@ -141,10 +144,14 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
 
 def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out=None,
            accumulate=False, out_scale=None, amax_out=None):
-    """Run the kernel of `config` (BN, stages, promote)."""
+    """Run the kernel of `config` (BN, stages, promote, cluster)."""
     import cupy
     m, k = a.shape
     n = b.shape[0]
+    bn, cluster = config[0], config[3]
+    if -(-n // bn) % cluster:
+        config = config[:3] + (1,)
+        cluster = 1
     fp8_out = isinstance(out_dtype, FP8Format)
     if fp8_out and (out_scale is None or amax_out is None):
         raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
@@ -167,9 +174,8 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
-    bn = config[0]
-    tiles = -(-m // BM) * -(-n // bn)
-    fn((min(tiles, sm_count()),), (THREADS,),
+    units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
+    fn((min(units, sm_count() // cluster) * cluster,), (THREADS,),
        (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, np.int32(m), np.int32(n),
         np.int32(k), tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
     return out
