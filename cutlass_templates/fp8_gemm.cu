@@ -2,6 +2,7 @@
 // transaction barriers, wgmma atoms, register reconfiguration) and compiled by NVRTC.
 //
 //   D[M, N] = alpha * A[M, K] . B[N, K]^T  (+ bias[N])  (+ D when ACCUM),  alpha = *sa * *sb
+//   EPI 2: D = gelu(that), and aux = that (the value before gelu, for the backward).
 //   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
@@ -112,35 +113,62 @@ __device__ __forceinline__ void amax_atomic(float* amax_out, float v) {
     if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<unsigned*>(amax_out), __float_as_uint(v));
 }
 
+constexpr float kK0 = 0.7978845608028654f, kK1 = 0.044715f;  // sqrt(2/pi), cubic term
+
+// noinline: inlined 128 times, tanhf makes the epilogue too big to unroll, and the
+// accumulator would move to local memory.
+__device__ __noinline__ float gelu(float x) {  // tanh form, as cuda/act.cu
+    return 0.5f * x * (1.f + tanhf(kK0 * x * (1.f + kK1 * x * x)));
+}
+
+// What the epilogue needs besides the fragment. EPI: 0 none, 1 + bias, 2 gelu(+ bias) with
+// the value before gelu stored in aux (backward needs it).
+template <class TOut>
+struct Epilogue {
+    const float* bias;
+    TOut* d;
+    TOut* aux;
+    float alpha, out_scale;
+    int M, N;
+};
+
 // Epilogue of one warpgroup's 64 x BN fragment: thread (warp w, lane l) holds rows 16w + l/4
 // and + 8, columns 8j + 2(l % 4) + {0, 1} (the wgmma accumulator layout). FP8 output: the
 // values are multiplied by out_scale before the cast and their amax gathered.
-template <int BN, class TOut, bool BIAS, bool ACCUM>
-__device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], float alpha,
-                                         const float* __restrict__ bias, TOut* __restrict__ d,
-                                         int M, int N, int row0, int col0, float out_scale,
-                                         float& amax) {
+template <int BN, class TOut, int EPI, bool ACCUM>
+__device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilogue<TOut>& e,
+                                         int row0, int col0, float& amax) {
+    static_assert(EPI < 2 || !is_fp8<TOut>, "gelu's aux output needs a high-precision D");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int r0 = row0 + 16 * warp + lane / 4;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int c = col0 + 8 * j + 2 * (lane % 4);
-        if (c >= N) continue;  // N is even, so c < N means c + 1 < N too
+        if (c >= e.N) continue;  // N is even, so c < N means c + 1 < N too
         float b0 = 0.f, b1 = 0.f;
-        if (BIAS) { b0 = __ldg(bias + c); b1 = __ldg(bias + c + 1); }
+        if (EPI >= 1) { b0 = __ldg(e.bias + c); b1 = __ldg(e.bias + c + 1); }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + 8 * h;
-            if (r >= M) continue;
-            TOut* p = d + (long long)r * N + c;
-            float v0 = alpha * acc[4 * j + 2 * h] + b0, v1 = alpha * acc[4 * j + 2 * h + 1] + b1;
-            if (ACCUM) { const float2 o = *reinterpret_cast<const float2*>(p); v0 += o.x; v1 += o.y; }
+            if (r >= e.M) continue;
+            const long long at = (long long)r * e.N + c;
+            float v0 = e.alpha * acc[4 * j + 2 * h] + b0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + b1;
+            if (ACCUM) {
+                const float2 o = *reinterpret_cast<const float2*>(e.d + at);
+                v0 += o.x;
+                v1 += o.y;
+            }
+            if constexpr (EPI == 2) {
+                store2(e.aux + at, v0, v1);
+                v0 = gelu(v0);
+                v1 = gelu(v1);
+            }
             if constexpr (is_fp8<TOut>) {
                 amax = fmaxf(amax, fmaxf(fabsf(v0), fabsf(v1)));
-                v0 *= out_scale;
-                v1 *= out_scale;
+                v0 *= e.out_scale;
+                v1 *= e.out_scale;
             }
-            store2(p, v0, v1);
+            store2(e.d + at, v0, v1);
         }
     }
 }
@@ -258,15 +286,15 @@ __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t*
 }
 
 // The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
-template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, bool BIAS, bool ACCUM,
+template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
           bool PROMOTE>
 __device__ __forceinline__ void math(const float* scale_inv_a, const float* scale_inv_b,
-                                     const float* bias, const float* scale_out, float* amax_out,
-                                     TOut* d, int M, int N, int nk, const uint8_t* sa,
-                                     const uint8_t* sb, uint64_t* full, uint64_t* empty) {
-    const float alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
-    const int row_off = (threadIdx.x / 128 - 1) * 64;
-    const float out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
+                                     const float* scale_out, float* amax_out, Epilogue<TOut> e,
+                                     int nk, const uint8_t* sa, const uint8_t* sb,
+                                     uint64_t* full, uint64_t* empty) {
+    e.alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
+    e.out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
+    const int row_off = (threadIdx.x / 128 - 1) * 64, M = e.M, N = e.N;
     float amax = 0.f;
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb);) {
@@ -277,18 +305,18 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
         else
             mainloop_fast<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
                                                     phase, acc);
-        epilogue<BN, TOut, BIAS, ACCUM>(acc, alpha, bias, d, M, N, mb * BM + row_off, nb * BN,
-                                        out_scale, amax);
+        epilogue<BN, TOut, EPI, ACCUM>(acc, e, mb * BM + row_off, nb * BN, amax);
     }
     if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
 }
 
-template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, bool BIAS, bool ACCUM,
+template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
           bool PROMOTE>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,
             const float* __restrict__ bias, const float* __restrict__ scale_out,
-            float* __restrict__ amax_out, TOut* __restrict__ d, int M, int N, int K,
+            float* __restrict__ amax_out, TOut* __restrict__ d, TOut* __restrict__ aux, int M,
+            int N, int K,
             const __grid_constant__ cute::TmaDescriptor tma_a,
             const __grid_constant__ cute::TmaDescriptor tma_b) {
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -314,9 +342,9 @@ fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ sca
                                           (M + BM - 1) / BM, (N + BN - 1) / BN, nk);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
-        math<BN, STAGES, CLUSTER, MMA, TOut, BIAS, ACCUM, PROMOTE>(
-            scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d, M, N, nk, sa, sb, full,
-            empty);
+        math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE>(
+            scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
+            sa, sb, full, empty);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();

@@ -137,6 +137,26 @@ def test_fp8_gemm_fp8_output_and_amax(rng, fa, fb, out_fmt, bias, headroom):
 
 
 @needs_hopper
+@pytest.mark.parametrize("fa,fb", PAIRS, ids=lambda f: f.name)
+@pytest.mark.parametrize("out_dtype", [np.float32, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_fp8_gemm_bias_gelu_epilogue(rng, fa, fb, out_dtype):
+    """gelu(y + bias) and, for the backward, y + bias itself."""
+    m, n, k = 200, 272, 1040
+    a, sa, b, sb = _operands(rng, m, n, k, fa, fb)
+    bvec = (rng.standard_normal(n) * 3).astype(out_dtype)
+    args = [a, fa, sa, b, fb, sb, out_dtype, bvec]
+    impl = backends.candidates("fp8_gemm", *_gpu(*args), gelu=True)[0]
+    assert impl.kind == "cutlass"
+    poison_gpu_pool()
+    y, pre = impl.fn(*_gpu(*args), gelu=True)
+    y_ref, pre_ref = backends.dispatch("fp8_gemm", *args, gelu=True)
+    want = _want64(a, fa, sa, b, fb, sb, bvec)
+    _check(pre, want, pre_ref, False, "pre-gelu")
+    want_y = 0.5 * want * (1 + np.tanh(np.sqrt(2 / np.pi) * (want + 0.044715 * want ** 3)))
+    _check(y, want_y, y_ref, False, "gelu")
+
+
+@needs_hopper
 def test_fp8_gemm_reads_scales_from_device_memory(rng):
     """Changing the scale arrays on the device changes the next result (no cached value)."""
     import cupy

@@ -34,10 +34,11 @@ _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
 _OUT = ("float", "__half", "__nv_bfloat16")
 
 
-def kernel_name(a_fmt, b_fmt, out, bias, accumulate, config):
+def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
+    """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output."""
     bn, stages, promote, cluster = config
     atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
-    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {cluster}, {atom}, {out}, {cbool(bias)}, "
+    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {cluster}, {atom}, {out}, {int(epi)}, "
             f"{cbool(accumulate)}, {cbool(promote)}>")
 
 
@@ -45,12 +46,14 @@ def _names():
     for fmts in _ATOM:
         for split in (False, True):
             for out in _OUT:
-                for bias in (False, True):
-                    yield kernel_name(*fmts, out, bias, False, CONFIGS[split])
-            yield kernel_name(*fmts, "float", False, True, CONFIGS[split])
+                for epi in (0, 1):
+                    yield kernel_name(*fmts, out, epi, False, CONFIGS[split])
+            yield kernel_name(*fmts, "float", 0, True, CONFIGS[split])
+        for out in _OUT:  # gelu: forward GEMMs, fast accumulation
+            yield kernel_name(*fmts, out, 2, False, CONFIGS[False])
         for out in FP8TYPE.values():  # FP8 output: forward GEMMs, fast accumulation
-            for bias in (False, True):
-                yield kernel_name(*fmts, out, bias, False, CONFIGS[False])
+            for epi in (0, 1):
+                yield kernel_name(*fmts, out, epi, False, CONFIGS[False])
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
@@ -70,7 +73,8 @@ _warned = []
 
 
 def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
+              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
+              gelu=False):
     if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM):
         return False
     if not hopper():
@@ -82,9 +86,10 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
         return False
     k = a.shape[1]
     if isinstance(out_dtype, FP8Format):
-        out_ok = not split_accumulator and out is None and not accumulate
+        out_ok = not split_accumulator and out is None and not accumulate and not gelu
     else:
         out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
+    out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
     ok = (out_ok and a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
           and b.shape[0] % 2 == 0)
     ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0 for t in (a, b))
@@ -135,15 +140,16 @@ _ready = set()  # kernels whose shared-memory limit was raised
 
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
+             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
+             gelu=False):
     config = _tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name, b_fmt.name,
                                     split_accumulator), CONFIGS[split_accumulator])
     return launch(tuple(config), a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
-                  out_dtype, bias, out, accumulate, out_scale, amax_out)
+                  out_dtype, bias, out, accumulate, out_scale, amax_out, gelu)
 
 
 def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out=None,
-           accumulate=False, out_scale=None, amax_out=None):
+           accumulate=False, out_scale=None, amax_out=None, gelu=False):
     """Run the kernel of `config` (BN, stages, promote, cluster)."""
     import cupy
     m, k = a.shape
@@ -157,7 +163,8 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
         raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
-    name = kernel_name(a_fmt.name, b_fmt.name, ctype, bias is not None, accumulate, config)
+    epi = 2 if gelu else int(bias is not None)
+    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config)
     if name not in loader.declared().get(FILE, ()):
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)  # a tuned config
     fn = loader.function(FILE, name)
@@ -174,11 +181,12 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
+    pre_gelu = cupy.empty_like(out) if gelu else out  # out is a stand-in: unused
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     fn((min(units, sm_count() // cluster) * cluster,), (THREADS,),
-       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, np.int32(m), np.int32(n),
-        np.int32(k), tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
-    return out
+       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, pre_gelu, np.int32(m),
+        np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
+    return (out, pre_gelu) if gelu else out
 
 
 # ---- autotuner: time the candidates for a shape, remember the winner on disk ----

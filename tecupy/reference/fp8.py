@@ -67,7 +67,8 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 
 @backends.register("fp8_gemm", "reference")
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
-             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None):
+             accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
+             gelu=False):
     """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
 
     Products of the decoded codes are summed in float32, then multiplied by
@@ -75,6 +76,7 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     accumulate, the result is added into `out` (float32, wgrad accumulation) in place.
     out_dtype an FP8Format: the result is cast with `out_scale` (float32 (1,)) to uint8 codes
     and max(amax_out, amax(result)) written into `amax_out`, as the cast kernel does.
+    gelu: returns (gelu(result), result) in out_dtype (the second for gelu's backward).
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
@@ -82,6 +84,10 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
     if bias is not None:
         acc = acc + bias.astype(np.float32)
+    if gelu:
+        k0, k1 = np.float32(0.7978845608028654), np.float32(0.044715)
+        y = np.float32(0.5) * acc * (1 + xp.tanh(k0 * acc * (1 + k1 * acc * acc)))
+        return y.astype(out_dtype), acc.astype(out_dtype)
     if isinstance(out_dtype, FP8Format):
         if out_scale is None or amax_out is None:
             raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out")
