@@ -196,7 +196,8 @@ def test_linear_fp8_runs_on_the_kernel(rng):
 @needs_hopper
 def test_tune_remembers_the_winner(rng, tmp_path, monkeypatch):
     import json
-    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    from tecupy.kernels import fp8_gemm as K
+    monkeypatch.setattr(K, "_tune_file", lambda: tmp_path / "fp8_gemm_tuned.json")
     times = tecupy.gemm.tune(256, 512, 384, "e5m2", "e4m3", split_accumulator=True, calls=2)
     assert set(times) == set(tecupy.gemm.CANDIDATES[True]) and min(times.values()) > 0
     table = json.loads((tmp_path / "fp8_gemm_tuned.json").read_text())
