@@ -310,15 +310,14 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
     if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
 }
 
+// The kernel body; the entries below differ only in their cluster attribute.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
           bool PROMOTE>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
-fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,
-            const float* __restrict__ bias, const float* __restrict__ scale_out,
-            float* __restrict__ amax_out, TOut* __restrict__ d, TOut* __restrict__ aux, int M,
-            int N, int K,
-            const __grid_constant__ cute::TmaDescriptor tma_a,
-            const __grid_constant__ cute::TmaDescriptor tma_b) {
+__device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scale_inv_b,
+                                     const float* bias, const float* scale_out, float* amax_out,
+                                     TOut* d, TOut* aux, int M, int N, int K,
+                                     const cute::TmaDescriptor& tma_a,
+                                     const cute::TmaDescriptor& tma_b) {
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
@@ -348,6 +347,26 @@ fp8_gemm_tn(const float* __restrict__ scale_inv_a, const float* __restrict__ sca
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();
+}
+
+#define TC_GEMM_PARAMS                                                                       \
+    const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,            \
+        const float* __restrict__ bias, const float* __restrict__ scale_out,                 \
+        float* __restrict__ amax_out, TOut* __restrict__ d, TOut* __restrict__ aux, int M,   \
+        int N, int K, const __grid_constant__ cute::TmaDescriptor tma_a,                     \
+        const __grid_constant__ cute::TmaDescriptor tma_b
+#define TC_GEMM_ARGS scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d, aux, M, N, K, tma_a, tma_b
+
+// Single CTAs get no cluster attribute at all (a cluster of 1 is still a cluster launch).
+template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>
+__global__ void __launch_bounds__(THREADS, 1) fp8_gemm_tn(TC_GEMM_PARAMS) {
+    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, PROMOTE>(TC_GEMM_ARGS);
+}
+
+template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
+fp8_gemm_tn_cluster2(TC_GEMM_PARAMS) {
+    gemm<BN, STAGES, 2, MMA, TOut, EPI, ACCUM, PROMOTE>(TC_GEMM_ARGS);
 }
 
 }  // namespace tc

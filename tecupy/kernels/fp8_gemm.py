@@ -38,8 +38,9 @@ def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output."""
     bn, stages, promote, cluster = config
     atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
-    return (f"tc::fp8_gemm_tn<{bn}, {stages}, {cluster}, {atom}, {out}, {int(epi)}, "
-            f"{cbool(accumulate)}, {cbool(promote)}>")
+    entry = "fp8_gemm_tn" if cluster == 1 else f"fp8_gemm_tn_cluster{cluster}"
+    return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, {cbool(accumulate)}, "
+            f"{cbool(promote)}>")
 
 
 def _names():
