@@ -37,11 +37,15 @@ namespace tc {
 
 constexpr int BM = 128, BK = 128, THREADS = 384, GROUP_M = 16;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
+// wgmma atoms: 64 x BN x 32, both operands K-major in shared memory, f32 accumulator.
 using cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN;
 using cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN;
 using cute::SM90::GMMA::MMA_64x128x32_F32E5M2E4M3_SS_TN;
+using cute::SM90::GMMA::MMA_64x192x32_F32E5M2E4M3_SS_TN;
 using cute::SM90::GMMA::MMA_64x256x32_F32E5M2E4M3_SS_TN;
 using cute::SM90::GMMA::MMA_64x128x32_F32E4M3E5M2_SS_TN;
+using cute::SM90::GMMA::MMA_64x192x32_F32E4M3E5M2_SS_TN;
 using cute::SM90::GMMA::MMA_64x256x32_F32E4M3E5M2_SS_TN;
 
 // wgmma shared-memory descriptor of a K-major tile with 128-byte rows, 128B swizzle, as TMA
@@ -67,6 +71,9 @@ template <class MMA, int N>
 __device__ __forceinline__ void wgmma(uint64_t da, uint64_t db, float (&d)[N], bool acc) {
     wgmma<MMA>(da, db, d, acc, cute::make_integer_sequence<int, N>{});
 }
+
+template <class MMA>
+constexpr int mma_n() { return int(sizeof(typename MMA::CRegisters) / sizeof(float)) * 2; }
 
 template <int N>
 __device__ __forceinline__ void fence(float (&d)[N]) {
@@ -245,6 +252,7 @@ template <int BN, int STAGES, int CLUSTER, class MMA>
 __device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* sb,
                                               uint64_t* full, uint64_t* empty, int nk,
                                               int& s, int& phase, float (&acc)[BN / 2]) {
+    static_assert(mma_n<MMA>() == BN, "fast accumulation takes a full-width wgmma atom");
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
@@ -259,28 +267,42 @@ __device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* 
     release<CLUSTER>(&empty[prev]);
 }
 
-template <int N>
-__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[N], bool first) {
+// acc[H * NP + i] (+)= part[i]: sub-tile H of the accumulator (constant indices: registers).
+template <int H, int NP, int N>
+__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP], bool first) {
     fence(part);
 #pragma unroll
-    for (int i = 0; i < N; ++i) acc[i] = first ? part[i] : acc[i] + part[i];
+    for (int i = 0; i < NP; ++i) acc[H * NP + i] = first ? part[i] : acc[H * NP + i] + part[i];
+}
+
+// Issue, wait for and promote the column sub-tiles H.. of one k-block (recursion unrolls it).
+template <int H, int BN, class MMA>
+__device__ __forceinline__ void split_block(const uint8_t* a, const uint8_t* b,
+                                            float (&acc)[BN / 2],
+                                            float (&part)[mma_n<MMA>() / 2],
+                                            bool first) {
+    if constexpr (H * mma_n<MMA>() < BN) {
+        mma_block<MMA>(a, b + H * mma_n<MMA>() * BK, part, false);
+        cute::warpgroup_wait<0>();
+        promote<H>(acc, part, first);
+        split_block<H + 1, BN, MMA>(a, b, acc, part, first);
+    }
 }
 
 // Split accumulator: each k-block accumulates into part from zero, waits for it and adds it
-// into acc (the other math warpgroup keeps the tensor cores busy meanwhile). Two fragments
-// alternating, so the adds overlap the next k-block, measured slower on an H200: they spill
-// under the 168-register cap of 384 threads.
+// into acc (the other math warpgroup keeps the tensor cores busy meanwhile). When the wgmma
+// atom is narrower than the tile (BN = 256 with a 128-wide atom: acc and a full-width part
+// would not fit in 232 registers), the k-block runs one column sub-tile at a time.
+// Two alternating fragments, so the adds overlap the next k-block, measured slower.
 template <int BN, int STAGES, int CLUSTER, class MMA>
 __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t* sb,
                                                uint64_t* full, uint64_t* empty, int nk,
                                                int& s, int& phase, float (&acc)[BN / 2]) {
-    float part[BN / 2];
+    float part[mma_n<MMA>() / 2];
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
-        mma_block<MMA>(sa + s * BM * BK, sb + s * BN * BK, part, false);
-        cute::warpgroup_wait<0>();
-        release<CLUSTER>(&empty[s]);  // part is in registers now: the stage can be refilled
-        promote(acc, part, kb == 0);
+        split_block<0, BN, MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, part, kb == 0);
+        release<CLUSTER>(&empty[s]);
         advance(s, phase, STAGES);
     }
 }

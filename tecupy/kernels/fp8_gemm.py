@@ -25,10 +25,12 @@ THREADS, BM, BK = 384, 128, 128
 # split accumulator? -> default (BN, stages, promote, cluster), and the candidates tune()
 # times. A cluster of 2 shares the A tile (TMA multicast) between CTAs of neighbouring
 # column blocks; shapes with an odd number of column blocks run the same config unclustered.
-CONFIGS = {False: (256, 4, False, 1), True: (128, 6, True, 1)}
+# Split accumulation holds a second fragment: 128 x 192 tiles (BN = 256 runs its k-blocks
+# in two 128-wide halves); measured on an H200, PERFLOG.md.
+CONFIGS = {False: (256, 4, False, 1), True: (192, 5, True, 1)}
 CANDIDATES = {False: [(256, 4, False, 1), (256, 4, False, 2), (256, 3, False, 2),
                       (128, 6, False, 2)],
-              True: [(128, 6, True, 1), (128, 6, True, 2), (128, 5, True, 2)]}
+              True: [(192, 5, True, 1), (128, 6, True, 1), (256, 4, True, 2)]}
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
@@ -37,7 +39,8 @@ _OUT = ("float", "__half", "__nv_bfloat16")
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output."""
     bn, stages, promote, cluster = config
-    atom = f"tc::MMA_64x{bn}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
+    atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
+    atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
     entry = "fp8_gemm_tn" if cluster == 1 else f"fp8_gemm_tn_cluster{cluster}"
     return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, {cbool(accumulate)}, "
             f"{cbool(promote)}>")
