@@ -180,6 +180,48 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
     }
 }
 
+// 16-bit outputs without gelu's aux or accumulation leave through shared memory and TMA
+// stores, so the math warpgroups go back to their MMAs while the stores drain.
+template <class TOut, int EPI, bool ACCUM>
+constexpr bool kTmaStore = sizeof(TOut) == 2 && EPI < 2 && !ACCUM;
+
+// The staging buffer of one math warpgroup holds its 64 x BN tile as BN / 64 boxes of 64 rows
+// x 128 bytes, 128B-swizzled as the store descriptor expects (16-byte unit u of row r sits at
+// u ^ (r % 8)), which also spreads each warp's 4-byte stores over all 32 banks.
+template <int BN, class TOut, int EPI>
+__device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const Epilogue<TOut>& e,
+                                             uint8_t* stage, const cute::TmaDescriptor* tma_d,
+                                             int row0, int col0) {
+    const int lt = threadIdx.x % 128, lane = lt % 32, warp = lt / 32;
+    const int bar = 2 + threadIdx.x / 128;  // named barriers 3, 4: one per math warpgroup
+    if (lt == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read it
+    cutlass::arch::NamedBarrier::sync(128, bar);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int c = 8 * j + 2 * (lane % 4);  // column in the tile
+        float b0 = 0.f, b1 = 0.f;
+        if (EPI == 1 && col0 + c < e.N) {
+            b0 = __ldg(e.bias + col0 + c);
+            b1 = __ldg(e.bias + col0 + c + 1);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * warp + lane / 4 + 8 * h;
+            const int unit = ((c % 64) / 8) ^ (r % 8);
+            uint8_t* p = stage + (c / 64) * 64 * 128 + r * 128 + unit * 16 + (c % 8) * 2;
+            store2(reinterpret_cast<TOut*>(p), e.alpha * acc[4 * j + 2 * h] + b0,
+                   e.alpha * acc[4 * j + 2 * h + 1] + b1);
+        }
+    }
+    cutlass::arch::fence_view_async_shared();  // make the stores visible to the TMA unit
+    cutlass::arch::NamedBarrier::sync(128, bar);
+    if (lt == 0) {
+        for (int b = 0; b < BN / 64; ++b)  // rows and columns past D are clipped by TMA
+            cute::SM90_TMA_STORE_2D::copy(tma_d, stage + b * 64 * 128, col0 + b * 64, row0);
+        cute::tma_store_arrive();
+    }
+}
+
 // Tiles are handed out per cluster: the CLUSTER CTAs of a cluster take neighbouring column
 // blocks of one row block (num_n % CLUSTER == 0), so they share the A tile.
 template <int CLUSTER>
@@ -313,7 +355,10 @@ template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool 
 __device__ __forceinline__ void math(const float* scale_inv_a, const float* scale_inv_b,
                                      const float* scale_out, float* amax_out, Epilogue<TOut> e,
                                      int nk, const uint8_t* sa, const uint8_t* sb,
-                                     uint64_t* full, uint64_t* empty) {
+                                     uint64_t* full, uint64_t* empty, uint8_t* staging,
+                                     const cute::TmaDescriptor* tma_d) {
+    constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM>;
+    uint8_t* stage = staging + (threadIdx.x / 128 - 1) * 64 * BN * 2;
     e.alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
     e.out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
     const int row_off = (threadIdx.x / 128 - 1) * 64, M = e.M, N = e.N;
@@ -327,8 +372,12 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
         else
             mainloop_fast<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
                                                     phase, acc);
-        epilogue<BN, TOut, EPI, ACCUM>(acc, e, mb * BM + row_off, nb * BN, amax);
+        if constexpr (tma_store)
+            epilogue_tma<BN, TOut, EPI>(acc, e, stage, tma_d, mb * BM + row_off, nb * BN);
+        else
+            epilogue<BN, TOut, EPI, ACCUM>(acc, e, mb * BM + row_off, nb * BN, amax);
     }
+    if (tma_store && threadIdx.x % 128 == 0) cute::tma_store_wait<0>();  // before smem goes
     if constexpr (is_fp8<TOut>) amax_atomic(amax_out, amax);
 }
 
@@ -339,16 +388,21 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
                                      const float* bias, const float* scale_out, float* amax_out,
                                      TOut* d, TOut* aux, int M, int N, int K,
                                      const cute::TmaDescriptor& tma_a,
-                                     const cute::TmaDescriptor& tma_b) {
+                                     const cute::TmaDescriptor& tma_b,
+                                     const cute::TmaDescriptor& tma_d) {
+    // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging], barriers
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
-    uint64_t* full = reinterpret_cast<uint64_t*>(sb + STAGES * BN * BK);
+    uint8_t* staging = sb + STAGES * BN * BK;
+    constexpr int kStaging = kTmaStore<TOut, EPI, ACCUM> ? 2 * 64 * BN * 2 : 0;
+    uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStaging);
     uint64_t* empty = full + STAGES;
     const int nk = (K + BK - 1) / BK;
     if (threadIdx.x == 0) {
         cute::prefetch_tma_descriptor(&tma_a);
         cute::prefetch_tma_descriptor(&tma_b);
+        if (kStaging) cute::prefetch_tma_descriptor(&tma_d);
         for (int s = 0; s < STAGES; ++s) {
             Barrier::init(&full[s], 1);
             Barrier::init(&empty[s], 8 * CLUSTER);  // each math warp of each CTA
@@ -365,7 +419,7 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
         cutlass::arch::warpgroup_reg_alloc<232>();
         math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE>(
             scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
-            sa, sb, full, empty);
+            sa, sb, full, empty, staging, &tma_d);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();
@@ -376,8 +430,10 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
         const float* __restrict__ bias, const float* __restrict__ scale_out,                 \
         float* __restrict__ amax_out, TOut* __restrict__ d, TOut* __restrict__ aux, int M,   \
         int N, int K, const __grid_constant__ cute::TmaDescriptor tma_a,                     \
-        const __grid_constant__ cute::TmaDescriptor tma_b
-#define TC_GEMM_ARGS scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d, aux, M, N, K, tma_a, tma_b
+        const __grid_constant__ cute::TmaDescriptor tma_b,                                   \
+        const __grid_constant__ cute::TmaDescriptor tma_d
+#define TC_GEMM_ARGS \
+    scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d, aux, M, N, K, tma_a, tma_b, tma_d
 
 // Single CTAs get no cluster attribute at all (a cluster of 1 is still a cluster launch).
 template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>

@@ -30,3 +30,10 @@ def test_compile_error_names_file_options_and_log(tmp_path, monkeypatch):
 def test_include_dirs_found():
     names = [str(d) for d in loader.include_dirs()]
     assert any(n.endswith("cuda") for n in names)
+
+
+def test_every_fp8_gemm_configuration_fits_in_shared_memory():
+    from tecupy.kernels import fp8_gemm as K
+    for configs in K.CANDIDATES.values():
+        for config in configs:
+            assert K.smem_bytes(config, staging=True) <= K.SMEM_MAX, config

@@ -27,10 +27,11 @@ THREADS, BM, BK = 384, 128, 128
 # column blocks; shapes with an odd number of column blocks run the same config unclustered.
 # Split accumulation holds a second fragment: 128 x 192 tiles (BN = 256 runs its k-blocks
 # in two 128-wide halves); measured on an H200, PERFLOG.md.
-CONFIGS = {False: (256, 4, False, 1), True: (192, 5, True, 1)}
-CANDIDATES = {False: [(256, 4, False, 1), (256, 4, False, 2), (256, 3, False, 2),
-                      (128, 6, False, 2)],
-              True: [(192, 5, True, 1), (128, 6, True, 1), (256, 4, True, 2)]}
+# Stages are what fits beside the bf16 output's staging buffer (smem_bytes <= SMEM_MAX).
+CONFIGS = {False: (256, 3, False, 1), True: (192, 4, True, 1)}
+CANDIDATES = {False: [(256, 3, False, 1), (256, 3, False, 2), (128, 6, False, 2)],
+              True: [(192, 4, True, 1), (128, 6, True, 1), (256, 3, True, 2)]}
+SMEM_MAX = 232448  # bytes of dynamic shared memory a block may have on sm_90
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
@@ -63,9 +64,16 @@ def _names():
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 
 
-def smem_bytes(config):
+def smem_bytes(config, staging=True):
+    """Stages of A and B tiles, the output staging buffer of 16-bit outputs, barriers."""
     bn, stages = config[:2]
-    return stages * (BM + bn) * BK + 2 * stages * 8
+    return stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0) + 2 * stages * 8
+
+
+def tma_store(out_dtype, gelu, accumulate):
+    """Whether the kernel's epilogue stages D in shared memory for TMA stores (as the
+    template decides: 16-bit D, no gelu aux output, no accumulation)."""
+    return np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
 
 
 def hopper():
@@ -100,26 +108,30 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
 
 
-_descs = collections.OrderedDict()  # (ptr, rows, cols, box_rows) -> TMA descriptor (V128)
+_descs = collections.OrderedDict()  # (ptr, shape, dtype, box) -> TMA descriptor (V128)
+_TMA_DTYPES = {"uint8": "UINT8", "bfloat16": "BFLOAT16", "float16": "FLOAT16"}
 
 
 def tma_desc(t, box_rows):
-    """128B-swizzled TMA descriptor of a K-major uint8 matrix t [rows, K], box 128 x box_rows."""
-    key = (t.data.ptr, t.shape[0], t.shape[1], box_rows)
+    """128B-swizzled TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a
+    16-bit output), box of 128 bytes x box_rows."""
+    key = (t.data.ptr, t.shape, t.dtype.name, box_rows)
     if key not in _descs:
         from cuda.bindings import driver as cu
         u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+        kind = getattr(cu.CUtensorMapDataType,
+                       f"CU_TENSOR_MAP_DATA_TYPE_{_TMA_DTYPES[t.dtype.name]}")
+        size = t.dtype.itemsize
         err, tmap = cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, t.data.ptr,
-            [u64(t.shape[1]), u64(t.shape[0])], [u64(t.shape[1])], [u32(BK), u32(box_rows)],
-            [u32(1), u32(1)],
+            kind, 2, t.data.ptr, [u64(t.shape[1]), u64(t.shape[0])], [u64(t.shape[1] * size)],
+            [u32(128 // size), u32(box_rows)], [u32(1), u32(1)],
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"fp8_gemm: cuTensorMapEncodeTiled failed ({err}) for a "
-                               f"{t.shape} uint8 matrix at {t.data.ptr:#x}")
+                               f"{t.shape} {t.dtype} matrix at {t.data.ptr:#x}")
         words = np.array(tmap.opaque, np.uint64)
         if t.nbytes < 128 << 10 and _driver_version() <= 13010:
             words[1] &= ~np.uint64(1 << 21)  # driver bug on small tensors (CUTLASS 4.3.4)
@@ -172,7 +184,8 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     if name not in loader.declared().get(FILE, ()):
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)  # a tuned config
     fn = loader.function(FILE, name)
-    smem = smem_bytes(config)
+    staged = not fp8_out and tma_store(out_dtype, gelu, accumulate)
+    smem = smem_bytes(config, staged)
     if name not in _ready:
         fn.max_dynamic_shared_size_bytes = smem
         _ready.add(name)
@@ -189,7 +202,8 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     fn((min(units, sm_count() // cluster) * cluster,), (THREADS,),
        (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, pre_gelu, np.int32(m),
-        np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn)), shared_mem=smem)
+        np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn),
+        tma_desc(out, 64) if staged else tma_desc(a, BM)), shared_mem=smem)
     return (out, pre_gelu) if gelu else out
 
 
