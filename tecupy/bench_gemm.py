@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from tecupy.bench import gpu_time_ms
+from tecupy.bench import gpu_time_ms, torch_time_ms
 
 SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
           ("qkv", 8192, 12288, 4096), ("proj", 8192, 4096, 4096),
@@ -41,22 +41,6 @@ def _torch_peer(a, b, fast):
     return call, lambda y: y.float().cpu().numpy()
 
 
-def _torch_ms(fn, calls=20, repeats=5):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / calls)
-    return float(np.median(times))
-
-
 def run(args):
     import cupy
     from tecupy import bfloat16
@@ -80,7 +64,7 @@ def run(args):
             for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
                 ms.append(gpu_time_ms(ours, [()], calls=30))
                 if peer is not None:
-                    pms.append(_torch_ms(peer, calls=30))
+                    pms.append(torch_time_ms(peer, calls=30))
             tf = 2 * m * n * k / min(ms) / 1e9
             ptf, diff = float("nan"), float("nan")
             if peer is not None:
