@@ -309,41 +309,43 @@ __device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* 
     release<CLUSTER>(&empty[prev]);
 }
 
-// acc[H * NP + i] (+)= part[i]: sub-tile H of the accumulator (constant indices: registers).
+// acc[H * NP + i] += part[i]: sub-tile H of the accumulator (constant indices: registers).
 template <int H, int NP, int N>
-__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP], bool first) {
+__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP]) {
     fence(part);
 #pragma unroll
-    for (int i = 0; i < NP; ++i) acc[H * NP + i] = first ? part[i] : acc[H * NP + i] + part[i];
+    for (int i = 0; i < NP; ++i) acc[H * NP + i] += part[i];
 }
 
 // Issue, wait for and promote the column sub-tiles H.. of one k-block (recursion unrolls it).
 template <int H, int BN, class MMA>
 __device__ __forceinline__ void split_block(const uint8_t* a, const uint8_t* b,
                                             float (&acc)[BN / 2],
-                                            float (&part)[mma_n<MMA>() / 2],
-                                            bool first) {
+                                            float (&part)[mma_n<MMA>() / 2]) {
     if constexpr (H * mma_n<MMA>() < BN) {
         mma_block<MMA>(a, b + H * mma_n<MMA>() * BK, part, false);
         cute::warpgroup_wait<0>();
-        promote<H>(acc, part, first);
-        split_block<H + 1, BN, MMA>(a, b, acc, part, first);
+        promote<H>(acc, part);
+        split_block<H + 1, BN, MMA>(a, b, acc, part);
     }
 }
 
 // Split accumulator: each k-block accumulates into part from zero, waits for it and adds it
-// into acc (the other math warpgroup keeps the tensor cores busy meanwhile). When the wgmma
+// into acc (the other math warpgroup keeps the tensor cores busy meanwhile). acc starts at
+// zero rather than taking the first part by a select: 20-40% faster on an H200. Two
+// alternating fragments (adds overlapping the next k-block) measured slower. When the wgmma
 // atom is narrower than the tile (BN = 256 with a 128-wide atom: acc and a full-width part
 // would not fit in 232 registers), the k-block runs one column sub-tile at a time.
-// Two alternating fragments, so the adds overlap the next k-block, measured slower.
 template <int BN, int STAGES, int CLUSTER, class MMA>
 __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t* sb,
                                                uint64_t* full, uint64_t* empty, int nk,
                                                int& s, int& phase, float (&acc)[BN / 2]) {
     float part[mma_n<MMA>() / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
-        split_block<0, BN, MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, part, kb == 0);
+        split_block<0, BN, MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, part);
         release<CLUSTER>(&empty[s]);
         advance(s, phase, STAGES);
     }
