@@ -1,5 +1,6 @@
 """CUDA activations (plain and gated, with and without bias, FP8 output), forward and
 backward, against the float64 reference."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -26,13 +27,16 @@ def inputs(rng, name, dtype, shape, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_activation(rng, name, dtype, shape, with_bias):
     x, bias, dy = inputs(rng, name, dtype, shape, with_bias)
+    # plus one unit of the dtype's rounding: with a handful of elements the low-precision
+    # reference can be exact by luck while float32 tanhf and NumPy's tanh round apart
+    ulp = float(ml_dtypes.finfo(dtype).eps)
     got = run(f"{name}_fwd", [x, bias], True)
     assert_within_2x_reference(got, run(f"{name}_fwd", f64([x, bias]), False),
-                               run(f"{name}_fwd", [x, bias], False), f"{name} fwd")
+                               run(f"{name}_fwd", [x, bias], False), f"{name} fwd", atol=ulp)
     dx, db = run(f"{name}_bwd", [dy, x, bias], True)
     want = run(f"{name}_bwd", f64([dy, x, bias]), False)
     lp = run(f"{name}_bwd", [dy, x, bias], False)
-    assert_within_2x_reference(dx, want[0], lp[0], f"{name} bwd", atol=1e-5)
+    assert_within_2x_reference(dx, want[0], lp[0], f"{name} bwd", atol=max(ulp, 1e-5))
     if with_bias:  # summed from the rounded dx: the dtype's own tolerance
         tol = {np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1.6e-2)
         np.testing.assert_allclose(asnp(db).astype(np.float64), want[1], rtol=tol,
