@@ -20,7 +20,9 @@
 // that is added into a float32 total, since Hopper's FP8 wgmma accumulates with fewer bits
 // than float32 (DeepSeek-V3 sec. 3.3); otherwise wgmma accumulates in place ("fast").
 // Tiles are visited in groups of GROUP_M row blocks so that concurrent CTAs share A and B in
-// L2. Dynamic shared memory: STAGES x (BM + BN) x BK bytes + barriers, 1024-byte aligned.
+// L2; fp8_gemm_tn_cluster2 pairs CTAs that multicast the A tile. 16-bit D leaves through a
+// swizzled shared-memory buffer and TMA stores. Dynamic shared memory: STAGES x (BM + BN) x
+// BK bytes, [2 x 64 x BN x 2 bytes of D staging], barriers; 1024-byte aligned.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
