@@ -1,5 +1,5 @@
-"""Run notebooks/quickstart.ipynb end to end (at TECUPY_NOTEBOOK_SIZE=small) and fail on any
-cell error; check that the notebook is stored as valid nbformat 4 without outputs.
+"""Run the notebooks (quickstart, FP8 primer) end to end at TECUPY_NOTEBOOK_SIZE=small and fail
+on any cell error; check that each is stored as valid nbformat 4 without outputs.
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
 JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
@@ -20,6 +20,8 @@ pytest.importorskip("ipykernel")
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
+# notebook -> text its run must print
+NOTEBOOKS = {"quickstart.ipynb": "TransformerLayer in FP8", "fp8_primer.ipynb": "fp8_gemm runs on"}
 CELL_TIMEOUT_S = 600
 
 
@@ -53,8 +55,9 @@ def _kernel_env(tmp_path):
     return env
 
 
-def test_notebook_is_stored_clean():
-    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebook_is_stored_clean(name):
+    nb = nbformat.read(str(REPO / "notebooks" / name), as_version=4)
     nbformat.validate(nb)
     assert nb.nbformat == 4
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
@@ -67,11 +70,12 @@ def test_notebook_is_stored_clean():
     assert 'os.environ.get("TECUPY_NOTEBOOK_SIZE", "full")' in first
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebook_runs(tmp_path, monkeypatch, name):
     for key, value in _kernel_env(tmp_path).items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
-    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nb = nbformat.read(str(REPO / "notebooks" / name), as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
         resources={"metadata": {"path": str(NOTEBOOK.parent)}})
@@ -81,4 +85,4 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "SCALE='small'" in text, text[:2000]
-    assert "TransformerLayer in FP8" in text
+    assert NOTEBOOKS[name] in text
