@@ -158,9 +158,11 @@ _ready = set()  # kernels whose shared-memory limit was raised
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
              gelu=False):
-    config = _tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name, b_fmt.name,
-                                    split_accumulator), CONFIGS[split_accumulator])
-    return launch(tuple(config), a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
+    config = tuple(_tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name,
+                                          b_fmt.name, split_accumulator), ()))
+    if config not in CANDIDATES[split_accumulator]:  # not tuned, or a stale table entry
+        config = CONFIGS[split_accumulator]
+    return launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
                   out_dtype, bias, out, accumulate, out_scale, amax_out, gelu)
 
 
