@@ -76,9 +76,15 @@ def tma_store(out_dtype, gelu, accumulate):
     return np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
 
 
+_hopper = {}  # device id -> compute capability 9.0 (asked once: supports() runs every call)
+
+
 def hopper():
     import cupy
-    return cupy.cuda.Device().compute_capability == "90"
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _hopper:
+        _hopper[dev] = cupy.cuda.Device(dev).compute_capability == "90"
+    return _hopper[dev]
 
 
 _warned = []
@@ -96,15 +102,18 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
                           "run on the reference (decode to float32, then cuBLAS), which is "
                           "correct but slow", RuntimeWarning, stacklevel=2)
         return False
+    if a.ndim != 2 or b.ndim != 2:
+        return False
     k = a.shape[1]
     if isinstance(out_dtype, FP8Format):
         out_ok = not split_accumulator and out is None and not accumulate and not gelu
     else:
         out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
     out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
-    ok = (out_ok and a.ndim == b.ndim == 2 and b.shape[1] == k and k % 16 == 0 and k > 0
-          and b.shape[0] % 2 == 0)
-    ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0 for t in (a, b))
+    # TMA: 16-byte aligned bases and row strides (K codes; N values of a 16-bit D)
+    ok = out_ok and b.shape[1] == k and k % 16 == 0 and k > 0 and b.shape[0] % 8 == 0
+    ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0
+                    for t in (a, b) + (() if out is None else (out,)))
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
 
 
