@@ -37,3 +37,14 @@ def test_every_fp8_gemm_configuration_fits_in_shared_memory():
     for configs in K.CANDIDATES.values():
         for config in configs:
             assert K.smem_bytes(config, staging=True) <= K.SMEM_MAX, config
+
+
+@pytest.mark.parametrize("m, n, split, want", [
+    (4096, 4096, True, 256),    # 192-wide tiles: 5.33 waves on 132 SMs; 256-wide: 3.88
+    (8192, 12288, True, 192), (8192, 4096, True, 192), (8192, 16384, True, 192),
+    (4096, 4096, False, 256), (100, 40, True, 192)])
+def test_default_config_follows_the_waves(m, n, split, want):
+    from tecupy.kernels import fp8_gemm as K
+    config = K.default_config(m, n, split, sms=132)
+    assert config[0] == want and config[2] == split
+    assert config in K.CANDIDATES[split] and config in dict(K.DEFAULTS[split])

@@ -207,3 +207,4 @@ def test_tune_remembers_the_winner(rng, tmp_path, monkeypatch):
         *_gpu(a, E5M2, sa, b, E4M3, sb), np.float32, split_accumulator=True)  # right results
     _check(got, _want64(a, E5M2, sa, b, E4M3, sb, None),
            backends.dispatch("fp8_gemm", a, E5M2, sa, b, E4M3, sb, np.float32), True, "tuned")
+

@@ -3,9 +3,10 @@ persistent), the `cutlass` implementation of fp8_gemm.
 
 Python's part: pick a configuration, encode the two TMA descriptors (cached: a descriptor
 only encodes an address and a shape), launch. Both operands are K-major uint8 codes; the
-scales stay in device memory. Configurations (BN, stages): "fast" accumulation runs
-128 x 256 tiles; the split accumulator (TE's default for dgrad and wgrad) needs a second
-register fragment, so it runs 128 x 128 tiles.
+scales stay in device memory. Configurations (BN, stages, promote, cluster): "fast"
+accumulation runs 128 x 256 tiles; the split accumulator (TE's default for dgrad and wgrad)
+needs a second register fragment, so it runs 128 x 192 tiles, or 128 x 256 in two halves
+where that wastes less of the last wave of tiles. A tuned table on disk overrides both.
 """
 import collections
 import json
@@ -29,8 +30,15 @@ THREADS, BM, BK = 384, 128, 128
 # in two 128-wide halves); measured on an H200, PERFLOG.md.
 # Stages are what fits beside the bf16 output's staging buffer (smem_bytes <= SMEM_MAX).
 CONFIGS = {False: (256, 3, False, 1), True: (192, 4, True, 1)}
+# The default per shape (no tuned entry): among DEFAULTS, the least of waves x BN / speed,
+# waves = ceil(tiles / SMs), speed = the config's relative throughput per tile (H200,
+# PERFLOG.md session 3). A wider tile wins where the narrow one wastes a last wave: 4096^3
+# split runs 704 tiles of 128 x 192 (5.33 waves, 89% used) or 512 of 128 x 256 (3.88, 97%).
+DEFAULTS = {False: [(CONFIGS[False], 1.0)],
+            True: [(CONFIGS[True], 1.0), ((256, 3, True, 1), 0.96)]}
 CANDIDATES = {False: [(256, 3, False, 1), (256, 3, False, 2), (128, 6, False, 2)],
-              True: [(192, 4, True, 1), (128, 6, True, 1), (256, 3, True, 2)]}
+              True: [(192, 4, True, 1), (256, 3, True, 1), (128, 6, True, 1),
+                     (256, 3, True, 2)]}
 SMEM_MAX = 232448  # bytes of dynamic shared memory a block may have on sm_90
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
@@ -50,10 +58,11 @@ def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
 def _names():
     for fmts in _ATOM:
         for split in (False, True):
-            for out in _OUT:
-                for epi in (0, 1):
-                    yield kernel_name(*fmts, out, epi, False, CONFIGS[split])
-            yield kernel_name(*fmts, "float", 0, True, CONFIGS[split])
+            for config, _ in DEFAULTS[split]:
+                for out in _OUT:
+                    for epi in (0, 1):
+                        yield kernel_name(*fmts, out, epi, False, config)
+                yield kernel_name(*fmts, "float", 0, True, config)
         for out in _OUT:  # gelu: forward GEMMs, fast accumulation
             yield kernel_name(*fmts, out, 2, False, CONFIGS[False])
         for out in FP8TYPE.values():  # FP8 output: forward GEMMs, fast accumulation
@@ -170,9 +179,25 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     config = tuple(_tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name,
                                           b_fmt.name, split_accumulator), ()))
     if config not in CANDIDATES[split_accumulator]:  # not tuned, or a stale table entry
-        config = CONFIGS[split_accumulator]
+        config = default_config(a.shape[0], b.shape[0], split_accumulator)
     return launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
                   out_dtype, bias, out, accumulate, out_scale, amax_out, gelu)
+
+
+_defaults = {}  # (M, N, split, SMs) -> config
+
+
+def default_config(m, n, split, sms=None):
+    """The default configuration for an M x N output (see DEFAULTS)."""
+    sms = sms or sm_count()
+    key = (m, n, split, sms)
+    if key not in _defaults:
+        def cost(item):
+            (bn, *_), speed = item
+            tiles = -(-m // BM) * -(-n // bn)
+            return -(-tiles // sms) * bn / speed
+        _defaults[key] = min(DEFAULTS[split], key=cost)[0]
+    return _defaults[key]
 
 
 def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out=None,
