@@ -94,3 +94,71 @@ cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
     m = block_max(m);
     if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
 }
+
+// cast_transpose_tiled<T, F8, G>: the same result, without byte-wide shared-memory traffic
+// (the kernel above reads its tile one byte per column per row: 16 shared loads per 16-byte
+// qt chunk, with bank conflicts, which co-limits it with DRAM). Tile: 128 G rows x 64 cols,
+// 256 threads. Thread (a = t / 8, b = t % 8) casts rows 4a..4a+3 (+128 g) of columns
+// 8b..8b+7; for each column it packs the 4 row bytes into one word (a 4 x 4 byte transpose
+// in registers) and stores it to the transposed tile tt[col][row] (128 G bytes per col).
+// Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
+// runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
+// makes both the word stores and the 16-byte loads conflict-free.
+// Needs rows % 16 == 0, cols % 8 == 0; grid (cols / 64, rows / (128 G)) rounded up.
+template <int G>
+__device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row group in col
+    const int chunk = word >> 2, swz = (chunk & ~7) | ((chunk ^ (col >> 3)) & 7);
+    return col * 32 * G + swz * 4 + (word & 3);
+}
+
+template <typename T, typename F8, int G>
+__global__ void __launch_bounds__(256)
+cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
+                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                     float* __restrict__ amax, int rows, int cols) {
+    __shared__ __align__(16) unsigned tt[64 * 32 * G];
+    const float s = scale[0];
+    const int r0 = blockIdx.y * 128 * G, c0 = blockIdx.x * 64;
+    const int a = threadIdx.x >> 3, b = threadIdx.x & 7, c = c0 + 8 * b;
+    float m = 0.f;
+    Vec<T, 8> in[G][4];  // every load of the tile issued before any is used
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + 128 * g + 4 * a + i;
+            if (r < rows && c < cols) in[g][i] = load_vec<8>(x + (long long)r * cols + c);
+        }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
+        if (r >= rows || c >= cols) continue;
+        unsigned word[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // word[j]: column c + j, 4 rows
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            Vec<unsigned char, 8> out;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float f = to_float(in[g][i].v[j]);
+                m = fmaxf(m, fabsf(f));
+                out.v[j] = F8(f * s).__x;
+                word[j] |= (unsigned)out.v[j] << (8 * i);
+            }
+            store_vec<8>(q + (long long)(r + i) * cols + c, out);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) tt[tt_word<G>(8 * b + j, 32 * g + a)] = word[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2 * G; ++h) {
+        const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);
+        const int r = r0 + 16 * chunk;
+        if (r < rows && c0 + col < cols)
+            store_vec<16>(qt + (long long)(c0 + col) * rows + r,
+                          *reinterpret_cast<const Vec<unsigned char, 16>*>(
+                              &tt[tt_word<G>(col, 4 * chunk)]));
+    }
+    m = block_max(m);
+    if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+}

@@ -276,3 +276,250 @@ __global__ void norm_bwd_reduce(const float* __restrict__ part, int nparts, int 
         else if (has_beta) dbeta[c - hidden] = from_float<T>(t);
     }
 }
+
+// ---- issue-3 variants: rows streamed through a shared-memory ring ----------------------
+// The kernels above keep at most one or two rows per block in flight, so an SM waits on
+// load latency between rows. Here each thread copies its own chunks of the next STAGES - 1
+// rows into shared memory with cp.async (16-byte copies, sm_80+) while it works on the
+// current row from registers: bytes in flight no longer cost registers. A thread reads back
+// only the slots it filled itself, so the ring needs no barrier: cp.async.wait_group makes
+// a thread's own finished copies visible to it. Slot (stage, tensor, k) of thread t is
+// ring[((stage NT + tensor) CHUNKS + k) blockDim + t]: a warp reads 512 consecutive bytes.
+// Needs VEC * sizeof(T) == 16.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Start copying this thread's chunks of row `row` of src into its slots at `slot`.
+template <typename T, int VEC, int CHUNKS>
+__device__ __forceinline__ void ring_issue(Vec<T, VEC>* slot, const T* src, long long row,
+                                           long long rows, int hidden) {
+    if (row >= rows) return;
+#pragma unroll
+    OWNED(k, i) if (i < hidden)
+        cp_async16(slot + k * blockDim.x + threadIdx.x, src + row * hidden + i);
+}
+
+template <typename T, int VEC, int CHUNKS>
+__device__ __forceinline__ void ring_read(Vec<T, VEC> (&r)[CHUNKS], const Vec<T, VEC>* slot,
+                                          int hidden) {
+#pragma unroll
+    OWNED(k, i) if (i < hidden) r[k] = slot[k * blockDim.x + threadIdx.x];
+}
+
+// Forward, one block per row, grid-stride; the maths of norm_fwd. Dynamic shared memory:
+// STAGES * CHUNKS * blockDim * 16 bytes.
+template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT, int STAGES>
+__global__ void __launch_bounds__(512)
+norm_fwd_ring(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+              OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
+              long long rows, int hidden, float eps, int zero_centered,
+              const float* __restrict__ scale, float* __restrict__ amax) {
+    extern __shared__ __align__(16) unsigned char ring_bytes[];
+    Vec<T, VEC>* ring = reinterpret_cast<Vec<T, VEC>*>(ring_bytes);
+    const int stage_size = CHUNKS * blockDim.x;
+    const float zc = zero_centered ? 1.f : 0.f;
+    const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    const long long step = gridDim.x;
+    float m = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        ring_issue<T, VEC, CHUNKS>(ring + s * stage_size, x, blockIdx.x + s * step, rows, hidden);
+        cp_async_commit();
+    }
+    int stage = 0;
+    // The shift of the moments (norm_fwd) is x[row, 0]: loaded one row ahead, off the ring
+    // (another thread's ring slot is not visible without a barrier).
+    float x0_next = 0.f;
+    if (!RMS && blockIdx.x < rows) x0_next = to_float(x[blockIdx.x * (long long)hidden]);
+    for (long long row = blockIdx.x; row < rows; row += step) {
+        const float x0 = x0_next;
+        if (!RMS && row + step < rows) x0_next = to_float(x[(row + step) * hidden]);
+        // Refill the stage read in the previous iteration (its values are already used).
+        const int refill = stage == 0 ? STAGES - 1 : stage - 1;
+        ring_issue<T, VEC, CHUNKS>(ring + refill * stage_size, x, row + (STAGES - 1) * step,
+                                   rows, hidden);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        Vec<T, VEC> a[CHUNKS];
+        ring_read(a, ring + stage * stage_size, hidden);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+        float sum = 0.f, sq = 0.f;
+#pragma unroll
+        OWNED(k, i) if (i < hidden)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = to_float(a[k].v[j]) - x0;
+                sum += d;
+                sq += d * d;
+            }
+        const float2 s = block_sum2(sum, sq);
+        const float dmean = s.x / hidden, mean = RMS ? 0.f : x0 + dmean;
+        const float var = RMS ? s.y / hidden : fmaxf(s.y / hidden - dmean * dmean, 0.f);
+        const float rs = rsqrtf(var + eps);
+#pragma unroll
+        OWNED(k, i) if (i < hidden) {
+            const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
+            Vec<T, VEC> b;
+            Vec<OUT, VEC> out;
+            if (!RMS) b = load_vec<VEC>(beta + i);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float o = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
+                if (!RMS) o += to_float(b.v[j]);
+                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
+                out.v[j] = Out<OUT>::make(o, sc);
+            }
+            store_vec<VEC>(y + row * hidden + i, out);
+        }
+        if (threadIdx.x == 0) {
+            if (!RMS) mu[row] = mean;
+            rsigma[row] = rs;
+        }
+    }
+    cp_async_wait<0>();
+    if (Out<OUT>::fp8) {
+        m = block_max(m);
+        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    }
+}
+
+// Backward, one block per row, grid-stride; the maths of norm_bwd (ROWS = 1), with x and dy
+// streamed through the ring (NT = 2 tensors per stage). Dynamic shared memory:
+// STAGES * 2 * CHUNKS * blockDim * 16 bytes. The partial row goes out in 16-byte stores.
+template <typename T, int VEC, int CHUNKS, bool RMS, int STAGES>
+__global__ void __launch_bounds__(512)
+norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
+              const float* __restrict__ rsigma, const T* __restrict__ gamma,
+              T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
+              int zero_centered) {
+    extern __shared__ __align__(16) unsigned char ring_bytes[];
+    Vec<T, VEC>* ring = reinterpret_cast<Vec<T, VEC>*>(ring_bytes);
+    const int tensor_size = CHUNKS * blockDim.x;
+    const float zc = zero_centered ? 1.f : 0.f;
+    const long long step = gridDim.x;
+    float dg[CHUNKS][VEC], db[CHUNKS][VEC];
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dg[k][j] = db[k][j] = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        const long long r = blockIdx.x + s * step;
+        ring_issue<T, VEC, CHUNKS>(ring + (2 * s) * tensor_size, x, r, rows, hidden);
+        ring_issue<T, VEC, CHUNKS>(ring + (2 * s + 1) * tensor_size, dy, r, rows, hidden);
+        cp_async_commit();
+    }
+    int stage = 0;
+    for (long long row = blockIdx.x; row < rows; row += step) {
+        const int refill = stage == 0 ? STAGES - 1 : stage - 1;  // read last iteration
+        const long long ahead = row + (STAGES - 1) * step;
+        ring_issue<T, VEC, CHUNKS>(ring + (2 * refill) * tensor_size, x, ahead, rows, hidden);
+        ring_issue<T, VEC, CHUNKS>(ring + (2 * refill + 1) * tensor_size, dy, ahead, rows,
+                                   hidden);
+        cp_async_commit();
+        const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
+        cp_async_wait<STAGES - 1>();
+        Vec<T, VEC> cx[CHUNKS], cd[CHUNKS];
+        ring_read(cx, ring + (2 * stage) * tensor_size, hidden);
+        ring_read(cd, ring + (2 * stage + 1) * tensor_size, hidden);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+        float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat xhat
+#pragma unroll
+        OWNED(k, i) if (i < hidden) {
+            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float dyf = to_float(cd[k].v[j]);
+                const float xh = (to_float(cx[k].v[j]) - m) * rs;
+                const float dxh = dyf * (to_float(gv.v[j]) + zc);
+                s1 += dxh;
+                s2 += dxh * xh;
+                dg[k][j] += dyf * xh;
+                db[k][j] += dyf;
+            }
+        }
+        const float2 s = block_sum2(s1, s2);
+        const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
+#pragma unroll
+        OWNED(k, i) if (i < hidden) {
+            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
+            Vec<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float xh = (to_float(cx[k].v[j]) - m) * rs;
+                const float dxh = to_float(cd[k].v[j]) * (to_float(gv.v[j]) + zc);
+                out.v[j] = from_float<T>(rs * (dxh - mean1 - xh * mean2));
+            }
+            store_vec<VEC>(dx + row * hidden + i, out);
+        }
+    }
+    cp_async_wait<0>();
+    float* p = part + (long long)blockIdx.x * 2 * hidden;
+#pragma unroll
+    OWNED(k, i) if (i < hidden) {
+        Vec<float, VEC> g, b;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g.v[j] = dg[k][j], b.v[j] = db[k][j];
+        store_vec<VEC>(p + i, g);
+        store_vec<VEC>(p + hidden + i, b);
+    }
+}
+
+// norm_bwd_reduce with 16-byte loads and several loads in flight per thread: the partials
+// are few rows of many columns, so the sum is latency-bound unless each thread keeps
+// several loads outstanding. Launch: blocks of (32, 32), block b sums the 128 columns
+// [128 b, 128 b + 128) of the 2 hidden; thread (x, y) takes 4 columns and the partial rows
+// y, y + 32, ...; the 32 rows of threads meet in shared memory. hidden % 2 == 0.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+norm_bwd_reduce_vec(const float* __restrict__ part, int nparts, int hidden,
+                    T* __restrict__ dgamma, T* __restrict__ dbeta, int has_beta) {
+    __shared__ float4 acc[32][32];
+    const int c = (blockIdx.x * 32 + threadIdx.x) * 4, width = 2 * hidden;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < width) {
+        const float* p = part + c;
+        int k = threadIdx.y;
+        for (; k + 96 < nparts; k += 128) {  // four independent loads, then the adds
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                v[u] = *reinterpret_cast<const float4*>(p + (long long)(k + 32 * u) * width);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                a.x += v[u].x;
+                a.y += v[u].y;
+                a.z += v[u].z;
+                a.w += v[u].w;
+            }
+        }
+        for (; k < nparts; k += 32) {
+            const float4 v = *reinterpret_cast<const float4*>(p + (long long)k * width);
+            a.x += v.x;
+            a.y += v.y;
+            a.z += v.z;
+            a.w += v.w;
+        }
+    }
+    acc[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= width) return;
+    float t[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int y = 0; y < 32; ++y) {
+        t[0] += acc[y][threadIdx.x].x;
+        t[1] += acc[y][threadIdx.x].y;
+        t[2] += acc[y][threadIdx.x].z;
+        t[3] += acc[y][threadIdx.x].w;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (c + j < hidden) dgamma[c + j] = from_float<T>(t[j]);
+        else if (has_beta) dbeta[c + j - hidden] = from_float<T>(t[j]);
+    }
+}

@@ -134,3 +134,110 @@ softmax_bwd_warp(const T* __restrict__ dy, const T* __restrict__ y, T* __restric
         }
     }
 }
+
+// ---- one block per row (issue-3 variants) ---------------------------------------------------
+// Long rows (sk = 4096 needs 16 chunks per lane in the warp kernels: 167 registers, few rows
+// per SM) split over a block: thread t keeps chunks c = t + k blockDim (k < CHUNKS) in
+// registers, so x is read once. The forward is exp2 of x scale log2(e) (one MUFU op instead of
+// expf's dozen instructions: at 4 TB/s the exponentials are half of the time budget) with one
+// multiply by 1 / sum per entry, and one block reduction of (max, sum) pairs (online
+// softmax: each thread sums exp2(v - its own max); pairs merge as
+// s = s1 exp2(m1 - m) + s2 exp2(m2 - m)). Grid-stride over rows; sk % VEC == 0, blockDim <= 512.
+__device__ __forceinline__ float2 merge_max_sum(float2 a, float2 b) {
+    const float m = fmaxf(a.x, b.x);
+    if (m == -kInf) return make_float2(m, 0.f);
+    return make_float2(m, a.y * exp2f(a.x - m) + b.y * exp2f(b.x - m));  // exp2(-inf) = 0
+}
+
+__device__ __forceinline__ float2 block_max_sum(float2 v) {
+    __shared__ float2 partial_ms[32];
+    for (int o = 16; o > 0; o >>= 1)
+        v = merge_max_sum(v, make_float2(__shfl_xor_sync(0xffffffffu, v.x, o),
+                                         __shfl_xor_sync(0xffffffffu, v.y, o)));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // partial_ms may still be read by the previous row
+    if (lane == 0) partial_ms[warp] = v;
+    __syncthreads();
+    v = lane < (blockDim.x >> 5) ? partial_ms[lane] : make_float2(-kInf, 0.f);
+    for (int o = 16; o > 0; o >>= 1)
+        v = merge_max_sum(v, make_float2(__shfl_xor_sync(0xffffffffu, v.x, o),
+                                         __shfl_xor_sync(0xffffffffu, v.y, o)));
+    return v;
+}
+
+#define ROW_CHUNKS(k, c) \
+    for (int k = 0, c = threadIdx.x * VEC; k < CHUNKS; ++k, c += blockDim.x * VEC)
+
+template <typename T, int VEC, int CHUNKS, bool HAS_MASK>
+__global__ void __launch_bounds__(512)
+softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mask,
+                  T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal) {
+    const float scale2 = scale * 1.4426950408889634f;  // log2(e): exp(a) = exp2(a log2 e)
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int qi = (int)(r % sq);
+        Vec<T, VEC> a[CHUNKS];
+        Vec<unsigned char, VEC> mk[CHUNKS];
+#pragma unroll
+        ROW_CHUNKS(k, c) if (c < sk) {
+            a[k] = load_vec<VEC>(x + r * sk + c);
+            if (HAS_MASK) mk[k] = load_vec<VEC>(mask + r * sk + c);
+        }
+        float v[CHUNKS][VEC], m = -kInf, s = 0.f;
+#pragma unroll
+        ROW_CHUNKS(k, c)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const bool keep = c + j < sk && !(causal && c + j > qi) &&
+                                  !(HAS_MASK && mk[k].v[j]);
+                v[k][j] = keep ? scale2 * to_float(a[k].v[j]) : -kInf;
+                m = fmaxf(m, v[k][j]);
+            }
+#pragma unroll
+        ROW_CHUNKS(k, c)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                v[k][j] = m == -kInf ? 0.f : exp2f(v[k][j] - m);  // excluded: exp2(-inf) = 0
+                s += v[k][j];
+            }
+        const float2 t = block_max_sum(make_float2(m, s));
+        // y = exp2(v - m) exp2(m - M) / S; a row with nothing kept becomes zeros.
+        const float f = (t.x == -kInf || m == -kInf) ? 0.f : exp2f(m - t.x) / t.y;
+#pragma unroll
+        ROW_CHUNKS(k, c) if (c < sk) {
+            Vec<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(v[k][j] * f);
+            store_vec<VEC>(y + r * sk + c, out);
+        }
+    }
+}
+
+// dx = scale y (dy - sum(dy y)), dy and y held in registers: each read once.
+template <typename T, int VEC, int CHUNKS>
+__global__ void __launch_bounds__(512)
+softmax_bwd_block(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                  long long rows, int sk, float scale) {
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        Vec<T, VEC> d[CHUNKS], p[CHUNKS];
+        float dot = 0.f;
+#pragma unroll
+        ROW_CHUNKS(k, c) if (c < sk) {
+            d[k] = load_vec<VEC>(dy + r * sk + c);
+            p[k] = load_vec<VEC>(y + r * sk + c);
+        }
+#pragma unroll
+        ROW_CHUNKS(k, c) if (c < sk)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) dot += to_float(d[k].v[j]) * to_float(p[k].v[j]);
+        dot = block_sum(dot);
+#pragma unroll
+        ROW_CHUNKS(k, c) if (c < sk) {
+            Vec<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                out.v[j] = from_float<T>(scale * to_float(p[k].v[j]) *
+                                         (to_float(d[k].v[j]) - dot));
+            store_vec<VEC>(dx + r * sk + c, out);
+        }
+    }
+}

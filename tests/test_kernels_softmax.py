@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import tecupy
+from tecupy.kernels import softmax as softmax_kernels
 from conftest import assert_within_2x_reference, f64, run
 
 pytestmark = pytest.mark.gpu
@@ -13,7 +14,11 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3, 7, 9), (4, 33, 1000), (2, 128, 2048),
                                    (3, 40, 256), (2, 9, 4096), (2, 5, 6144)], ids=str)
 @pytest.mark.parametrize("masking", ["none", "mask", "causal", "both"])
-def test_softmax(rng, dtype, shape, masking):
+@pytest.mark.parametrize("variant", list(softmax_kernels.VARIANTS))
+def test_softmax(monkeypatch, rng, variant, dtype, shape, masking):
+    """Every variant (scripts/issue3_device.py) for the forward and the backward at once."""
+    monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", variant)
+    monkeypatch.setattr(softmax_kernels, "BWD_VARIANT", variant)
     x = (rng.standard_normal(shape) * 4).astype(dtype)
     mask = None
     if masking in ("mask", "both"):  # broadcast over the leading axis; one row fully masked

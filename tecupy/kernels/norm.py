@@ -1,5 +1,6 @@
 """CUDA LayerNorm and RMSNorm, forward and backward: cuda/norm.cu."""
 import itertools
+import os
 
 import numpy as np
 
@@ -27,6 +28,24 @@ loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
     + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}, {q}>" for t, c, r, a, q in itertools.product(
         _VECS, CHUNKS, _BOOLS, _BOOLS, (1, 2)) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
+
+# Issue-3 variants (scripts/issue3_device.py checks and times each on the GPU; PERFLOG.md).
+# "base" is the session-1 path. ("warp",): the warp-per-row forward on a grid sized so every
+# warp gets the same number of rows. ("ring", S): block per row, the next S - 1 rows streamed
+# into shared memory by cp.async. The backward's second field names its dgamma/dbeta reduce.
+FWD_VARIANTS = {"base": None, "balanced": ("warp",), "ring3": ("ring", 3), "ring4": ("ring", 4)}
+BWD_VARIANTS = {"base": ("base", 0, "scalar"), "reduce": ("base", 0, "vec"),
+                "ring3": ("ring", 3, "vec"), "ring4": ("ring", 4, "vec"),
+                "ring6": ("ring", 6, "vec")}
+FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "base")
+BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "base")
+_RING_VECS = {t: v[1] for t, v in _VECS.items()}  # 16-byte vectors only
+loader.declare(FILE, [f"norm_fwd_ring<{t}, {v}, {c}, {r}, {o}, {s}>" for t, v in _RING_VECS.items()
+                      for c, r, s in itertools.product((1, 2), _BOOLS, (3, 4))
+                      for o in _outs(t, v)]
+               + [f"norm_bwd_ring<{t}, {v}, {c}, {r}, {s}>" for t, v in _RING_VECS.items()
+                  for c, r, s in itertools.product((1, 2), _BOOLS, (3, 4, 6))]
+               + [f"norm_bwd_reduce_vec<{t}>" for t in _VECS])
 
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
@@ -60,6 +79,32 @@ def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
+_occupancy = {}
+
+
+def _resident(k, threads, smem):
+    """Blocks of `threads` threads and `smem` dynamic shared bytes that fit on one SM."""
+    key = (k.kernel.ptr, threads, smem)
+    if key not in _occupancy:
+        from cupy.cuda import driver
+        _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            k.kernel.ptr, threads, smem))
+    return _occupancy[key]
+
+
+def _balanced_grid(units, per_sm):
+    """Blocks for a grid-stride loop over `units` (rows, or groups of rows) when `per_sm`
+    blocks fit on an SM: all blocks resident at once and each gets the same number of units
+    to within one, so no few blocks run a last iteration while the rest of the GPU idles."""
+    per = -(-units // (sm_count() * per_sm))
+    return int(max(1, -(-units // max(per, 1))))
+
+
+def _opt_in(k, smem):
+    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
+
+
 def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y."""
     import cupy
@@ -70,24 +115,37 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     y = cupy.empty(x.shape, np.uint8 if fmt else x.dtype)
     amax = cupy.zeros((1,), np.float32)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
-    vec = vec_width(x.dtype, hidden)
-    wchunks = -(-hidden // (32 * vec))
-    types = f"{CTYPE[x.dtype]}, {vec}, {{}}, {cbool(rms)}, " + (
+    types = f"{CTYPE[x.dtype]}, {vec_width(x.dtype, hidden)}, {{}}, {cbool(rms)}, " + (
         FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
+    if rows:
+        k, grid, threads, smem = _fwd_launch(rows, hidden, vec_width(x.dtype, hidden), types)
+        k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
+          np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
+          amax if scale is None else scale, amax), shared_mem=smem)
+    out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
+    return out + (amax,) if fmt else out
+
+
+def _fwd_launch(rows, hidden, vec, types):
+    """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
+    the chunks per thread."""
+    variant = FWD_VARIANTS[FWD_VARIANT]
+    threads, chunks = _shape(hidden, vec)
+    if variant and variant[0] == "ring" and vec > 1 and chunks <= 2:
+        k = loader.function(FILE, f"norm_fwd_ring<{types.format(chunks)}, {variant[1]}>")
+        smem = variant[1] * chunks * threads * 16
+        _opt_in(k, smem)
+        return k, _balanced_grid(rows, _resident(k, threads, smem)), threads, smem
+    wchunks = -(-hidden // (32 * vec))
     if FWD_WARP and wchunks <= WARP_CHUNKS[-1]:
         chunks = next(c for c in WARP_CHUNKS if c >= wchunks)
         k = loader.function(FILE, f"norm_fwd_warp<{types.format(chunks)}>")
-        grid, threads = _grid(-(-rows // 4), 128, FWD_THREADS_PER_SM), 128
-    else:
-        threads, chunks = _shape(hidden, vec)
-        k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
-        grid = _grid(rows, threads, FWD_THREADS_PER_SM)
-    if rows:
-        k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
-          np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
-          amax if scale is None else scale, amax))
-    out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
-    return out + (amax,) if fmt else out
+        groups = -(-rows // 4)  # 4 rows (warps) per block
+        grid = (_balanced_grid(groups, _resident(k, 128, 0)) if variant
+                else _grid(groups, 128, FWD_THREADS_PER_SM))
+        return k, grid, 128, 0
+    k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
+    return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
 
 
 def _outputs(y, mu, rsigma, shape, rms):
@@ -101,28 +159,50 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     dy, x, gamma = (cupy.ascontiguousarray(t) for t in (dy, x, gamma))
     rsigma = cupy.ascontiguousarray(rsigma, np.float32)
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
-    vec = vec_width(x.dtype, hidden)
-    threads, chunks = _shape(hidden, vec)
-    # Each block writes a [2, hidden] partial that norm_bwd_reduce reads back: fewer blocks
-    # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
-    nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)
+    k, nblocks, threads, smem, reduce = _bwd_launch(rows, hidden, x.dtype, rms)
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
+    k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
+      np.int32(hidden), np.int32(zero_centered_gamma)), shared_mem=smem)
+    _bwd_reduce(part, nblocks, hidden, dgamma, dbeta, rms, reduce)
+    return (dx, dgamma) if rms else (dx, dgamma, dbeta)
+
+
+def _bwd_launch(rows, hidden, dtype, rms):
+    """(kernel, blocks, threads, dynamic shared bytes, reduce variant) of the backward."""
+    kind, stages, reduce = BWD_VARIANTS[BWD_VARIANT]
+    vec = vec_width(dtype, hidden)
+    threads, chunks = _shape(hidden, vec)
+    if kind == "ring" and vec > 1 and chunks <= 2:
+        k = loader.function(FILE, f"norm_bwd_ring<{CTYPE[dtype]}, {vec}, {chunks}, "
+                                  f"{cbool(rms)}, {stages}>")
+        smem = stages * 2 * chunks * threads * 16
+        _opt_in(k, smem)
+        return k, _balanced_grid(rows, _resident(k, threads, smem)), threads, smem, reduce
+    # Each block writes a [2, hidden] partial that the reduce reads back: fewer blocks
+    # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
+    nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)
     # Sums in shared memory when asked, or when 4+ chunks per thread would spill registers.
     use_smem = (BWD_ACC_SMEM or chunks > 2) and 8 * hidden <= MAX_ACC_SMEM
     smem = 8 * hidden if use_smem else 0
     rows_at_once = BWD_ROWS if chunks <= 2 else 1  # more chunks: registers are full
-    k = loader.function(FILE, f"norm_bwd<{CTYPE[x.dtype]}, {vec}, {chunks}, {cbool(rms)}, "
+    k = loader.function(FILE, f"norm_bwd<{CTYPE[dtype]}, {vec}, {chunks}, {cbool(rms)}, "
                               f"{cbool(smem)}, {rows_at_once}>")
-    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
-        k.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
-    k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
-      np.int32(hidden), np.int32(zero_centered_gamma)), shared_mem=smem)
-    r = loader.function(FILE, f"norm_bwd_reduce<{CTYPE[x.dtype]}>")
-    r((-(-2 * hidden // 32),), (32, 8), (part, np.int32(nblocks), np.int32(hidden), dgamma, dbeta,
-      np.int32(not rms)))
-    return (dx, dgamma) if rms else (dx, dgamma, dbeta)
+    _opt_in(k, smem)
+    return k, nblocks, threads, smem, reduce
+
+
+def _bwd_reduce(part, nparts, hidden, dgamma, dbeta, rms, reduce):
+    """dgamma, dbeta = the column sums of the partials [nparts, 2 hidden]."""
+    t = CTYPE[dgamma.dtype]
+    args = (part, np.int32(nparts), np.int32(hidden), dgamma, dbeta, np.int32(not rms))
+    if reduce == "vec" and hidden % 2 == 0:
+        r = loader.function(FILE, f"norm_bwd_reduce_vec<{t}>")
+        r((-(-2 * hidden // 128),), (32, 32), args)
+    else:
+        r = loader.function(FILE, f"norm_bwd_reduce<{t}>")
+        r((-(-2 * hidden // 32),), (32, 8), args)
 
 
 @backends.register("layernorm_fwd", "cuda", supports=supported)

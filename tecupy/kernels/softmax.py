@@ -1,19 +1,50 @@
 """CUDA scaled, masked softmax and its backward: cuda/softmax.cu."""
+import os
+
 import numpy as np
 
 from .. import backends, loader
 from .common import CTYPE, LOW_PRECISION, cbool, grid_1d, on_gpu_low_precision, vec_width
+from .norm import _balanced_grid, _resident
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 _VECS = {"float": 4, "__half": 8, "__nv_bfloat16": 8}
 WARP_CHUNKS = (1, 2, 4, 8, 16)
+BLOCK_CHUNKS = (1, 2, 4)  # chunks per thread of the block-per-row kernels
+# Issue-3 variants (scripts/issue3_device.py times them; PERFLOG.md): "base" is the
+# session-1 choice (warp per row, else block per row reading the row 3 times); "blockC":
+# softmax_{fwd,bwd}_block with C chunks per thread (sk = 4096 bf16: 512 / C threads).
+VARIANTS = {"base": 0, "block1": 1, "block2": 2, "block4": 4}
+FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "base")
+BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "base")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
                + [f"softmax_fwd_warp<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
                   for c in WARP_CHUNKS for m in ("false", "true")]
                + [f"softmax_bwd_warp<{t}, {_VECS[t]}, {c}>" for t in _TYPES
-                  for c in WARP_CHUNKS[:-1]])
+                  for c in WARP_CHUNKS[:-1]]
+               + [f"softmax_fwd_block<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
+                  for c in BLOCK_CHUNKS for m in ("false", "true")]
+               + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
+                  for c in BLOCK_CHUNKS])
+
+
+def _block_shape(dtype, sk, chunks):
+    """(vec, threads) of the block-per-row kernels with `chunks` per thread, or None when
+    the row does not vectorize or needs more than 512 threads (__launch_bounds__)."""
+    vec = vec_width(dtype, sk)
+    threads = 32 * -(-sk // (32 * vec * chunks))
+    return (vec, threads) if vec > 1 and threads <= 512 else None
+
+
+def _block_launch(name, dtype, sk, rows, chunks, extra=""):
+    """(kernel, grid, threads) of softmax_{fwd,bwd}_block, or None (see _block_shape)."""
+    shape = _block_shape(dtype, sk, chunks)
+    if not chunks or not shape:
+        return None
+    k = loader.function(FILE, f"{name}<{CTYPE[dtype]}, {shape[0]}, {chunks}{extra}>")
+    return k, _balanced_grid(rows, _resident(k, shape[1], 0)), shape[1]
 
 
 def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
@@ -42,7 +73,13 @@ def softmax_fwd(x, scale, mask, causal):
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
-    if rows and sk and warp:
+    block = rows and sk and _block_launch("softmax_fwd_block", x.dtype, sk, rows,
+                                          VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
+    if block:
+        k, grid, threads = block
+        k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
+          np.float32(scale), np.int32(causal)))
+    elif rows and sk and warp:
         k = loader.function(FILE, f"softmax_fwd_warp<{CTYPE[x.dtype]}, {warp[0]}, {warp[1]}, "
                                   f"{cbool(mask is not None)}>")
         k((grid_1d(rows, 1, 4, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
@@ -62,7 +99,12 @@ def softmax_bwd(dy, y, scale):
     rows = y.size // max(sk, 1)
     dx = cupy.empty_like(y)
     warp = _warp_chunks(y.dtype, sk, most=8)
-    if rows and sk and warp:
+    block = rows and sk and _block_launch("softmax_bwd_block", y.dtype, sk, rows,
+                                          VARIANTS[BWD_VARIANT])
+    if block:
+        k, grid, threads = block
+        k((grid,), (threads,), (dy, y, dx, np.int64(rows), np.int32(sk), np.float32(scale)))
+    elif rows and sk and warp:
         k = loader.function(FILE, f"softmax_bwd_warp<{CTYPE[y.dtype]}, {warp[0]}, {warp[1]}>")
         k((grid_1d(rows, 1, 4, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
           np.float32(scale)))
