@@ -66,8 +66,9 @@ class FP8Tensor:
         """The column-wise copy (a 2-D transpose, contiguous), as wgrad and dgrad need it."""
         if self.ndim != 2:
             raise ValueError(f"FP8Tensor.transpose needs 2-D data, got shape {self.shape}")
-        t = self.data_t if self.data_t is not None else xp_of(self.data).ascontiguousarray(
-            self.data.T)
+        t = self.data_t
+        if t is None:
+            t = backends.dispatch("fp8_transpose", self.data)
         return FP8Tensor(t, self.fmt, self.scale_inv, data_t=self.data)
 
     T = property(transpose)

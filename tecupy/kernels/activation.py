@@ -60,6 +60,16 @@ def dbias(dx2):
     return out[0]
 
 
+@backends.register("bias_grad", "cuda", supports=lambda dy2, out_dtype: supported(dy2))
+def bias_grad(dy2, out_dtype):
+    """dbias of a linear: the float32 column sums of dy2 [rows, N] (no float32 copy of dy)."""
+    import cupy
+    dy2 = cupy.ascontiguousarray(dy2)
+    if not dy2.size:
+        return cupy.zeros(dy2.shape[1:], out_dtype)
+    return dbias(dy2).astype(out_dtype, copy=False)
+
+
 def _fwd(name, gated, x, bias, scale, fmt):
     import cupy
     x = cupy.ascontiguousarray(x)

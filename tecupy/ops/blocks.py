@@ -69,7 +69,7 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, 
         else:
             dx, dg, dbeta = backends.dispatch("layernorm_bwd", d_ln, x2, mu, rsigma, ln_weight,
                                               zcg)
-        return dx.reshape(x.shape), dg, dbeta, dw.astype(weight.dtype), db
+        return dx.reshape(x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
     record(backward, (x, ln_weight, ln_bias, weight, bias), (y,), fp8_states=(state,))
     return y
 
@@ -137,6 +137,6 @@ def _act_then_linear(h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
         da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa, qw, fc2_bias, state, fmt, 1,
                                           h.dtype)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
-        return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype), db2
+        return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
     record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,), fp8_states=(state,))
     return y

@@ -8,7 +8,7 @@ FP8State (delayed scaling) or, with no state or under Float8CurrentScaling, from
 tensor's own amax.
 """
 from .. import backends
-from .._array import array_module, check_float, check_shape, compute_dtype
+from .._array import array_module, check_float, check_shape
 from ..autocast import active_recipe, use_state
 from ..fp8 import quantize_current
 from ..tape import record, recording
@@ -59,7 +59,7 @@ def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
 def _dbias(dy2, bias):
     if bias is None:
         return None
-    return dy2.astype(compute_dtype(dy2.dtype)).sum(0).astype(bias.dtype)
+    return backends.dispatch("bias_grad", dy2, bias.dtype)
 
 
 def _linear_hp(x, weight, bias):

@@ -58,6 +58,12 @@ def cast_transpose(x, scale, fmt):
     return q, xp_of(q).ascontiguousarray(q.T), a
 
 
+@backends.register("fp8_transpose", "reference")
+def fp8_transpose(data):
+    """The transposed, contiguous copy of 2-D FP8 codes."""
+    return xp_of(data).ascontiguousarray(data.T)
+
+
 @backends.register("fp8_dequantize", "reference")
 def fp8_dequantize(data, fmt, scale_inv, dtype):
     table = _decode_table(xp_of(data), fmt)
