@@ -2,7 +2,10 @@
 // scheme on mma.sync m16n8k16, bf16/fp16 in, float32 accumulate; sm_80 and newer).
 //
 // Layout bshd: q [b, sq, h, d], k and v [b, skv, hk, d], h % hk == 0 (query head i reads KV
-// head i / (h / hk)). S = scale Q K^T; keep (i, j) iff j < kv_len and (not CAUSAL or
+// head i / (h / hk)). Each operand has its own batch and sequence strides (elements; heads
+// D apart, d contiguous), so sbhd tensors and the q/k/v views of a packed projection are
+// read in place: a bshd tensor has strides (s h D, h D), an sbhd one (h D, b h D).
+// S = scale Q K^T; keep (i, j) iff j < kv_len and (not CAUSAL or
 // j <= i) (top-left); query rows i >= q_len give o = 0, lse = +inf (q_len, kv_len =
 // seqlens_q[b], seqlens_kv[b] where those pointers are not null, else sq, skv); a row with
 // nothing kept gives o = 0, lse = +inf too. P = softmax(S) over the kept entries;
@@ -22,9 +25,9 @@
 //                       blocks of 64 rows: S^T = K Q^T, dP^T = V dO^T, P = exp(S - lse),
 //                       dS = P (dP Z - delta) scale, dV += (P Z)^T dO, dK += dS^T Q; dS^T
 //                       goes to shared memory and dQ = dS K (warp tiles 32 x 2 D / NW) is
-//                       added into dq_acc [b, sq, h, d] (float32; red.global.add.v4.f32
+//                       added into dq_acc (float32, laid out as dq; red.global.add.v4.f32
 //                       on sm_90, scalar atomics before).
-//   attention_convert   dq_acc -> dq in T.
+//   attention_convert   dq_acc -> dq in T (same layout, elementwise).
 //
 // Shared tiles are [rows][width] with the 16-byte chunk c of row r stored at c ^ (r & 7),
 // so ldmatrix (8 rows, one chunk column) and cp.async rows hit distinct banks.
@@ -329,7 +332,9 @@ __global__ void __launch_bounds__(256 / MW, QREG ? 1 : 2)
 attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
-              float scale_log2, float p_drop, float factor, unsigned long long seed) {
+              float scale_log2, float p_drop, float factor, unsigned long long seed,
+              long long q_b, long long q_s, long long k_b, long long k_s, long long v_b,
+              long long v_s, long long o_b, long long o_s) {
     constexpr int BM = kFwdBM, NT = 256 / MW;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -339,15 +344,14 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
     const int head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
-    const long long qs = (long long)h * D, ks = (long long)hk * D;
-    const T* kb = k + (long long)b * skv * ks + kvh * D;
-    const T* vb = v + (long long)b * skv * ks + kvh * D;
+    const T* kb = k + b * k_b + kvh * D;
+    const T* vb = v + b * v_b + kvh * D;
     const int n_end = CAUSAL ? min(kv_len, m0 + BM) : kv_len;
     const int n_tiles = m0 < q_len ? (n_end + BN - 1) / BN : 0;
-    load_tile<BM, D, NT>(sQ, q + (long long)b * sq * qs + head * D, qs, m0, sq);
+    load_tile<BM, D, NT>(sQ, q + b * q_b + head * D, q_s, m0, sq);
     if (n_tiles > 0) {
-        load_tile<BN, D, NT>(sK, kb, ks, 0, kv_len);
-        load_tile<BN, D, NT>(sV, vb, ks, 0, kv_len);
+        load_tile<BN, D, NT>(sK, kb, k_s, 0, kv_len);
+        load_tile<BN, D, NT>(sV, vb, v_s, 0, kv_len);
     }
     cp_async_commit();
     const int qrow = 16 * MW * (threadIdx.x >> 5), row = m0 + qrow + ((threadIdx.x & 31) >> 2);
@@ -366,8 +370,8 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
             for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQ, qrow, 16 * kk);
         if (j + 1 < n_tiles) {
             const int nb = ((j + 1) & 1) * BN * D;
-            load_tile<BN, D, NT>(sK + nb, kb, ks, (j + 1) * BN, kv_len);
-            load_tile<BN, D, NT>(sV + nb, vb, ks, (j + 1) * BN, kv_len);
+            load_tile<BN, D, NT>(sK + nb, kb, k_s, (j + 1) * BN, kv_len);
+            load_tile<BN, D, NT>(sV + nb, vb, v_s, (j + 1) * BN, kv_len);
         }
         cp_async_commit();
         const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > m0);
@@ -383,30 +387,36 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)
 #pragma unroll
     for (int mt = 0; mt < MW; ++mt)
-        fwd_store<T, D>(o + (long long)b * sq * qs + head * D,
-                        lse + (long long)(b * h + head) * sq, acc[mt], m[mt], l[mt],
-                        row + 16 * mt, sq, q_len, qs);
+        fwd_store<T, D>(o + b * o_b + head * D, lse + (long long)(b * h + head) * sq,
+                        acc[mt], m[mt], l[mt], row + 16 * mt, sq, q_len, o_s);
 }
 
 // ---- backward ----------------------------------------------------------------------------
 // delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d]; a warp per (b, i, h) row, 8 per block
 template <typename T, int D>
 __global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restrict__ out,
-                                  float* __restrict__ delta, long long rows, int sq, int h) {
+                                  float* __restrict__ delta, long long rows, int sq, int h,
+                                  long long do_b, long long do_s, long long o_b, long long o_s) {
     constexpr int V = D / 32;
     const long long r = blockIdx.x * 8LL + (threadIdx.x >> 5);
     if (r >= rows) return;
     const int lane = threadIdx.x & 31;
-    const Vec<T, V> a = load_vec<V>(dout + r * D + lane * V);
-    const Vec<T, V> c = load_vec<V>(out + r * D + lane * V);
+    const long long bi = r / h;  // b * sq + i
+    const long long b = bi / sq, i = bi % sq;
+    const int head = r % h;
+    const Vec<T, V> a = load_vec<V>(dout + b * do_b + i * do_s + head * D + lane * V);
+    const Vec<T, V> c = load_vec<V>(out + b * o_b + i * o_s + head * D + lane * V);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) s += to_float(a.v[j]) * to_float(c.v[j]);
     s = warp_sum(s);
-    const long long bi = r / h;  // b * sq + i
-    const int head = r % h;
-    if (lane == 0) delta[((bi / sq) * h + head) * sq + bi % sq] = s;
+    if (lane == 0) delta[(b * h + head) * sq + i] = s;
 }
+
+// Strides (elements) of the backward's operands: batch and sequence of each.
+struct BwdStrides {
+    long long do_b, do_s, q_b, q_s, k_b, k_s, v_b, v_s, dq_b, dq_s, dk_b, dk_s;
+};
 
 constexpr int kBwdBM = 64;
 
@@ -422,12 +432,13 @@ template <int D, int NW> struct BwdSmem {
 template <typename T, int D, int NW>
 __device__ __forceinline__ void bwd_load_q(T* sm, float* sf, int buf, const T* q, const T* dout,
                                            const float* lse, const float* delta, int hh,
-                                           int q0, int b, int sq, int h, int q_len) {
+                                           int q0, int b, int sq, int h, int q_len,
+                                           const BwdStrides& st) {
     constexpr int BM = kBwdBM, NT = 32 * NW;
     using S = BwdSmem<D, NW>;
-    const long long qs = (long long)h * D, base = (long long)b * sq * qs + hh * D;
-    load_tile<BM, D, NT>(sm + S::Q + buf * BM * D, q + base, qs, q0, q_len);
-    load_tile<BM, D, NT>(sm + S::DO + buf * BM * D, dout + base, qs, q0, q_len);
+    load_tile<BM, D, NT>(sm + S::Q + buf * BM * D, q + b * st.q_b + hh * D, st.q_s, q0, q_len);
+    load_tile<BM, D, NT>(sm + S::DO + buf * BM * D, dout + b * st.do_b + hh * D, st.do_s, q0,
+                         q_len);
     const int i = threadIdx.x;
     const long long row = (long long)(b * h + hh) * sq + q0 + (i & (BM - 1));
     if (i < 2 * BM) {
@@ -502,11 +513,11 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
 }
 
 // dQ[q0.., :] += dS K from shared memory; float32 vector reductions into dq (pointing at
-// [b, 0, head, 0], row stride h D). Warp tiles: MT row tiles of 16 (query rows
+// [b, 0, head, 0], row stride dq_s). Warp tiles: MT row tiles of 16 (query rows
 // 16 MT (w % (4 / MT))) by D / (NW MT / 4) columns (MT = 2: fewer shared-memory reads).
 template <typename T, int D, int NW, int MT>
 __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int q0, int q_len,
-                                       int h) {
+                                       long long dq_s) {
     constexpr int BM = kBwdBM, BN = 16 * NW, WQ = 4 / MT, DQC = D / (NW / WQ);
     using S = BwdSmem<D, NW>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
@@ -534,7 +545,7 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int r = q0 + qw + 16 * mt + g + (odd ? 8 : 0);
-        float* dst = dq + (long long)r * h * D + c0 + 2 * (t & ~1);
+        float* dst = dq + r * dq_s + c0 + 2 * (t & ~1);
 #pragma unroll
         for (int nt = 0; nt < DQC / 8; ++nt) {
             const float* c = acc[mt][nt];
@@ -555,7 +566,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
               const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
               T* __restrict__ dv, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
-              float p_drop, float factor, unsigned long long seed) {
+              float p_drop, float factor, unsigned long long seed, const BwdStrides st) {
     constexpr int BM = kBwdBM, BN = 16 * NW, NT = 32 * NW;
     using S = BwdSmem<D, NW>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -563,19 +574,18 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     float* sf = reinterpret_cast<float*>(sm + S::END);
     const int n0 = blockIdx.x * BN, kvh = blockIdx.y, b = blockIdx.z, group = h / hk;
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
-    const long long ks = (long long)hk * D, kbase = (long long)b * skv * ks + kvh * D;
     const int qb0 = CAUSAL ? n0 / BM : 0, qb1 = (q_len + BM - 1) / BM;
     const int nqb = n0 < kv_len ? max(qb1 - qb0, 0) : 0, total = group * nqb;
-    load_tile<BN, D, NT>(sm + S::K, k + kbase, ks, n0, kv_len);
-    load_tile<BN, D, NT>(sm + S::V, v + kbase, ks, n0, kv_len);
+    load_tile<BN, D, NT>(sm + S::K, k + b * st.k_b + kvh * D, st.k_s, n0, kv_len);
+    load_tile<BN, D, NT>(sm + S::V, v + b * st.v_b + kvh * D, st.v_s, n0, kv_len);
     if (total > 0)
         bwd_load_q<T, D, NW>(sm, sf, 0, q, dout, lse, delta, kvh * group, qb0 * BM, b, sq, h,
-                             q_len);
+                             q_len, st);
     cp_async_commit();
     const int kv_row = n0 + 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
     const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
-    float* dqb = dq_acc + (long long)b * sq * h * D;
+    float* dqb = dq_acc + b * st.dq_b;
     for (int it = 0; it < total; ++it) {
         const int hh = kvh * group + it / nqb, q0 = (qb0 + it % nqb) * BM;
         cp_async_wait_all();
@@ -583,7 +593,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
         if (it + 1 < total)
             bwd_load_q<T, D, NW>(sm, sf, (it + 1) & 1, q, dout, lse, delta,
                                  kvh * group + (it + 1) / nqb, (qb0 + (it + 1) % nqb) * BM, b,
-                                 sq, h, q_len);
+                                 sq, h, q_len, st);
         cp_async_commit();
         const bool masked = q0 + BM > q_len || n0 + BN > kv_len || (CAUSAL && n0 + BN - 1 > q0);
         bwd_block<T, D, NW, CAUSAL, DROPOUT>(dkr, dvr, sm, sm + S::DS, sf, it & 1, kv_row, q0,
@@ -591,7 +601,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                              (unsigned long long)(b * h + hh) * sq * skv, skv,
                                              dr);
         __syncthreads();
-        bwd_dq<T, D, NW, 2>(dqb + hh * D, sm, sm + S::DS, q0, q_len, h);
+        bwd_dq<T, D, NW, 2>(dqb + hh * D, sm, sm + S::DS, q0, q_len, st.dq_s);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
     const int t = threadIdx.x & 3;
@@ -599,7 +609,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     for (int i = 0; i < 2; ++i) {
         const int r = kv_row + 8 * i;
         if (r >= skv) continue;
-        const long long off = ((long long)b * skv + r) * ks + kvh * D + 2 * t;
+        const long long off = b * st.dk_b + r * st.dk_s + kvh * D + 2 * t;  // dv: same layout
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
             *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =

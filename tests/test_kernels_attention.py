@@ -118,3 +118,33 @@ def test_dot_product_attention_sbhd_gqa_tape(rng):
     assert_within_2x_reference(o, o_ref, o_lp, "o", atol)
     for name, g, w, r in zip("qkv", grads, want, lp):
         assert_within_2x_reference(g, w, r, "d" + name, atol)
+
+
+@pytest.mark.parametrize("d, mask, p", [(64, "causal", 0.1), (128, "padding", 0.0)])
+def test_attention_reads_strided_views_in_place(rng, d, mask, p):
+    """q, k, v as sbhd slices of one packed projection [s, b, h + 2 hk, d] (what the layer
+    has), dO sbhd: the same bits as contiguous bshd copies, and outputs laid out
+    sequence-major like the inputs (so the layer's reshapes are free)."""
+    import cupy
+    s, b, h, hk = 150, 3, 4, 2
+    packed = cupy.asarray(rng.standard_normal((s, b, h + 2 * hk, d)).astype(tecupy.bfloat16))
+    do_sbhd = cupy.asarray(rng.standard_normal((s, b, h, d)).astype(tecupy.bfloat16))
+    views = [packed[:, :, :h], packed[:, :, h:h + hk], packed[:, :, h + hk:], do_sbhd]
+    q, k, v, do = (t.transpose(1, 0, 2, 3) for t in views)  # bshd-shaped views
+    lens = cupy.asarray(_lengths(rng, b, s)) if "padding" in mask else None
+    args = (0.1, mask, lens, lens, p, 1234)
+    dense = [cupy.ascontiguousarray(t) for t in (q, k, v, do)]
+    o, lse = backends.dispatch("attention_fwd", q, k, v, *args)
+    o_c, lse_c = backends.dispatch("attention_fwd", *dense[:3], *args)
+    assert o.transpose(1, 0, 2, 3).flags.c_contiguous  # sbhd memory, as q's
+    np.testing.assert_array_equal(asnp(o).view(np.uint16), asnp(o_c).view(np.uint16))
+    np.testing.assert_array_equal(asnp(lse), asnp(lse_c))
+    grads = backends.dispatch("attention_bwd", do, q, k, v, o, lse, *args)
+    grads_c = backends.dispatch("attention_bwd", dense[3], *dense[:3], o_c, lse_c, *args)
+    for name, g, gc in zip("qkv", grads, grads_c):
+        assert g.transpose(1, 0, 2, 3).flags.c_contiguous
+        if name == "q":  # dQ adds blocks' parts by atomics in any order: equal to rounding
+            a, c = asnp(g).astype(np.float32), asnp(gc).astype(np.float32)
+            assert np.abs(a - c).max() <= 2.0 ** -7 * np.abs(c).max()
+        else:
+            np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))

@@ -1,8 +1,11 @@
 """CUDA fused attention (FlashAttention-2 scheme on mma.sync): cuda/attention.cu.
 
 attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
-(reference/attention.py). bf16/fp16, head dim 64 or 128, layout bshd; other inputs fall
-back to the reference (supports() declines them, and a softmax scale <= 0).
+(reference/attention.py). bf16/fp16, head dim 64 or 128, shapes bshd; other inputs fall
+back to the reference (supports() declines them, and a softmax scale <= 0). The kernels
+take each operand's batch and sequence strides, so sbhd views and the q/k/v slices of a
+packed projection are read in place (no copies); outputs are laid out in memory as the
+matching input is (sequence-major for sbhd).
 """
 import itertools
 
@@ -81,6 +84,30 @@ def _lengths(mask_type, seqlens_q, seqlens_kv):
     return lq, lkv
 
 
+def _strided(t):
+    """t itself when the kernels can read it in place (d contiguous, heads d apart,
+    16-byte aligned rows and base), else a contiguous copy."""
+    import cupy
+    size = t.itemsize
+    ok = (t.strides[3] == size and t.strides[2] == t.shape[3] * size
+          and t.data.ptr % 16 == 0 and t.strides[0] % 16 == 0 and t.strides[1] % 16 == 0)
+    return t if ok else cupy.ascontiguousarray(t)
+
+
+def _strides(t):
+    """(batch, sequence) strides of a bshd-shaped array, in elements."""
+    return np.int64(t.strides[0] // t.itemsize), np.int64(t.strides[1] // t.itemsize)
+
+
+def _empty_as(t, dtype=None):
+    """An empty bshd-shaped array whose memory is sequence-major where t's is (sbhd)."""
+    import cupy
+    dtype = t.dtype if dtype is None else dtype
+    if t.shape[0] > 1 and t.strides[1] > t.strides[0]:
+        return cupy.empty((t.shape[1], t.shape[0]) + t.shape[2:], dtype).transpose(1, 0, 2, 3)
+    return cupy.empty(t.shape, dtype)
+
+
 def _dropout_args(p, seed):
     factor = np.float32(1 / (1 - p))  # rounded as the reference rounds it
     return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
@@ -89,10 +116,10 @@ def _dropout_args(p, seed):
 @backends.register("attention_fwd", "cuda", supports=_supports)
 def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, seed):
     import cupy
-    q, k, v = (cupy.ascontiguousarray(t) for t in (q, k, v))
+    q, k, v = (_strided(t) for t in (q, k, v))
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
-    o, lse = cupy.empty_like(q), cupy.empty((b, h, sq), np.float32)
+    o, lse = _empty_as(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     variant = CONFIG["fwd"]
     bn, mw = variant[:2]
@@ -101,7 +128,8 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
                    smem)
     fn((-(-sq // FWD_BM), h, b), (256 // mw,),
        (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
-        np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed)), shared_mem=smem)
+        np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed),
+        *(x for t in (q, k, v, o) for x in _strides(t))), shared_mem=smem)
     return o, lse
 
 
@@ -109,25 +137,29 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
 def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, dropout_p,
                   seed):
     import cupy
-    do, q, k, v, o = (cupy.ascontiguousarray(t) for t in (do, q, k, v, o))
+    do, q, k, v, o = (_strided(t) for t in (do, q, k, v, o))
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     t, rows = CTYPE[q.dtype], b * sq * h
     delta = cupy.empty((b, h, sq), np.float32)
     loader.function(FILE, f"attention_bwd_dot<{t}, {d}>")(
-        (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h)))
-    dq_acc = cupy.zeros((b, sq, h, d), np.float32)
-    dk, dv = cupy.empty_like(k), cupy.empty_like(v)
+        (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h),
+                                   *_strides(do), *_strides(o)))
+    dq_acc = _empty_as(q, np.float32)
+    dq_acc.fill(0)
+    dk, dv = _empty_as(k), _empty_as(k)  # the kernel writes dk and dv alike
+    st = np.array([x for t in (do, q, k, v, dq_acc, dk) for x in _strides(t)],
+                  np.int64).view("V96")  # struct BwdStrides
     bn = 16 * BWD_WARPS
     smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
     fn = _function(_bwd_name(t, d, "causal" in mask_type, dropout_p > 0), smem)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     fn((-(-skv // bn), hk, b), (2 * bn,),
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
-        np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed)),
+        np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed), st),
        shared_mem=smem)
-    dq = cupy.empty_like(q)
+    dq = _empty_as(q)  # same layout as dq_acc: the conversion is elementwise
     loader.function(FILE, f"attention_convert<{t}>")(
         (grid_1d(dq.size, 4),), (256,), (dq_acc, dq, np.int64(dq.size)))
     return dq, dk, dv
