@@ -23,6 +23,15 @@ class _Node:
         self.backward, self.fp8_states = backward, fp8_states
 
 
+def _sum(a, b):
+    """The sum of two gradients of one array: through the add op (one pass, float32 sum
+    rounded once) where shape and dtype match, else array arithmetic (broadcast grads)."""
+    if a.shape == b.shape and a.dtype == b.dtype and type(a) is type(b):
+        from . import backends
+        return backends.dispatch("add_fwd", a, b)
+    return a + b
+
+
 def recording():
     return bool(_active)
 
@@ -119,7 +128,7 @@ class Tape:
                 if x is None or g is None:
                     continue
                 g = unbroadcast(g, x.shape)
-                grads[id(x)] = grads[id(x)] + g if id(x) in grads else g
+                grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
             states.extend(s for s in node.fp8_states if s not in states)
         if states:  # Transformer Engine updates backward FP8 state after backward
             from .autocast import update_states

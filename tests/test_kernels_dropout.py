@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import tecupy
-from conftest import run
+from tecupy import backends
+from conftest import asnp, run
 
 pytestmark = pytest.mark.gpu
 
@@ -24,3 +25,15 @@ def test_dropout_matches_reference(rng, dtype, shape, residual):
     dx = run("dropout_bwd", [dy, keep_ref, p], True)
     np.testing.assert_array_equal(dx.get().astype(np.float32),
                                   run("dropout_bwd", [dy, keep_ref, p], False).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("shape", [(7,), (4099, 33), (64, 4096)])
+def test_add_matches_reference(rng, dtype, shape):
+    """The plain add (residual with no dropout, the tape's sum of gradients): the float32
+    sum rounded once, bit for bit as the reference."""
+    a = (rng.standard_normal(shape) * 3).astype(dtype)
+    b = (rng.standard_normal(shape) * 3).astype(dtype)
+    got = run("add_fwd", [a, b], on_gpu=True)
+    want = backends.dispatch("add_fwd", a, b)
+    np.testing.assert_array_equal(asnp(got).view(np.uint8), want.view(np.uint8))

@@ -1,4 +1,4 @@
-"""CUDA dropout (Philox) fused with the residual add: cuda/dropout.cu."""
+"""CUDA dropout (Philox) fused with the residual add, and the plain add: cuda/dropout.cu."""
 import itertools
 
 import numpy as np
@@ -10,7 +10,9 @@ FILE = "dropout.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 loader.declare(FILE, [f"dropout_fwd<{t}, {v}, {r}>" for t, v, r in itertools.product(
     _TYPES, (1, 4), ("false", "true"))] + [f"dropout_bwd<{t}, {v}>" for t, v in
-                                           itertools.product(_TYPES, (1, 4))])
+                                           itertools.product(_TYPES, (1, 4))]
+               + [f"add<{t}, {v}>" for t in _TYPES
+                  for v in ((1, 4) if t == "float" else (1, 4, 8))])
 
 
 supported = on_gpu_low_precision
@@ -45,3 +47,21 @@ def dropout_bwd(dy, keep, p):
     if dy.size:
         k((grid_1d(dy.size, vec),), (256,), (dy, keep, dx, np.int64(dy.size), _factor(p)))
     return dx
+
+
+def _supports_add(a, b):
+    return (supported(a) and getattr(b, "dtype", None) == a.dtype and b.shape == a.shape
+            and type(b) is type(a))
+
+
+@backends.register("add_fwd", "cuda", supports=_supports_add)
+def add_fwd(a, b):
+    """a + b of one shape and dtype in one pass (16-byte loads where the size allows)."""
+    import cupy
+    a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
+    y = cupy.empty_like(a)
+    vec = next(v for v in (16 // a.itemsize, 4, 1) if a.size % v == 0)
+    if a.size:
+        loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}>")(
+            (grid_1d(a.size, vec),), (256,), (a, b, y, np.int64(a.size)))
+    return y
