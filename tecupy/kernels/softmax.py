@@ -16,8 +16,9 @@ BLOCK_CHUNKS = (1, 2, 4)  # chunks per thread of the block-per-row kernels
 # session-1 choice (warp per row, else block per row reading the row 3 times); "blockC":
 # softmax_{fwd,bwd}_block with C chunks per thread (sk = 4096 bf16: 512 / C threads).
 VARIANTS = {"base": 0, "block1": 1, "block2": 2, "block4": 4}
-FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "base")
-BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "base")
+# defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
+FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "block4")
+BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
                + [f"softmax_fwd_warp<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
@@ -40,8 +41,8 @@ def _block_shape(dtype, sk, chunks):
 
 def _block_launch(name, dtype, sk, rows, chunks, extra=""):
     """(kernel, grid, threads) of softmax_{fwd,bwd}_block, or None (see _block_shape)."""
-    shape = _block_shape(dtype, sk, chunks)
-    if not chunks or not shape:
+    shape = _block_shape(dtype, sk, chunks) if chunks else None
+    if not shape:
         return None
     k = loader.function(FILE, f"{name}<{CTYPE[dtype]}, {shape[0]}, {chunks}{extra}>")
     return k, _balanced_grid(rows, _resident(k, shape[1], 0)), shape[1]
