@@ -33,7 +33,7 @@ loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
 # "base" is the session-1 path. ("warp",): the warp-per-row forward on a grid sized so every
 # warp gets the same number of rows. ("ring", S): block per row, the next S - 1 rows streamed
 # into shared memory by cp.async. The backward's second field names its dgamma/dbeta reduce.
-FWD_VARIANTS = {"base": None, "balanced": ("warp",), "ring3": ("ring", 3), "ring4": ("ring", 4)}
+FWD_VARIANTS = {"base": None, "balanced": ("warp",), "ring4": ("ring", 4)}
 BWD_VARIANTS = {"base": ("base", 0, "scalar"), "reduce": ("base", 0, "vec"),
                 "ring4": ("ring", 4, "vec"),
                 "ring6": ("ring", 6, "vec")}
