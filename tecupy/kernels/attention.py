@@ -99,13 +99,14 @@ def _strides(t):
     return np.int64(t.strides[0] // t.itemsize), np.int64(t.strides[1] // t.itemsize)
 
 
-def _empty_as(t, dtype=None):
-    """An empty bshd-shaped array whose memory is sequence-major where t's is (sbhd)."""
+def _empty_as(t, dtype=None, alloc=None):
+    """A new bshd-shaped array whose memory is sequence-major where t's is (sbhd); alloc is
+    cupy.empty (default) or cupy.zeros (a memset, cheaper than a fill kernel)."""
     import cupy
-    dtype = t.dtype if dtype is None else dtype
+    dtype, alloc = t.dtype if dtype is None else dtype, alloc or cupy.empty
     if t.shape[0] > 1 and t.strides[1] > t.strides[0]:
-        return cupy.empty((t.shape[1], t.shape[0]) + t.shape[2:], dtype).transpose(1, 0, 2, 3)
-    return cupy.empty(t.shape, dtype)
+        return alloc((t.shape[1], t.shape[0]) + t.shape[2:], dtype).transpose(1, 0, 2, 3)
+    return alloc(t.shape, dtype)
 
 
 def _dropout_args(p, seed):
@@ -146,8 +147,7 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
     loader.function(FILE, f"attention_bwd_dot<{t}, {d}>")(
         (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h),
                                    *_strides(do), *_strides(o)))
-    dq_acc = _empty_as(q, np.float32)
-    dq_acc.fill(0)
+    dq_acc = _empty_as(q, np.float32, cupy.zeros)
     dk, dv = _empty_as(k), _empty_as(k)  # the kernel writes dk and dv alike
     st = np.array([x for t in (do, q, k, v, dq_acc, dk) for x in _strides(t)],
                   np.int64).view("V96")  # struct BwdStrides
