@@ -620,9 +620,11 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     }
 }
 
-// dq = dq_acc in T, 4 elements per thread step (n % 4 == 0)
+// dq = dq_acc in T, 4 elements per thread step (n % 4 == 0): dq_acc is rows of `width`
+// values, contiguous; dq's rows are `stride` apart (a slice of a packed qkv gradient).
 template <typename T>
-__global__ void attention_convert(const float* __restrict__ x, T* __restrict__ y, long long n) {
+__global__ void attention_convert(const float* __restrict__ x, T* __restrict__ y, long long n,
+                                  long long width, long long stride) {
     for (long long i = 4 * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += 4LL * gridDim.x * blockDim.x) {
         const float4 a = *reinterpret_cast<const float4*>(x + i);
@@ -631,6 +633,6 @@ __global__ void attention_convert(const float* __restrict__ x, T* __restrict__ y
         out.v[1] = from_float<T>(a.y);
         out.v[2] = from_float<T>(a.z);
         out.v[3] = from_float<T>(a.w);
-        store_vec<4>(y + i, out);
+        store_vec<4>(y + (i / width) * stride + i % width, out);
     }
 }

@@ -148,3 +148,28 @@ def test_attention_reads_strided_views_in_place(rng, d, mask, p):
             assert np.abs(a - c).max() <= 2.0 ** -7 * np.abs(c).max()
         else:
             np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))
+
+
+def test_packed_qkv_gradients_need_no_concatenate(rng):
+    """The layer's path: one projection [s, b, (h + 2 hk) d], reshaped and split into q, k, v.
+    The backward writes dq, dk, dv as slices of one packed buffer, which the split joins
+    without a copy; the result equals the separate arrays' gradients, concatenated."""
+    import cupy
+    s, b, h, hk, d = 130, 2, 4, 2, 64
+    dt = tecupy.bfloat16
+    qkv = cupy.asarray(rng.standard_normal((s, b, (h + 2 * hk) * d)).astype(dt))
+    do = cupy.asarray(rng.standard_normal((s, b, h, d)).astype(dt))
+    with tecupy.Tape() as tape:
+        x = tecupy.reshape(qkv, (s, b, h + 2 * hk, d))
+        q, k, v = tecupy.split(x, [h, hk, hk], axis=2)
+        o = tecupy.dot_product_attention(q, k, v, "causal", qkv_format="sbhd")
+    (g,) = tape.gradient([o], [qkv], [do])
+    assert g.flags.c_contiguous and g.shape == qkv.shape
+    parts = [cupy.ascontiguousarray(t) for t in (q, k, v)]
+    with tecupy.Tape() as tape:
+        o2 = tecupy.dot_product_attention(*parts, "causal", qkv_format="sbhd")
+    grads = tape.gradient([o2], parts, [do])
+    want = cupy.concatenate(grads, axis=2).reshape(qkv.shape).astype(np.float32)
+    np.testing.assert_array_equal(asnp(o).view(np.uint16), asnp(o2).view(np.uint16))
+    err = float(cupy.abs(g.astype(np.float32) - want).max() / cupy.abs(want).max())
+    assert err <= 2.0 ** -7, err  # dq's atomics may add in another order

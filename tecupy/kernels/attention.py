@@ -109,6 +109,24 @@ def _empty_as(t, dtype=None, alloc=None):
     return alloc(t.shape, dtype)
 
 
+def _grad_buffers(q, k, v):
+    """dq, dk, dv, each laid out as its input. When q, k, v are adjacent head slices of one
+    contiguous array (the layer's split of the packed qkv projection), the gradients are the
+    same slices of one new array, so the split's backward joins them without a copy."""
+    import cupy
+    base, d, size = q.base, q.shape[3], q.itemsize
+    packed = (base is not None and k.base is base and v.base is base and base.flags.c_contiguous
+              and q.data.ptr == base.data.ptr and q.strides == k.strides == v.strides
+              and k.data.ptr == q.data.ptr + q.shape[2] * d * size
+              and v.data.ptr == k.data.ptr + k.shape[2] * d * size
+              and v.data.ptr + v.shape[2] * d * size - q.data.ptr == min(q.strides[:2]))
+    if not packed:
+        return _empty_as(q), _empty_as(k), _empty_as(k)
+    buf = cupy.empty(base.shape, base.dtype)
+    return tuple(cupy.ndarray(t.shape, t.dtype, buf.data + (t.data.ptr - q.data.ptr), t.strides)
+                 for t in (q, k, v))
+
+
 def _dropout_args(p, seed):
     factor = np.float32(1 / (1 - p))  # rounded as the reference rounds it
     return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
@@ -148,7 +166,7 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
         (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h),
                                    *_strides(do), *_strides(o)))
     dq_acc = _empty_as(q, np.float32, cupy.zeros)
-    dk, dv = _empty_as(k), _empty_as(k)  # the kernel writes dk and dv alike
+    dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
     st = np.array([x for t in (do, q, k, v, dq_acc, dk) for x in _strides(t)],
                   np.int64).view("V96")  # struct BwdStrides
     bn = 16 * BWD_WARPS
@@ -159,7 +177,10 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
         np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed), st),
        shared_mem=smem)
-    dq = _empty_as(q)  # same layout as dq_acc: the conversion is elementwise
+    # dq_acc [b, sq, h, d] (or sbhd) -> dq rows of h d values (row stride: dq's sequence or
+    # batch stride, whichever is inner)
+    inner = int(min(dq.strides[:2]) // dq.itemsize)
     loader.function(FILE, f"attention_convert<{t}>")(
-        (grid_1d(dq.size, 4),), (256,), (dq_acc, dq, np.int64(dq.size)))
+        (grid_1d(dq_acc.size, 4),), (256,), (dq_acc, dq, np.int64(dq_acc.size),
+                                             np.int64(h * d), np.int64(inner)))
     return dq, dk, dv

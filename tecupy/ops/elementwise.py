@@ -30,8 +30,27 @@ def split(x, sizes, axis=-1):
         raise ValueError(f"split: sizes {list(sizes)} sum to {sum(sizes)}, but axis {axis} of x "
                          f"has {x.shape[axis]}")
     outs = tuple(xp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=axis))
-    record(lambda *gs: (xp.concatenate(gs, axis=axis),), (x,), outs)
+    record(lambda *gs: (_join(xp, gs, axis, x.shape),), (x,), outs)
     return outs
+
+
+def _join(xp, gs, axis, shape):
+    """concatenate(gs, axis); no copy when the pieces already are the adjacent slices of one
+    C-contiguous CuPy array (the attention backward's dq, dk, dv of a packed qkv)."""
+    g0 = gs[0]
+    if xp is not np and all(g.dtype == g0.dtype and g.data.mem is g0.data.mem for g in gs):
+        full = xp.ndarray(shape, g0.dtype, g0.data)  # C-contiguous, starting at piece 0
+        off, axis = 0, axis % len(shape)
+        for g in gs:
+            piece = full[(slice(None),) * axis + (slice(off, off + g.shape[axis]),)]
+            if (piece.shape, piece.strides, piece.data.ptr) != (g.shape, g.strides, g.data.ptr):
+                break
+            off += g.shape[axis]
+        else:
+            end = g0.data.mem.ptr + g0.data.mem.size
+            if full.data.ptr + full.nbytes <= end:
+                return full
+    return xp.concatenate(gs, axis=axis)
 
 
 def softmax(x, scale=1.0, mask=None, causal=False):
