@@ -1,4 +1,4 @@
-// cast.cu — FP8 cast with amax, and FP8 dequantize.
+// cast.cu — FP8 cast with amax (also with its transpose), and FP8 dequantize.
 //
 // cast_to_fp8<T, F8>:  q[i] = F8(x[i] * scale[0])   (round to nearest even, __NV_SATFINITE:
 //                      overflow and inf saturate to +-max, NaN stays NaN)
@@ -7,6 +7,7 @@
 //   Launch: 1-D grid-stride over VEC-wide chunks (16-byte loads; n % VEC == 0 when
 //   VEC > 1), blockDim 256; one atomicMax per block. amax must hold a value >= 0 before.
 // fp8_dequantize<F8, T>: y[i] = T(float(F8 q[i]) * scale_inv[0]).
+// cast_transpose_tiled<T, F8, G>: the cast, also writing the transpose (below).
 #include "common.cuh"
 
 // ---- cast ------------------------------------------------------------------------------
@@ -47,60 +48,14 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 }
 
 // ---- cast + transpose ----------------------------------------------------------------------
-// cast_transpose<T, F8>: the cast above, writing both q [rows, cols] and its transpose
-// qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy). rows % 16 == 0
-// and cols % 8 == 0. Launch: one block of 256 threads per 128 x 64 tile (rows x cols), grid
-// (cols/64, rows/128) rounded up; each thread casts four 8-wide row chunks (16-byte loads
-// of bf16), the tile's bytes go through shared memory, and each thread writes two 16-byte
-// column chunks of qt.
-template <typename T, typename F8>
-__global__ void __launch_bounds__(256)
-cast_transpose(const T* __restrict__ x, const float* __restrict__ scale,
-               unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-               float* __restrict__ amax, int rows, int cols) {
-    __shared__ unsigned char tile[128][64 + 4];
-    const float s = scale[0];
-    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 64;
-    float m = 0.f;
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-        const int v = threadIdx.x + h * 256, tr = v >> 3, tc = (v & 7) * 8;
-        const int r = r0 + tr, c = c0 + tc;
-        if (r < rows && c < cols) {
-            const Vec<T, 8> a = load_vec<8>(x + (long long)r * cols + c);
-            Vec<unsigned char, 8> out;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float f = to_float(a.v[j]);
-                m = fmaxf(m, fabsf(f));
-                out.v[j] = F8(f * s).__x;
-                tile[tr][tc + j] = out.v[j];
-            }
-            store_vec<8>(q + (long long)r * cols + c, out);
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int v = threadIdx.x + h * 256, tc = v >> 3, tr = (v & 7) * 16;
-        const int r = r0 + tr, c = c0 + tc;
-        if (r < rows && c < cols) {
-            Vec<unsigned char, 16> out;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) out.v[j] = tile[tr + j][tc];
-            store_vec<16>(qt + (long long)c * rows + r, out);
-        }
-    }
-    m = block_max(m);
-    if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-}
-
-// cast_transpose_tiled<T, F8, G>: the same result, without byte-wide shared-memory traffic
-// (the kernel above reads its tile one byte per column per row: 16 shared loads per 16-byte
-// qt chunk, with bank conflicts, which co-limits it with DRAM). Tile: 128 G rows x 64 cols,
-// 256 threads. Thread (a = t / 8, b = t % 8) casts rows 4a..4a+3 (+128 g) of columns
-// 8b..8b+7; for each column it packs the 4 row bytes into one word (a 4 x 4 byte transpose
-// in registers) and stores it to the transposed tile tt[col][row] (128 G bytes per col).
+// cast_transpose_tiled<T, F8, G>: the cast above, writing both q [rows, cols] and its
+// transpose qt [cols, rows] in one pass (wgrad and dgrad need the column-wise copy).
+// Tile: 128 G rows x 64 cols, 256 threads (G = 1 is declared: 256-row tiles measured
+// slower, PERFLOG.md). Thread (a = t / 8, b = t % 8) casts rows 4a..4a+3 (+128 g) of columns
+// 8b..8b+7 (16-byte loads of bf16); for each column it packs the 4 row bytes into one word
+// (a 4 x 4 byte transpose in registers) and stores it to the transposed tile tt[col][row]
+// (128 G bytes per col), so shared memory moves words, not bytes (the session-1 kernel's
+// byte-wide transpose co-limited it with DRAM: 64% of copy against 80%).
 // Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.

@@ -1,4 +1,5 @@
-// common.cuh — helpers shared by the kernels: dtype conversion and block reductions.
+// common.cuh — helpers shared by the kernels: dtype conversion, block reductions, vectors,
+// cp.async, Philox.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -113,6 +114,20 @@ template <int VEC, typename T> __device__ __forceinline__ Vec<T, VEC> load_vec(c
 template <int VEC, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, VEC>& v) {
     *reinterpret_cast<Vec<T, VEC>*>(p) = v;
+}
+
+// ---- cp.async (sm_80+): 16-byte global -> shared copies that bypass registers ----------
+// (attention.cu has its own predicated forms under other names.)
+__device__ __forceinline__ void cp_async_16b(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit_group() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ---- Philox4x32-10 (dropout.cu, attention.cu; reference/dropout.py has the same maths)

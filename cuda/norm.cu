@@ -13,7 +13,9 @@
 // c = t + k blockDim (k < CHUNKS) of every row, in registers, so inputs are read once; the
 // next row's chunks are loaded (packed) before this row's reductions, to keep memory busy.
 // The backward sums dgamma/dbeta of its rows in registers and writes one partial row per
-// block [2 hidden]; norm_bwd_reduce adds the partials up.
+// block [2 hidden]; norm_bwd_reduce adds the partials up. norm_bwd_ring (the default
+// backward for 16-byte rows) streams the next rows through shared memory instead, and its
+// partials go through norm_bwd_reduce_vec.
 #include "common.cuh"
 
 #define OWNED(k, i) \
@@ -277,23 +279,15 @@ __global__ void norm_bwd_reduce(const float* __restrict__ part, int nparts, int 
     }
 }
 
-// ---- issue-3 variants: rows streamed through a shared-memory ring ----------------------
-// The kernels above keep at most one or two rows per block in flight, so an SM waits on
-// load latency between rows. Here each thread copies its own chunks of the next STAGES - 1
-// rows into shared memory with cp.async (16-byte copies, sm_80+) while it works on the
-// current row from registers: bytes in flight no longer cost registers. A thread reads back
-// only the slots it filled itself, so the ring needs no barrier: cp.async.wait_group makes
-// a thread's own finished copies visible to it. Slot (stage, tensor, k) of thread t is
+// ---- backward with rows streamed through a shared-memory ring (issue 3) ---------------
+// norm_bwd keeps at most one or two rows per block in flight, so an SM waits on load
+// latency between rows. Here each thread copies its own chunks of the next STAGES - 1 rows
+// into shared memory with cp.async (16-byte copies, sm_80+) while it works on the current
+// row from registers: bytes in flight no longer cost registers. A thread reads back only
+// the slots it filled itself, so the ring needs no barrier: cp.async.wait_group makes a
+// thread's own finished copies visible to it. Slot (stage, tensor, k) of thread t is
 // ring[((stage NT + tensor) CHUNKS + k) blockDim + t]: a warp reads 512 consecutive bytes.
 // Needs VEC * sizeof(T) == 16.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Start copying this thread's chunks of row `row` of src into its slots at `slot`.
 template <typename T, int VEC, int CHUNKS>
@@ -302,7 +296,7 @@ __device__ __forceinline__ void ring_issue(Vec<T, VEC>* slot, const T* src, long
     if (row >= rows) return;
 #pragma unroll
     OWNED(k, i) if (i < hidden)
-        cp_async16(slot + k * blockDim.x + threadIdx.x, src + row * hidden + i);
+        cp_async_16b(slot + k * blockDim.x + threadIdx.x, src + row * hidden + i);
 }
 
 template <typename T, int VEC, int CHUNKS>
@@ -310,83 +304,6 @@ __device__ __forceinline__ void ring_read(Vec<T, VEC> (&r)[CHUNKS], const Vec<T,
                                           int hidden) {
 #pragma unroll
     OWNED(k, i) if (i < hidden) r[k] = slot[k * blockDim.x + threadIdx.x];
-}
-
-// Forward, one block per row, grid-stride; the maths of norm_fwd. Dynamic shared memory:
-// STAGES * CHUNKS * blockDim * 16 bytes.
-template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT, int STAGES>
-__global__ void __launch_bounds__(512)
-norm_fwd_ring(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-              OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
-              long long rows, int hidden, float eps, int zero_centered,
-              const float* __restrict__ scale, float* __restrict__ amax) {
-    extern __shared__ __align__(16) unsigned char ring_bytes[];
-    Vec<T, VEC>* ring = reinterpret_cast<Vec<T, VEC>*>(ring_bytes);
-    const int stage_size = CHUNKS * blockDim.x;
-    const float zc = zero_centered ? 1.f : 0.f;
-    const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
-    const long long step = gridDim.x;
-    float m = 0.f;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        ring_issue<T, VEC, CHUNKS>(ring + s * stage_size, x, blockIdx.x + s * step, rows, hidden);
-        cp_async_commit();
-    }
-    int stage = 0;
-    // The shift of the moments (norm_fwd) is x[row, 0]: loaded one row ahead, off the ring
-    // (another thread's ring slot is not visible without a barrier).
-    float x0_next = 0.f;
-    if (!RMS && blockIdx.x < rows) x0_next = to_float(x[blockIdx.x * (long long)hidden]);
-    for (long long row = blockIdx.x; row < rows; row += step) {
-        const float x0 = x0_next;
-        if (!RMS && row + step < rows) x0_next = to_float(x[(row + step) * hidden]);
-        // Refill the stage read in the previous iteration (its values are already used).
-        const int refill = stage == 0 ? STAGES - 1 : stage - 1;
-        ring_issue<T, VEC, CHUNKS>(ring + refill * stage_size, x, row + (STAGES - 1) * step,
-                                   rows, hidden);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        Vec<T, VEC> a[CHUNKS];
-        ring_read(a, ring + stage * stage_size, hidden);
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
-        float sum = 0.f, sq = 0.f;
-#pragma unroll
-        OWNED(k, i) if (i < hidden)
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float d = to_float(a[k].v[j]) - x0;
-                sum += d;
-                sq += d * d;
-            }
-        const float2 s = block_sum2(sum, sq);
-        const float dmean = s.x / hidden, mean = RMS ? 0.f : x0 + dmean;
-        const float var = RMS ? s.y / hidden : fmaxf(s.y / hidden - dmean * dmean, 0.f);
-        const float rs = rsqrtf(var + eps);
-#pragma unroll
-        OWNED(k, i) if (i < hidden) {
-            const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
-            Vec<T, VEC> b;
-            Vec<OUT, VEC> out;
-            if (!RMS) b = load_vec<VEC>(beta + i);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                float o = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
-                if (!RMS) o += to_float(b.v[j]);
-                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
-                out.v[j] = Out<OUT>::make(o, sc);
-            }
-            store_vec<VEC>(y + row * hidden + i, out);
-        }
-        if (threadIdx.x == 0) {
-            if (!RMS) mu[row] = mean;
-            rsigma[row] = rs;
-        }
-    }
-    cp_async_wait<0>();
-    if (Out<OUT>::fp8) {
-        m = block_max(m);
-        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-    }
 }
 
 // Backward, one block per row, grid-stride; the maths of norm_bwd (ROWS = 1), with x and dy
@@ -413,7 +330,7 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         const long long r = blockIdx.x + s * step;
         ring_issue<T, VEC, CHUNKS>(ring + (2 * s) * tensor_size, x, r, rows, hidden);
         ring_issue<T, VEC, CHUNKS>(ring + (2 * s + 1) * tensor_size, dy, r, rows, hidden);
-        cp_async_commit();
+        cp_async_commit_group();
     }
     int stage = 0;
     for (long long row = blockIdx.x; row < rows; row += step) {
@@ -422,9 +339,9 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         ring_issue<T, VEC, CHUNKS>(ring + (2 * refill) * tensor_size, x, ahead, rows, hidden);
         ring_issue<T, VEC, CHUNKS>(ring + (2 * refill + 1) * tensor_size, dy, ahead, rows,
                                    hidden);
-        cp_async_commit();
+        cp_async_commit_group();
         const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
-        cp_async_wait<STAGES - 1>();
+        cp_async_wait_group<STAGES - 1>();
         Vec<T, VEC> cx[CHUNKS], cd[CHUNKS];
         ring_read(cx, ring + (2 * stage) * tensor_size, hidden);
         ring_read(cd, ring + (2 * stage + 1) * tensor_size, hidden);
@@ -459,7 +376,7 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
             store_vec<VEC>(dx + row * hidden + i, out);
         }
     }
-    cp_async_wait<0>();
+    cp_async_wait_group<0>();
     float* p = part + (long long)blockIdx.x * 2 * hidden;
 #pragma unroll
     OWNED(k, i) if (i < hidden) {

@@ -80,18 +80,12 @@ def test_norm_forward_fp8_output(rng, rms, dtype, shape):
         np.testing.assert_allclose(asnp(a), asnp(b), rtol=2e-6, atol=1e-6)
 
 
-NORM_VARIANTS = ([("FWD_VARIANT", v) for v in norm_kernels.FWD_VARIANTS if v != "base"]
-                 + [("BWD_VARIANT", v) for v in norm_kernels.BWD_VARIANTS if v != "base"])
-
-
-@pytest.mark.parametrize("variant", NORM_VARIANTS, ids=lambda v: v[1])
+@pytest.mark.parametrize("variant", list(norm_kernels.BWD_VARIANTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(37, 1001), (129, 4096), (3, 5, 768), (300, 8192), (2, 40)],
                          ids=str)
-def test_norm_variants(monkeypatch, rng, variant, rms, dtype, shape):
-    """Every issue-3 kernel variant (scripts/issue3_device.py) against the reference."""
-    monkeypatch.setattr(norm_kernels, *variant)
+def test_norm_bwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
+    """Every backward variant (scripts/issue3_device.py), also at shapes beyond SHAPES."""
+    monkeypatch.setattr(norm_kernels, "BWD_VARIANT", variant)
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
-    if variant[0] == "FWD_VARIANT" and shape[-1] % 8 == 0:  # FP8 output: 16-byte rows
-        test_norm_forward_fp8_output(rng, rms, dtype, shape)

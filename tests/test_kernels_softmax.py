@@ -1,4 +1,6 @@
 """CUDA scaled masked softmax and backward against the float64 reference."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -14,11 +16,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3, 7, 9), (4, 33, 1000), (2, 128, 2048),
                                    (3, 40, 256), (2, 9, 4096), (2, 5, 6144)], ids=str)
 @pytest.mark.parametrize("masking", ["none", "mask", "causal", "both"])
-@pytest.mark.parametrize("variant", list(softmax_kernels.VARIANTS))
-def test_softmax(monkeypatch, rng, variant, dtype, shape, masking):
-    """Every variant (scripts/issue3_device.py) for the forward and the backward at once."""
-    monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", variant)
-    monkeypatch.setattr(softmax_kernels, "BWD_VARIANT", variant)
+@pytest.mark.parametrize("variants", list(itertools.zip_longest(
+    softmax_kernels.FWD_VARIANTS, softmax_kernels.BWD_VARIANTS, fillvalue="base")), ids="-".join)
+def test_softmax(monkeypatch, rng, variants, dtype, shape, masking):
+    """Every variant (scripts/issue3_device.py) of the forward and of the backward."""
+    monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", variants[0])
+    monkeypatch.setattr(softmax_kernels, "BWD_VARIANT", variants[1])
     x = (rng.standard_normal(shape) * 4).astype(dtype)
     mask = None
     if masking in ("mask", "both"):  # broadcast over the leading axis; one row fully masked

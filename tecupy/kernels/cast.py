@@ -1,6 +1,5 @@
-"""CUDA cast to FP8 (with amax) and dequantize: cuda/cast.cu."""
+"""CUDA cast to FP8 (with amax, also with its transpose) and dequantize: cuda/cast.cu."""
 import itertools
-import os
 
 import numpy as np
 
@@ -14,15 +13,8 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
     CTYPE.values(), FP8TYPE.values()) for v in (1, _VECS[t])]
     + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
                                                                  FP8TYPE.values())]
-    + [f"cast_transpose<{CTYPE[d]}, {f}>" for d in LOW_PRECISION for f in FP8TYPE.values()]
-    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, {g}>" for d in LOW_PRECISION
-       for f in FP8TYPE.values() for g in (1, 2)])
-
-# Issue-3 variants of cast_transpose (scripts/issue3_device.py times them; PERFLOG.md):
-# "base" is the session-1 kernel (128 x 64 tiles, byte-wide shared-memory transpose);
-# "tiled1" / "tiled2": cast_transpose_tiled with 128 / 256-row tiles (word-wide transpose).
-CT_VARIANTS = {"base": 0, "tiled1": 1, "tiled2": 2}
-CT_VARIANT = os.environ.get("TECUPY_CAST_TRANSPOSE", "tiled1")  # H200: 80% of copy vs 64%
+    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1>" for d in LOW_PRECISION
+       for f in FP8TYPE.values()])
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
@@ -62,11 +54,9 @@ def cast_transpose(x, scale, fmt):
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
     amax = cupy.zeros((1,), np.float32)
-    g = CT_VARIANTS[CT_VARIANT]
-    types = f"{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}"
-    if x.size:
-        k = loader.function(FILE, f"cast_transpose_tiled<{types}, {g}>" if g
-                            else f"cast_transpose<{types}>")
-        k(((cols + 63) // 64, -(-rows // (128 * max(g, 1)))), (256,), (x, scale, q, qt, amax,
-          np.int32(rows), np.int32(cols)))
+    if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
+        k = loader.function(
+            FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, 1>")
+        k(((cols + 63) // 64, -(-rows // 128)), (256,), (x, scale, q, qt, amax, np.int32(rows),
+          np.int32(cols)))
     return q, qt, amax

@@ -36,6 +36,28 @@ def sm_count():
     return _sm_counts[dev]
 
 
+_occupancy = {}
+
+
+def resident_blocks(k, threads, smem):
+    """Blocks of kernel `k` (a loader function) with `threads` threads and `smem` dynamic
+    shared bytes that fit on one SM (at least 1)."""
+    key = (k.kernel.ptr, threads, smem)
+    if key not in _occupancy:
+        from cupy.cuda import driver
+        _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            k.kernel.ptr, threads, smem))
+    return _occupancy[key]
+
+
+def balanced_grid(units, per_sm):
+    """Blocks for a grid-stride loop over `units` (rows, or groups of rows) when `per_sm`
+    blocks fit on an SM: all blocks resident at once and each gets the same number of units
+    to within one, so no few blocks run a last iteration while the rest of the GPU idles."""
+    per = -(-units // (sm_count() * per_sm))
+    return int(max(1, -(-units // max(per, 1))))
+
+
 def vec_width(dtype, n):
     """Elements per 16-byte access when every row of length n stays 16-byte aligned, else 1."""
     v = 16 // np.dtype(dtype).itemsize

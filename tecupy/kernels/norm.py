@@ -6,7 +6,8 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, sm_count, vec_width
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, balanced_grid, cbool, resident_blocks,
+                     sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -29,24 +30,16 @@ loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
         _VECS, CHUNKS, _BOOLS, _BOOLS, (1, 2)) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
 
-# Issue-3 variants (scripts/issue3_device.py checks and times each on the GPU; PERFLOG.md).
-# "base" is the session-1 path. ("warp",): the warp-per-row forward on a grid sized so every
-# warp gets the same number of rows. ("ring", S): block per row, the next S - 1 rows streamed
-# into shared memory by cp.async. The backward's second field names its dgamma/dbeta reduce.
-FWD_VARIANTS = {"base": None, "balanced": ("warp",), "ring4": ("ring", 4)}
-BWD_VARIANTS = {"base": ("base", 0, "scalar"), "reduce": ("base", 0, "vec"),
-                "ring4": ("ring", 4, "vec"),
-                "ring6": ("ring", 6, "vec")}
-FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "base")
+# Backward variants (scripts/issue3_device.py checks and times them on the GPU; PERFLOG.md):
+# (kind, stages, dgamma/dbeta reduce). "base" is the session-1 path; "ring4": block per row,
+# the next 3 rows streamed into shared memory by cp.async, on 16-byte rows of at most 2
+# chunks per thread (other shapes take the base kernel, with the vector reduce).
+BWD_VARIANTS = {"base": ("base", 0, "scalar"), "ring4": ("ring", 4, "vec")}
 BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "ring4")  # H200: 56-59% of copy vs 50-52%
 _RING_VECS = {t: v[1] for t, v in _VECS.items()}  # 16-byte vectors only
-loader.declare(FILE, [f"norm_fwd_ring<{t}, {v}, {c}, {r}, {o}, {s}>" for t, v in _RING_VECS.items()
-                      for c, r, s in itertools.product((1, 2), _BOOLS, (3, 4))
-                      for o in _outs(t, v)]
-               + [f"norm_bwd_ring<{t}, {v}, {c}, {r}, {s}>" for t, v in _RING_VECS.items()
-                  for c, r, s in itertools.product((1, 2), _BOOLS, (3, 4, 6))]
+loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_VECS.items()
+                      for c, r in itertools.product((1, 2), _BOOLS)]
                + [f"norm_bwd_reduce_vec<{t}>" for t in _VECS])
-
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
@@ -79,27 +72,6 @@ def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
-_occupancy = {}
-
-
-def _resident(k, threads, smem):
-    """Blocks of `threads` threads and `smem` dynamic shared bytes that fit on one SM."""
-    key = (k.kernel.ptr, threads, smem)
-    if key not in _occupancy:
-        from cupy.cuda import driver
-        _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            k.kernel.ptr, threads, smem))
-    return _occupancy[key]
-
-
-def _balanced_grid(units, per_sm):
-    """Blocks for a grid-stride loop over `units` (rows, or groups of rows) when `per_sm`
-    blocks fit on an SM: all blocks resident at once and each gets the same number of units
-    to within one, so no few blocks run a last iteration while the rest of the GPU idles."""
-    per = -(-units // (sm_count() * per_sm))
-    return int(max(1, -(-units // max(per, 1))))
-
-
 def _opt_in(k, smem):
     if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
@@ -129,21 +101,13 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
 def _fwd_launch(rows, hidden, vec, types):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
-    variant = FWD_VARIANTS[FWD_VARIANT]
     threads, chunks = _shape(hidden, vec)
-    if variant and variant[0] == "ring" and vec > 1 and chunks <= 2:
-        k = loader.function(FILE, f"norm_fwd_ring<{types.format(chunks)}, {variant[1]}>")
-        smem = variant[1] * chunks * threads * 16
-        _opt_in(k, smem)
-        return k, _balanced_grid(rows, _resident(k, threads, smem)), threads, smem
     wchunks = -(-hidden // (32 * vec))
     if FWD_WARP and wchunks <= WARP_CHUNKS[-1]:
         chunks = next(c for c in WARP_CHUNKS if c >= wchunks)
         k = loader.function(FILE, f"norm_fwd_warp<{types.format(chunks)}>")
         groups = -(-rows // 4)  # 4 rows (warps) per block
-        grid = (_balanced_grid(groups, _resident(k, 128, 0)) if variant
-                else _grid(groups, 128, FWD_THREADS_PER_SM))
-        return k, grid, 128, 0
+        return k, _grid(groups, 128, FWD_THREADS_PER_SM), 128, 0
     k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
     return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
 
@@ -179,7 +143,7 @@ def _bwd_launch(rows, hidden, dtype, rms):
                                   f"{cbool(rms)}, {stages}>")
         smem = stages * 2 * chunks * threads * 16
         _opt_in(k, smem)
-        return k, _balanced_grid(rows, _resident(k, threads, smem)), threads, smem, reduce
+        return k, balanced_grid(rows, resident_blocks(k, threads, smem)), threads, smem, reduce
     # Each block writes a [2, hidden] partial that the reduce reads back: fewer blocks
     # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
     nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)

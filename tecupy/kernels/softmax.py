@@ -4,18 +4,19 @@ import os
 import numpy as np
 
 from .. import backends, loader
-from .common import CTYPE, LOW_PRECISION, cbool, grid_1d, on_gpu_low_precision, vec_width
-from .norm import _balanced_grid, _resident
+from .common import (CTYPE, LOW_PRECISION, balanced_grid, cbool, grid_1d, on_gpu_low_precision,
+                     resident_blocks, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 _VECS = {"float": 4, "__half": 8, "__nv_bfloat16": 8}
 WARP_CHUNKS = (1, 2, 4, 8, 16)
-BLOCK_CHUNKS = (1, 2, 4)  # chunks per thread of the block-per-row kernels
-# Issue-3 variants (scripts/issue3_device.py times them; PERFLOG.md): "base" is the
-# session-1 choice (warp per row, else block per row reading the row 3 times); "blockC":
-# softmax_{fwd,bwd}_block with C chunks per thread (sk = 4096 bf16: 512 / C threads).
-VARIANTS = {"base": 0, "block1": 1, "block2": 2, "block4": 4}
+# Variants (scripts/issue3_device.py times them; PERFLOG.md): "base" is the session-1 choice
+# (warp per row, else block per row reading the row 3 times); "blockC": softmax_{fwd,bwd}_block
+# with C chunks per thread (sk = 4096 bf16: 512 / C threads), for 16-byte rows of at most
+# 512 C VEC entries (other rows take the base kernels).
+FWD_VARIANTS = {"base": 0, "block4": 4}
+BWD_VARIANTS = {"base": 0, "block2": 2}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
 FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "block4")
 BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
@@ -26,9 +27,9 @@ loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false"
                + [f"softmax_bwd_warp<{t}, {_VECS[t]}, {c}>" for t in _TYPES
                   for c in WARP_CHUNKS[:-1]]
                + [f"softmax_fwd_block<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
-                  for c in BLOCK_CHUNKS for m in ("false", "true")]
+                  for c in FWD_VARIANTS.values() if c for m in ("false", "true")]
                + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
-                  for c in BLOCK_CHUNKS])
+                  for c in BWD_VARIANTS.values() if c])
 
 
 def _block_shape(dtype, sk, chunks):
@@ -45,7 +46,7 @@ def _block_launch(name, dtype, sk, rows, chunks, extra=""):
     if not shape:
         return None
     k = loader.function(FILE, f"{name}<{CTYPE[dtype]}, {shape[0]}, {chunks}{extra}>")
-    return k, _balanced_grid(rows, _resident(k, shape[1], 0)), shape[1]
+    return k, balanced_grid(rows, resident_blocks(k, shape[1], 0)), shape[1]
 
 
 def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
@@ -75,7 +76,7 @@ def softmax_fwd(x, scale, mask, causal):
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
     block = rows and sk and _block_launch("softmax_fwd_block", x.dtype, sk, rows,
-                                          VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
+                                          FWD_VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
     if block:
         k, grid, threads = block
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
@@ -101,7 +102,7 @@ def softmax_bwd(dy, y, scale):
     dx = cupy.empty_like(y)
     warp = _warp_chunks(y.dtype, sk, most=8)
     block = rows and sk and _block_launch("softmax_bwd_block", y.dtype, sk, rows,
-                                          VARIANTS[BWD_VARIANT])
+                                          BWD_VARIANTS[BWD_VARIANT])
     if block:
         k, grid, threads = block
         k((grid,), (threads,), (dy, y, dx, np.int64(rows), np.int32(sk), np.float32(scale)))
