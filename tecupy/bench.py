@@ -220,7 +220,7 @@ def kernels(args):
 
 def main():
     p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
-    p.add_argument("suite", choices=["kernels", "gemm", "attention"])
+    p.add_argument("suite", choices=["kernels", "gemm", "attention", "layer"])
     p.add_argument("--cpu", action="store_true", help="also time the NumPy reference at 8192x4096")
     args = p.parse_args()
     if not tecupy.gpu_available():
