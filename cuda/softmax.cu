@@ -51,6 +51,17 @@ __global__ void softmax_bwd(const T* __restrict__ dy, const T* __restrict__ y,
             from_float<T>(scale * to_float(y[off + j]) * (to_float(dy[off + j]) - dot));
 }
 
+// One chunk of the backward: dx = scale y (dy - dot), rounded once to T.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_dx(T* dst, const Vec<T, VEC>& y, const Vec<T, VEC>& dy,
+                                         float dot, float scale) {
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+        out.v[j] = from_float<T>(scale * to_float(y.v[j]) * (to_float(dy.v[j]) - dot));
+    store_vec<VEC>(dst, out);
+}
+
 // ---- one warp per row ----------------------------------------------------------------------
 // For rows of at most 32 * VEC * CHUNKS entries (sk % VEC == 0): lane l keeps chunks
 // c = l + 32 k of its row in registers, reads x (and the mask) once, and reduces with warp
@@ -124,13 +135,7 @@ softmax_bwd_warp(const T* __restrict__ dy, const T* __restrict__ y, T* __restric
 #pragma unroll
         for (int k = 0; k < CHUNKS; ++k) {
             const int c = (lane + 32 * k) * VEC;
-            if (c >= sk) continue;
-            Vec<T, VEC> out;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                out.v[j] = from_float<T>(scale * to_float(p[k].v[j]) *
-                                         (to_float(d[k].v[j]) - dot));
-            store_vec<VEC>(dx + r * sk + c, out);
+            if (c < sk) store_dx(dx + r * sk + c, p[k], d[k], dot, scale);
         }
     }
 }
@@ -231,13 +236,6 @@ softmax_bwd_block(const T* __restrict__ dy, const T* __restrict__ y, T* __restri
             for (int j = 0; j < VEC; ++j) dot += to_float(d[k].v[j]) * to_float(p[k].v[j]);
         dot = block_sum(dot);
 #pragma unroll
-        ROW_CHUNKS(k, c) if (c < sk) {
-            Vec<T, VEC> out;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                out.v[j] = from_float<T>(scale * to_float(p[k].v[j]) *
-                                         (to_float(d[k].v[j]) - dot));
-            store_vec<VEC>(dx + r * sk + c, out);
-        }
+        ROW_CHUNKS(k, c) if (c < sk) store_dx(dx + r * sk + c, p[k], d[k], dot, scale);
     }
 }
