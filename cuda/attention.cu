@@ -31,15 +31,9 @@
 //
 // Shared tiles are [rows][width] with the 16-byte chunk c of row r stored at c ^ (r & 7),
 // so ldmatrix (8 rows, one chunk column) and cp.async rows hit distinct banks.
-#include "common.cuh"
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+#include "attention_common.cuh"
 
 // ---- PTX helpers -------------------------------------------------------------------------
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // 16 (or 4) bytes global -> shared; zero-filled when !pred (src is then not read)
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool pred) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -73,39 +67,6 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
     atomicAdd(p + 3, d);
 #endif
 }
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// c[16x8] += a[16x16] b[16x8] (row.col): a, b as ldmatrix gives them, c float32
-template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    __device__ static unsigned pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&v);
-    }
-};
-template <> struct Mma<__half> {
-    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    __device__ static unsigned pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&v);
-    }
-};
-
 // ---- shared tiles ----------------------------------------------------------------------
 // element offset of (r, c) in a swizzled tile of W elements per row (W >= 64)
 template <int W> __device__ __forceinline__ int swz(int r, int c) {
@@ -182,19 +143,6 @@ __device__ __forceinline__ void c_to_a(unsigned a[][4], const float c[][4]) {
     }
 }
 
-// Philox keep flag of element `index` of the flat [b, h, sq, skv] score array
-__device__ __forceinline__ bool dropout_keep(unsigned long long index, uint2 key, float p) {
-    const unsigned long long g = index >> 2;
-    const uint4 w = philox4x32_10(make_uint4((unsigned)g, (unsigned)(g >> 32), 0u, 0u), key);
-    const unsigned s = index & 3;
-    return keep_word(s == 0 ? w.x : s == 1 ? w.y : s == 2 ? w.z : w.w, p);
-}
-
-struct Dropout {
-    uint2 key;
-    float p, factor;
-};
-
 // ---- forward -----------------------------------------------------------------------------
 constexpr int kFwdBM = 128;
 
@@ -227,59 +175,6 @@ __device__ __forceinline__ void fwd_scores(float s[][BN / 8][4], const unsigned 
     }
 }
 
-// Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
-// (base 2) and acc are updated. row: this thread's first query row; col0: first key.
-// The scale goes into the exponent's multiply-add: the maximum is taken over the raw
-// scores, which needs scale > 0.
-template <int D, int BN, bool CAUSAL, bool DROPOUT>
-__device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
-                                            float acc[][4], int row, int col0, int kv_len,
-                                            bool masked, float scale_log2,
-                                            unsigned long long index0, int skv,
-                                            const Dropout& dr) {
-    constexpr int NP = 4;  // partial maxima and sums: short dependency chains
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float mp[NP] = {-kInf, -kInf, -kInf, -kInf};
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = col0 + 8 * nt + 2 * t + e;
-                if (masked && (c >= kv_len || (CAUSAL && c > row + 8 * i)))
-                    s[nt][2 * i + e] = -kInf;
-                mp[nt % NP] = fmaxf(mp[nt % NP], s[nt][2 * i + e]);
-            }
-        float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[i], mx * scale_log2), m_use = m_new == -kInf ? 0.f : m_new;
-        const float corr = fast_exp2(m[i] - m_use);
-        m[i] = m_new;
-        float sp[NP] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float pe = fast_exp2(fmaf(s[nt][2 * i + e], scale_log2, -m_use));
-                sp[nt % NP] += pe;
-                if (DROPOUT) {
-                    const int c = col0 + 8 * nt + 2 * t + e;
-                    const unsigned long long idx = index0 + (unsigned long long)(8 * i) * skv + c;
-                    pe = dropout_keep(idx, dr.key, dr.p) ? pe * dr.factor : 0.f;
-                }
-                s[nt][2 * i + e] = pe;
-            }
-        l[i] = l[i] * corr + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            acc[dt][2 * i] *= corr;
-            acc[dt][2 * i + 1] *= corr;
-        }
-    }
-}
-
 // acc[mt] += P[mt] V for the warp's MW row tiles
 template <typename T, int D, int BN, int MW>
 __device__ __forceinline__ void fwd_pv(float acc[][D / 8][4], const float s[][BN / 8][4],
@@ -299,29 +194,6 @@ __device__ __forceinline__ void fwd_pv(float acc[][D / 8][4], const float s[][BN
                 Mma<T>::run(acc[mt][2 * dn + 1], a[mt][0], b[2], b[3]);
             }
         }
-    }
-}
-
-// Write one 16-row tile of O (acc / l, or 0) and its lse.
-template <typename T, int D>
-__device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][4],
-                                          const float m[2], const float l[2], int row, int sq,
-                                          int q_len, long long stride) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = row + 8 * i;
-        float li = l[i];
-        li += __shfl_xor_sync(0xffffffffu, li, 1);
-        li += __shfl_xor_sync(0xffffffffu, li, 2);
-        const bool ok = r < q_len && li > 0.f;
-        const float inv = ok ? 1.f / li : 0.f;
-        if (r >= sq) continue;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt)
-            *reinterpret_cast<unsigned*>(ob + r * stride + 8 * dt + 2 * t) =
-                Mma<T>::pack(acc[dt][2 * i] * inv, acc[dt][2 * i + 1] * inv);
-        if (t == 0) lseb[r] = ok ? m[i] * kLn2 + logf(li) : kInf;
     }
 }
 

@@ -1,4 +1,6 @@
-"""CUDA fused attention (FlashAttention-2 scheme on mma.sync): cuda/attention.cu.
+"""CUDA fused attention: cuda/attention.cu (FlashAttention-2 scheme on mma.sync, every
+sm_80+ GPU) and, on Hopper, cuda/attention_sm90.cu (forward on TMA and wgmma, the
+FlashAttention-3 scheme).
 
 attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
 (reference/attention.py). bf16/fp16, head dim 64 or 128, shapes bshd; other inputs fall
@@ -13,19 +15,21 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import bfloat16, is_cupy
-from .common import CTYPE, cbool, grid_1d
+from .common import CTYPE, cbool, grid_1d, hopper, tma_desc
 
-FILE = "attention.cu"
+FILE, SM90_FILE = "attention.cu", "attention_sm90.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
 HEAD_DIMS = (64, 128)
 FWD_BM, BWD_BM = 128, 64
-# Forward variants (K/V tile rows, 16-row tiles per warp, Q fragments kept in registers):
-# 4 warps x 32 rows re-reading Q from shared memory, two blocks per SM (the default, 8%
-# faster at b4 h32 s2048 d128 on an H200), or 8 warps x 16 rows with Q in registers. The
-# tests check both; the bench times both with TECUPY_BENCH_VARIANTS=1.
-FWD_VARIANTS = ((64, 2, False), (64, 1, True))
+# Forward variants: "sm90" (attention_sm90.cu; Hopper, no dropout: elsewhere the next
+# variant runs), or mma.sync's (K/V tile rows, 16-row tiles per warp, Q fragments kept in
+# registers): 4 warps x 32 rows re-reading Q from shared memory, two blocks per SM (8%
+# faster at b4 h32 s2048 d128 on an H200 than 8 warps x 16 rows with Q in registers). The
+# tests check each; the bench times each with TECUPY_BENCH_VARIANTS=1.
+FWD_VARIANTS = ("sm90", (64, 2, False), (64, 1, True))
 BWD_WARPS = 8  # warps of 16 KV rows per backward block (4 was 10% slower)
 CONFIG = {"fwd": FWD_VARIANTS[0]}
+SM90_BM, SM90_STAGES = 128, 2  # query rows per block; K/V buffers (the kernel's constants)
 
 
 def _fwd_name(t, d, variant, causal, dropout):
@@ -38,13 +42,20 @@ def _bwd_name(t, d, causal, dropout):
     return f"attention_bwd<{t}, {d}, {BWD_WARPS}, {cbool(causal)}, {cbool(dropout)}>"
 
 
+def _sm90_name(t, d, causal):
+    return f"attention_fwd_sm90<{t}, {d}, {cbool(causal)}>"
+
+
 def _declare():
     names = [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
     names += [f"attention_convert<{t}>" for t in _TYPES]
     for t, d, c, r in itertools.product(_TYPES, HEAD_DIMS, (False, True), (False, True)):
-        names += [_fwd_name(t, d, v, c, r) for v in FWD_VARIANTS]
+        names += [_fwd_name(t, d, v, c, r) for v in FWD_VARIANTS[1:]]
         names.append(_bwd_name(t, d, c, r))
     loader.declare(FILE, names)
+    loader.declare(SM90_FILE, [_sm90_name(t, d, c) for t, d, c in
+                               itertools.product(_TYPES, HEAD_DIMS, (False, True))],
+                   archs=("sm_90a",))
 
 
 _declare()
@@ -66,8 +77,8 @@ def _supports_bwd(do, q, k, v, o, lse, scale, *rest):
     return _supports(q, k, v, scale) and _ok(do, q) and _ok(o, q)
 
 
-def _function(name, smem):
-    fn = loader.function(FILE, name)
+def _function(name, smem, file=FILE):
+    fn = loader.function(file, name)
     if smem > 48 << 10 and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
     return fn
@@ -132,6 +143,26 @@ def _dropout_args(p, seed):
     return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
 
 
+def _tma(t):
+    """TMA descriptor of a bshd-shaped operand: dims (d, heads, sequence, batch), boxes of
+    64 columns x SM90_BM rows of one head."""
+    b, s, h, d = t.shape
+    return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (d * t.itemsize, t.strides[1],
+                                                        t.strides[0]), (64, 1, SM90_BM, 1))
+
+
+def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
+    b, sq, h, d = q.shape
+    tile = SM90_BM * d * 2  # bytes of a Q, K or V tile; barriers and alignment slack after
+    smem = (1 + 2 * SM90_STAGES) * tile + 8 * (1 + 3 * SM90_STAGES) + 1024
+    fn = _function(_sm90_name(CTYPE[q.dtype], d, causal), smem, SM90_FILE)
+    fn((-(-sq // SM90_BM), h, b), (384,),
+       (_tma(q), _tma(k), _tma(v), o, lse, lq, lkv, np.int32(sq), np.int32(k.shape[1]),
+        np.int32(h), np.int32(k.shape[2]), np.float32(scale * np.log2(np.e)), *_strides(o)),
+       shared_mem=smem)
+    return o, lse
+
+
 @backends.register("attention_fwd", "cuda", supports=_supports)
 def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, seed):
     import cupy
@@ -141,6 +172,10 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
     o, lse = _empty_as(q), cupy.empty((b, h, sq), np.float32)
     lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
     variant = CONFIG["fwd"]
+    if variant == "sm90":
+        if dropout_p == 0 and hopper():
+            return _fwd_sm90(q, k, v, o, lse, scale, "causal" in mask_type, lq, lkv)
+        variant = FWD_VARIANTS[1]
     bn, mw = variant[:2]
     smem = (FWD_BM + 4 * bn) * d * 2
     fn = _function(_fwd_name(CTYPE[q.dtype], d, variant, "causal" in mask_type, dropout_p > 0),

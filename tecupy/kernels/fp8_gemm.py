@@ -8,7 +8,6 @@ accumulation runs 128 x 256 tiles; the split accumulator (TE's default for dgrad
 needs a second register fragment, so it runs 128 x 192 tiles, or 128 x 256 in two halves
 where that wastes less of the last wave of tiles. A tuned table on disk overrides both.
 """
-import collections
 import json
 import os
 import warnings
@@ -18,7 +17,8 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from ..fp8 import FP8Format
-from .common import CTYPE, FP8TYPE, cbool, sm_count
+from .common import CTYPE, FP8TYPE, cbool, hopper, sm_count
+from .common import tma_desc as common_tma_desc
 
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
@@ -85,17 +85,6 @@ def tma_store(out_dtype, gelu, accumulate):
     return np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
 
 
-_hopper = {}  # device id -> compute capability 9.0 (asked once: supports() runs every call)
-
-
-def hopper():
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    if dev not in _hopper:
-        _hopper[dev] = cupy.cuda.Device(dev).compute_capability == "90"
-    return _hopper[dev]
-
-
 _warned = []
 
 
@@ -126,47 +115,11 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
 
 
-_descs = collections.OrderedDict()  # (ptr, shape, dtype, box) -> TMA descriptor (V128)
-_TMA_DTYPES = {"uint8": "UINT8", "bfloat16": "BFLOAT16", "float16": "FLOAT16"}
-
-
 def tma_desc(t, box_rows):
-    """128B-swizzled TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a
-    16-bit output), box of 128 bytes x box_rows."""
-    key = (t.data.ptr, t.shape, t.dtype.name, box_rows)
-    if key not in _descs:
-        from cuda.bindings import driver as cu
-        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-        kind = getattr(cu.CUtensorMapDataType,
-                       f"CU_TENSOR_MAP_DATA_TYPE_{_TMA_DTYPES[t.dtype.name]}")
-        size = t.dtype.itemsize
-        err, tmap = cu.cuTensorMapEncodeTiled(
-            kind, 2, t.data.ptr, [u64(t.shape[1]), u64(t.shape[0])], [u64(t.shape[1] * size)],
-            [u32(128 // size), u32(box_rows)], [u32(1), u32(1)],
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"fp8_gemm: cuTensorMapEncodeTiled failed ({err}) for a "
-                               f"{t.shape} {t.dtype} matrix at {t.data.ptr:#x}")
-        words = np.array(tmap.opaque, np.uint64)
-        if t.nbytes < 128 << 10 and _driver_version() <= 13010:
-            words[1] &= ~np.uint64(1 << 21)  # driver bug on small tensors (CUTLASS 4.3.4)
-        _descs[key] = words.view("V128")
-        if len(_descs) > 512:
-            _descs.popitem(last=False)
-    return _descs[key]
-
-
-_driver = []
-
-
-def _driver_version():
-    if not _driver:
-        import cupy
-        _driver.append(cupy.cuda.runtime.driverGetVersion())
-    return _driver[0]
+    """TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a 16-bit output),
+    box of 128 bytes x box_rows."""
+    return common_tma_desc(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
+                           (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
 
 
 _ready = set()  # kernels whose shared-memory limit was raised
