@@ -75,10 +75,11 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&d)[N][4]) {
 }
 
 #define ACC4(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-#define ACC32(d) ACC4(d, 0), ACC4(d, 1), ACC4(d, 2), ACC4(d, 3), ACC4(d, 4), ACC4(d, 5), \
-                 ACC4(d, 6), ACC4(d, 7)
+#define ACC16(d) ACC4(d, 0), ACC4(d, 1), ACC4(d, 2), ACC4(d, 3)
+#define ACC32(d) ACC16(d), ACC4(d, 4), ACC4(d, 5), ACC4(d, 6), ACC4(d, 7)
 #define ACC64(d) ACC32(d), ACC4(d, 8), ACC4(d, 9), ACC4(d, 10), ACC4(d, 11), ACC4(d, 12), \
                  ACC4(d, 13), ACC4(d, 14), ACC4(d, 15)
+#define REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
                "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
@@ -88,35 +89,36 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&d)[N][4]) {
                "%62, %63}"
 
 // d[64 x N] (+)= A[64 x 16] B[16 x N] for one warpgroup, float32 accumulate (acc = 0: d =).
-//   ss128: A and B K-major in shared memory (descriptors), N = 128.
-//   rs<N>: A from registers (a[4]: the thread's A fragment), B MN-major in shared memory.
-template <typename T> struct Wgmma;
+//   ss<TA, TB>: A and B in shared memory (descriptors); TA / TB = 1: A / B MN-major.
+//   rs: A from registers (a[4]: the thread's fragment), B MN-major in shared memory.
+// The operand numbers after the N / 2 accumulators are spelled out per shape.
+#define WGMMA_SHAPE(TY, N, REGS, ACC, SS_OPS, SS_P, RS_OPS, RS_P)                           \
+    template <int TA, int TB>                                                                \
+    __device__ static void ss(float (&d)[N / 8][4], unsigned long long a,                    \
+                              unsigned long long b, int acc) {                               \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_P ", 0;\n"                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS    \
+                     ", " SS_OPS ";\n}\n"                                                    \
+                     : ACC(d) : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));                 \
+    }                                                                                        \
+    __device__ static void rs(float (&d)[N / 8][4], const unsigned a[4],                     \
+                              unsigned long long b, int acc) {                               \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_P ", 0;\n"                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS    \
+                     ", " RS_OPS ";\n}\n"                                                    \
+                     : ACC(d)                                                                \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));        \
+    }
 #define DEFINE_WGMMA(T, TY)                                                                  \
     template <> struct Wgmma<T> {                                                            \
-        __device__ static void ss128(float (&d)[16][4], unsigned long long a,                \
-                                     unsigned long long b, int acc) {                        \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                        \
-                         "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " REGS64 \
-                         ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                   \
-                         : ACC64(d) : "l"(a), "l"(b), "r"(acc));                             \
-        }                                                                                    \
-        __device__ static void rs(float (&d)[16][4], const unsigned a[4],                    \
-                                  unsigned long long b, int acc) {                           \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                        \
-                         "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " REGS64 \
-                         ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                     \
-                         : ACC64(d)                                                          \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));    \
-        }                                                                                    \
-        __device__ static void rs(float (&d)[8][4], const unsigned a[4],                     \
-                                  unsigned long long b, int acc) {                           \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                        \
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " REGS32  \
-                         ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                     \
-                         : ACC32(d)                                                          \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));    \
-        }                                                                                    \
+        WGMMA_SHAPE(TY, 128, REGS64, ACC64, "%64, %65, p, 1, 1, %67, %68", "%66",            \
+                    "{%64, %65, %66, %67}, %68, p, 1, 1, 1", "%69")                          \
+        WGMMA_SHAPE(TY, 64, REGS32, ACC32, "%32, %33, p, 1, 1, %35, %36", "%34",             \
+                    "{%32, %33, %34, %35}, %36, p, 1, 1, 1", "%37")                          \
+        WGMMA_SHAPE(TY, 32, REGS16, ACC16, "%16, %17, p, 1, 1, %19, %20", "%18",             \
+                    "{%16, %17, %18, %19}, %20, p, 1, 1, 1", "%21")                          \
     };
+template <typename T> struct Wgmma;
 DEFINE_WGMMA(__nv_bfloat16, "bf16")
 DEFINE_WGMMA(__half, "f16")
 
@@ -212,7 +214,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {  // 16 columns of d: panel kk / 4, 32 bytes in
             const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32;
-            Wgmma<T>::ss128(sc, smem_desc(q_tile + off, 16, 1024),
+            Wgmma<T>::template ss<0, 0>(sc, smem_desc(q_tile + off, 16, 1024),
                             smem_desc(k_tile + off, 16, 1024), kk > 0);
         }
         wg_commit();
@@ -242,4 +244,269 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     }
     fwd_store<T, D>(o + b * o_b + head * D, lse + (long long)(b * h + head) * sq, acc, m, l,
                     row, sq, q_len, o_s);
+}
+
+// ---- backward ----------------------------------------------------------------------------
+// lse2 = lse log2(e) and delta = rowsum(dO * O), both [b h, sq_pad] float32 (rows past q_len
+// and sq: +inf and 0, so they drop out of P and dS); a warp per row, 8 rows per block.
+// Padded rows let the backward fetch 64 of each per query block in one aligned bulk copy.
+template <typename T, int D>
+__global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __restrict__ out,
+                                        const float* __restrict__ lse,
+                                        float* __restrict__ lse2, float* __restrict__ delta,
+                                        const int* __restrict__ seqlens_q, int sq, int sq_pad,
+                                        int h, long long rows, long long do_b, long long do_s,
+                                        long long o_b, long long o_s) {
+    constexpr int V = D / 32;
+    const long long r = blockIdx.x * 8LL + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int lane = threadIdx.x & 31, i = r % sq_pad;
+    const long long bh = r / sq_pad, b = bh / h;
+    const int head = bh % h, q_len = min(seqlens_q ? seqlens_q[b] : sq, sq);
+    float s = 0.f;
+    if (i < q_len) {
+        const Vec<T, V> a = load_vec<V>(dout + b * do_b + i * do_s + head * D + lane * V);
+        const Vec<T, V> c = load_vec<V>(out + b * o_b + i * o_s + head * D + lane * V);
+#pragma unroll
+        for (int j = 0; j < V; ++j) s += to_float(a.v[j]) * to_float(c.v[j]);
+        s = warp_sum(s);
+    }
+    if (lane == 0) {
+        delta[r] = s;
+        lse2[r] = i < q_len ? lse[bh * sq + i] * kLog2e : kInf;
+    }
+}
+
+// 16-byte-aligned global -> shared bulk copy completing `bytes` on `bar`
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys per block
+
+// Shared memory (bytes from a 1024-aligned base): K and V of the block (128 rows), rings of
+// 2 Q and dO tiles (64 rows), 2 dS^T tiles ([128 keys][64 queries], one panel), 2 x 64
+// lse2 and delta, the barriers (kv_full, q_full[2], empty[2]).
+template <int D> struct BwdSm90Smem {
+    static constexpr unsigned TKV = (D / 64) * kPanel, TQ = TKV / 2, TDS = 128 * 128,
+                              K = 0, V = TKV, Q = 2 * TKV, DO = Q + 2 * TQ, DS = DO + 2 * TQ,
+                              LSE = DS + 2 * TDS, DELTA = LSE + 2 * 256, BAR = DELTA + 2 * 256,
+                              BYTES = BAR + 5 * 8 + 1024;
+};
+
+// The query blocks this KV block meets: the group's heads x blocks qb0 .. qb1 - 1.
+struct BwdWork {
+    int group, qb0, nqb, total;
+    __device__ BwdWork(int n0, int q_len, int kv_len, int h, int hk, bool causal) {
+        group = h / hk;
+        qb0 = causal ? n0 / kBwdSm90BM : 0;
+        nqb = n0 < kv_len ? max((q_len + kBwdSm90BM - 1) / kBwdSm90BM - qb0, 0) : 0;
+        total = group * nqb;
+    }
+};
+
+template <int D>
+__device__ __forceinline__ void bwd_produce(const TmaDesc& tq, const TmaDesc& tk,
+                                            const TmaDesc& tv, const TmaDesc& tdo,
+                                            const float* lse2, const float* delta,
+                                            unsigned base, int n0, int kvh, int b, int h,
+                                            int sq_pad, const BwdWork& w) {
+    using S = BwdSm90Smem<D>;
+    const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
+    mbar_expect_tx(bar_kv, 2 * S::TKV);
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) {
+        tma_load_4d(base + S::K + p * kPanel, tk, bar_kv, 64 * p, kvh, n0, b);
+        tma_load_4d(base + S::V + p * kPanel, tv, bar_kv, 64 * p, kvh, n0, b);
+    }
+    for (int it = 0; it < w.total; ++it) {
+        const int s = it & 1, hh = kvh * w.group + it / w.nqb;
+        const int q0 = (w.qb0 + it % w.nqb) * kBwdSm90BM;
+        if (it >= 2) mbar_wait(bar_e + 8 * s, (it / 2 - 1) & 1);
+        const unsigned bq = bar_q + 8 * s;
+        mbar_expect_tx(bq, 2 * S::TQ + 2 * 256);
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+            tma_load_4d(base + S::Q + s * S::TQ + p * kPanel / 2, tq, bq, 64 * p, hh, q0, b);
+            tma_load_4d(base + S::DO + s * S::TQ + p * kPanel / 2, tdo, bq, 64 * p, hh, q0, b);
+        }
+        const long long row = (long long)(b * h + hh) * sq_pad + q0;
+        bulk_load(base + S::LSE + s * 256, lse2 + row, 256, bq);
+        bulk_load(base + S::DELTA + s * 256, delta + row, 256, bq);
+    }
+}
+
+// Strides (elements) of the backward's outputs: batch and sequence of dq_acc and of dk (dv
+// is laid out as dk).
+struct BwdSm90Strides {
+    long long dq_b, dq_s, dk_b, dk_s;
+};
+
+// grid (ceil(skv / 128), hk, b), 384 threads: warpgroup 0 produces (K and V once, then Q, dO,
+// lse2, delta per query block of 64 rows into a ring of 2); warpgroups 1 and 2 each own 64
+// keys: S^T = K Q^T and dP^T = V dO^T (wgmma, shared operands), P^T = exp2(S^T scale log2 e
+// - lse2), dS^T = P^T (dP^T - delta) scale, dV += P^T dO and dK += dS^T Q (wgmma with P^T and
+// dS^T from registers); dS^T goes to shared memory and each warpgroup computes half of the
+// columns of dQ = dS K, added into dq_acc by vector float32 reductions.
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(384, 1)
+attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
+                   const __grid_constant__ TmaDesc tv, const __grid_constant__ TmaDesc tdo,
+                   const float* __restrict__ lse2, const float* __restrict__ delta,
+                   float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv,
+                   const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_kv,
+                   int sq, int sq_pad, int skv, int h, int hk, float scale,
+                   const BwdSm90Strides st) {
+    using S = BwdSm90Smem<D>;
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
+    const int n0 = blockIdx.x * kBwdSm90BN, kvh = blockIdx.y, b = blockIdx.z;
+    const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
+    const BwdWork w(n0, q_len, kv_len, h, hk, CAUSAL);
+    if (threadIdx.x == 0) {
+        mbar_init(bar_kv, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(bar_q + 8 * s, 1);
+            mbar_init(bar_e + 8 * s, 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0 && w.total > 0)
+            bwd_produce<D>(tq, tk, tv, tdo, lse2, delta, base, n0, kvh, b, h, sq_pad, w);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3, kv_row = n0 + 64 * c + 16 * warp + g;
+    const float scale_log2 = scale * kLog2e;
+    const unsigned char* sbase = smem_raw + (base - smem_u32(smem_raw));  // generic address
+    float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
+    if (w.total > 0) mbar_wait(bar_kv, 0);
+    for (int it = 0; it < w.total; ++it) {
+        const int s = it & 1, hh = kvh * w.group + it / w.nqb;
+        const int q0 = (w.qb0 + it % w.nqb) * kBwdSm90BM;
+        const unsigned q_t = base + S::Q + s * S::TQ, do_t = base + S::DO + s * S::TQ,
+                       ds_t = base + S::DS + s * S::TDS;
+        const float* sl = reinterpret_cast<const float*>(sbase + S::LSE + s * 256);
+        const float* sd = reinterpret_cast<const float*>(sbase + S::DELTA + s * 256);
+        mbar_wait(bar_q + 8 * s, (it >> 1) & 1);
+        float st_[8][4], dp[8][4];  // S^T and dP^T: this warpgroup's 64 keys x 64 queries
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32, qoff = (kk / 4) * kPanel / 2 + (kk % 4) * 32;
+            Wgmma<T>::template ss<0, 0>(st_, smem_desc(base + S::K + off + c * 64 * 128, 16, 1024),
+                                        smem_desc(q_t + qoff, 16, 1024), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32, qoff = (kk / 4) * kPanel / 2 + (kk % 4) * 32;
+            Wgmma<T>::template ss<0, 0>(dp, smem_desc(base + S::V + off + c * 64 * 128, 16, 1024),
+                                        smem_desc(do_t + qoff, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait0();
+        reg_fence(st_);
+        reg_fence(dp);
+        const bool masked = n0 + kBwdSm90BN > kv_len || (CAUSAL && n0 + kBwdSm90BN - 1 > q0);
+        unsigned pa[4][4], da[4][4];  // P^T, dS^T as A fragments (16 queries each)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 8 * n + 2 * t + e;
+                const float L = sl[col], Dl = sd[col];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = kv_row + 8 * i;
+                    float p = fast_exp2(fmaf(st_[n][2 * i + e], scale_log2, -L));
+                    if (masked && (r >= kv_len || (CAUSAL && r > q0 + col))) p = 0.f;
+                    st_[n][2 * i + e] = p;
+                    dp[n][2 * i + e] = p * (dp[n][2 * i + e] - Dl) * scale;
+                }
+            }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = Mma<T>::pack(st_[2 * kk][0], st_[2 * kk][1]);
+            pa[kk][1] = Mma<T>::pack(st_[2 * kk][2], st_[2 * kk][3]);
+            pa[kk][2] = Mma<T>::pack(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
+            pa[kk][3] = Mma<T>::pack(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
+            da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+            da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+            da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)  // 16 queries: 2 groups of 8 rows of every panel
+            Wgmma<T>::rs(dvr, pa[kk], smem_desc(do_t + kk * 16 * 128, kPanel / 2, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            Wgmma<T>::rs(dkr, da[kk], smem_desc(q_t + kk * 16 * 128, kPanel / 2, 1024), 1);
+        wg_commit();
+        // dS^T -> shared [128 keys][64 queries], 128B-swizzled rows
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = 64 * c + 16 * warp + g + 8 * i;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int chunk = 2 * kk + half;  // 8 queries
+                    const unsigned addr = ds_t + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * t;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[kk][2 * half + i]));
+                }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS^T written
+        // dQ[64 queries x D / 2 columns of this warpgroup] = dS K: A = dS^T (MN-major),
+        // B = K rows (MN-major), 8 steps of 16 keys
+        float dq[D / 16][4];
+        constexpr unsigned kcol = D == 128 ? kPanel : 64;  // this warpgroup's columns of K
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+            Wgmma<T>::template ss<1, 1>(dq, smem_desc(ds_t + kk * 16 * 128, 16, 1024),
+                                        smem_desc(base + S::K + c * kcol + kk * 16 * 128, 16, 1024),
+                                        kk > 0);
+        wg_commit();
+        wg_wait0();
+        reg_fence(dq);
+        reg_fence(dvr);
+        reg_fence(dkr);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
+        float* dqb = dq_acc + b * st.dq_b + hh * D + c * (D / 2) + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int qr = q0 + 16 * warp + g + 8 * i;
+            if (qr >= q_len) continue;
+#pragma unroll
+            for (int n = 0; n < D / 16; ++n)
+                red_add2(dqb + qr * st.dq_s + 8 * n, dq[n][2 * i], dq[n][2 * i + 1]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = kv_row + 8 * i;
+        if (r >= skv) continue;
+        const long long off = b * st.dk_b + r * st.dk_s + kvh * D + 2 * t;  // dv: same layout
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =
+                Mma<T>::pack(dkr[dt][2 * i], dkr[dt][2 * i + 1]);
+            *reinterpret_cast<unsigned*>(dv + off + 8 * dt) =
+                Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
+        }
+    }
 }

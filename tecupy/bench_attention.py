@@ -7,7 +7,8 @@ through the backend registry (the `cuda` implementation), the peers are
 F.scaled_dot_product_attention under sdpa_kernel(FLASH_ATTENTION) and
 sdpa_kernel(CUDNN_ATTENTION), measured in the same run when torch is importable. The
 largest difference of our output from the flash backend's is printed as a sanity check.
-TECUPY_BENCH_VARIANTS=1 times every forward variant (kernels.attention.FWD_VARIANTS).
+TECUPY_BENCH_VARIANTS=1 times every forward and backward variant
+(kernels.attention.FWD_VARIANTS, BWD_VARIANTS).
 """
 import os
 import time
@@ -107,10 +108,13 @@ def run(args):
         cupy.cuda.Device().synchronize()
         first = (time.perf_counter() - t0) * 1e3
         for label, fn, bwd in (("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)):
-            for value in kernel.FWD_VARIANTS if every and not bwd else [default["fwd"]]:
-                kernel.CONFIG.update(fwd=value)
+            key = "bwd" if bwd else "fwd"
+            values = (kernel.BWD_VARIANTS if bwd else kernel.FWD_VARIANTS) if every else \
+                [default[key]]
+            for value in values:
+                kernel.CONFIG.update({key: value})
                 ms = _time(fn, False)
-                tag = f"{label} {value}".replace(", ", ",") if every and not bwd else label
+                tag = f"{label} {value}".replace(", ", ",") if every else label
                 rows.append((("causal " if causal else "full   ") + tag, ms, bwd, causal))
             kernel.CONFIG.update(default)
         if torch is not None:

@@ -1,4 +1,4 @@
-"""CUDA fused attention (cuda/attention.cu) against the float64 reference: the output, lse
+"""CUDA fused attention (cuda/attention.cu, cuda/attention_sm90.cu) against the float64 reference: the output, lse
 and all three gradients, by flash-attention's rule (error at most 2x the error of the
 reference run in the same low precision, plus one unit of the format's precision at the
 data's largest value: the kernel rounds P and dS to the input dtype before the second
@@ -46,6 +46,15 @@ def test_attention_fwd_bwd(rng, dtype, case):
 def test_attention_forward_variants(rng, monkeypatch, variant, case):
     """Every forward variant (kernels.attention.FWD_VARIANTS; CONFIG picks one)."""
     monkeypatch.setitem(kernel.CONFIG, "fwd", variant)
+    _check(rng, tecupy.bfloat16, case)
+
+
+@pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
+@pytest.mark.parametrize("case", ["gqa-d64-nomask", "mha-d128-causal", "mqa-d128-padding",
+                                  "gqa-d64-padding-causal"])
+def test_attention_backward_variants(rng, monkeypatch, variant, case):
+    """Both backward kernels (CONFIG["bwd"]; "sm90" runs on Hopper, else mma.sync's)."""
+    monkeypatch.setitem(kernel.CONFIG, "bwd", variant)
     _check(rng, tecupy.bfloat16, case)
 
 

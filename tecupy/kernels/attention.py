@@ -28,8 +28,11 @@ FWD_BM, BWD_BM = 128, 64
 # tests check each; the bench times each with TECUPY_BENCH_VARIANTS=1.
 FWD_VARIANTS = ("sm90", (64, 2, False), (64, 1, True))
 BWD_WARPS = 8  # warps of 16 KV rows per backward block (4 was 10% slower)
-CONFIG = {"fwd": FWD_VARIANTS[0]}
+# Backward: "sm90" (attention_sm90.cu; Hopper, no dropout) or "mma" (attention.cu).
+BWD_VARIANTS = ("sm90", "mma")
+CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0]}
 SM90_BM, SM90_STAGES = 128, 2  # query rows per block; K/V buffers (the kernel's constants)
+SM90_BWD_BM, SM90_BWD_BN = 64, 128  # query rows per step, keys per block
 
 
 def _fwd_name(t, d, variant, causal, dropout):
@@ -46,6 +49,10 @@ def _sm90_name(t, d, causal):
     return f"attention_fwd_sm90<{t}, {d}, {cbool(causal)}>"
 
 
+def _sm90_bwd_name(t, d, causal):
+    return f"attention_bwd_sm90<{t}, {d}, {cbool(causal)}>"
+
+
 def _declare():
     names = [f"attention_bwd_dot<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
     names += [f"attention_convert<{t}>" for t in _TYPES]
@@ -53,9 +60,10 @@ def _declare():
         names += [_fwd_name(t, d, v, c, r) for v in FWD_VARIANTS[1:]]
         names.append(_bwd_name(t, d, c, r))
     loader.declare(FILE, names)
-    loader.declare(SM90_FILE, [_sm90_name(t, d, c) for t, d, c in
-                               itertools.product(_TYPES, HEAD_DIMS, (False, True))],
-                   archs=("sm_90a",))
+    sm90 = [f"attention_bwd_prep_sm90<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
+    for t, d, c in itertools.product(_TYPES, HEAD_DIMS, (False, True)):
+        sm90 += [_sm90_name(t, d, c), _sm90_bwd_name(t, d, c)]
+    loader.declare(SM90_FILE, sm90, archs=("sm_90a",))
 
 
 _declare()
@@ -143,12 +151,12 @@ def _dropout_args(p, seed):
     return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
 
 
-def _tma(t):
+def _tma(t, rows=SM90_BM):
     """TMA descriptor of a bshd-shaped operand: dims (d, heads, sequence, batch), boxes of
-    64 columns x SM90_BM rows of one head."""
+    64 columns x `rows` rows of one head."""
     b, s, h, d = t.shape
     return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (d * t.itemsize, t.strides[1],
-                                                        t.strides[0]), (64, 1, SM90_BM, 1))
+                                                        t.strides[0]), (64, 1, rows, 1))
 
 
 def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
@@ -193,6 +201,8 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
     import cupy
     do, q, k, v, o = (_strided(t) for t in (do, q, k, v, o))
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)
+    if CONFIG["bwd"] == "sm90" and dropout_p == 0 and hopper():
+        return _bwd_sm90(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv)
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     t, rows = CTYPE[q.dtype], b * sq * h
@@ -212,10 +222,41 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
         np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed), st),
        shared_mem=smem)
-    # dq_acc [b, sq, h, d] (or sbhd) -> dq rows of h d values (row stride: dq's sequence or
-    # batch stride, whichever is inner)
+    _convert_dq(dq_acc, dq)
+    return dq, dk, dv
+
+
+def _convert_dq(dq_acc, dq):
+    """dq_acc [b, sq, h, d] (or sbhd) -> dq rows of h d values (row stride: dq's sequence or
+    batch stride, whichever is inner)."""
     inner = int(min(dq.strides[:2]) // dq.itemsize)
-    loader.function(FILE, f"attention_convert<{t}>")(
+    loader.function(FILE, f"attention_convert<{CTYPE[dq.dtype]}>")(
         (grid_1d(dq_acc.size, 4),), (256,), (dq_acc, dq, np.int64(dq_acc.size),
-                                             np.int64(h * d), np.int64(inner)))
+                                             np.int64(dq.shape[2] * dq.shape[3]),
+                                             np.int64(inner)))
+
+
+def _bwd_sm90(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv):
+    import cupy
+    b, sq, h, d = q.shape
+    skv, hk = k.shape[1], k.shape[2]
+    t, pad = CTYPE[q.dtype], -(-sq // SM90_BWD_BM) * SM90_BWD_BM
+    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    lse2, delta = cupy.empty((2, b * h, pad), np.float32)  # rows padded to whole blocks
+    rows = b * h * pad
+    loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")(
+        (-(-rows // 8),), (256,), (do, o, lse, lse2, delta, lq, np.int32(sq), np.int32(pad),
+                                   np.int32(h), np.int64(rows), *_strides(do), *_strides(o)))
+    dq_acc = _empty_as(q, np.float32, cupy.zeros)
+    dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
+    st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).view("V32")  # BwdSm90Strides
+    tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
+    smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
+    fn = _function(_sm90_bwd_name(t, d, "causal" in mask_type), smem, SM90_FILE)
+    fn((-(-skv // SM90_BWD_BN), hk, b), (384,),
+       (_tma(q, SM90_BWD_BM), _tma(k, SM90_BWD_BN), _tma(v, SM90_BWD_BN),
+        _tma(do, SM90_BWD_BM), lse2, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq),
+        np.int32(pad), np.int32(skv), np.int32(h), np.int32(hk), np.float32(scale), st),
+       shared_mem=smem)
+    _convert_dq(dq_acc, dq)
     return dq, dk, dv
