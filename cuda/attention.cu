@@ -250,10 +250,13 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         float s[MW][BN / 8][4] = {};
         fwd_scores<T, D, BN, MW, QREG>(s, qf, sQ, qrow, sK + (j & 1) * BN * D);
 #pragma unroll
-        for (int mt = 0; mt < MW; ++mt)
-            fwd_softmax<D, BN, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], acc[mt], row + 16 * mt,
-                                                j * BN, kv_len, masked, scale_log2,
-                                                index0 + 16ULL * mt * skv, skv, dr);
+        for (int mt = 0; mt < MW; ++mt) {
+            float corr[2];
+            fwd_softmax<BN, CAUSAL, DROPOUT>(s[mt], m[mt], l[mt], corr, row + 16 * mt, j * BN,
+                                             kv_len, masked, scale_log2,
+                                             index0 + 16ULL * mt * skv, skv, dr);
+            rescale<D>(acc[mt], corr);
+        }
         fwd_pv<T, D, BN, MW>(acc, s, sV + (j & 1) * BN * D);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (n_tiles = 0)

@@ -59,12 +59,13 @@ struct Dropout {
 };
 
 // Online softmax over one 16-row tile: s (raw scores) becomes P (dropped out), m and l
-// (base 2) and acc are updated. row: this thread's first query row; col0: first key.
+// (base 2) are updated, corr is the factor O's rows take (rescale). row: this thread's
+// first query row; col0: first key.
 // The scale goes into the exponent's multiply-add: the maximum is taken over the raw
 // scores, which needs scale > 0.
-template <int D, int BN, bool CAUSAL, bool DROPOUT>
+template <int BN, bool CAUSAL, bool DROPOUT>
 __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2],
-                                            float acc[][4], int row, int col0, int kv_len,
+                                            float corr[2], int row, int col0, int kv_len,
                                             bool masked, float scale_log2,
                                             unsigned long long index0, int skv,
                                             const Dropout& dr) {
@@ -86,7 +87,7 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m[i], mx * scale_log2), m_use = m_new == -kInf ? 0.f : m_new;
-        const float corr = fast_exp2(m[i] - m_use);
+        corr[i] = fast_exp2(m[i] - m_use);
         m[i] = m_new;
         float sp[NP] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -102,12 +103,18 @@ __device__ __forceinline__ void fwd_softmax(float s[][4], float m[2], float l[2]
                 }
                 s[nt][2 * i + e] = pe;
             }
-        l[i] = l[i] * corr + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+        l[i] = l[i] * corr[i] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+    }
+}
+
+// acc (O of the thread's two rows) *= the softmax's correction of each row
+template <int D> __device__ __forceinline__ void rescale(float acc[][4], const float corr[2]) {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            acc[dt][2 * i] *= corr;
-            acc[dt][2 * i + 1] *= corr;
-        }
+    for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][0] *= corr[0];
+        acc[dt][1] *= corr[0];
+        acc[dt][2] *= corr[1];
+        acc[dt][3] *= corr[1];
     }
 }
 

@@ -125,68 +125,123 @@ DEFINE_WGMMA(__half, "f16")
 // ---- forward -----------------------------------------------------------------------------
 constexpr int kSm90BM = 128, kSm90BN = 128;  // query rows per block, keys per tile
 constexpr unsigned kPanel = 128 * 128;       // bytes of a 64-column box of 128 rows
+constexpr int kSchedBar = 1;                 // named barriers 1, 2: the consumers' turns
+template <bool B> struct Bool {
+    static constexpr bool value = B;
+};
 
 // Shared memory (bytes from a 1024-aligned base): Q, the K and V rings, the barriers
-// (q_full, k_full[STAGES], v_full[STAGES], empty[STAGES]).
+// (q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES]).
 template <int D, int STAGES> struct Sm90Smem {
     static constexpr unsigned TILE = (D / 64) * kPanel, Q = 0, K = TILE,
                               V = K + STAGES * TILE, BAR = V + STAGES * TILE,
-                              BYTES = BAR + 8 * (1 + 3 * STAGES) + 1024;  // + alignment slack
+                              BYTES = BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+    // barrier addresses from the base
+    static constexpr unsigned QF = BAR, KF = QF + 8, VF = KF + 8 * STAGES,
+                              KE = VF + 8 * STAGES, VE = KE + 8 * STAGES;
 };
 
 // The producer thread: Q once, then K and V tile j into buffer j % STAGES once the
-// consumers have released it. Out-of-range rows arrive as zeros (TMA fills them).
+// consumers have released that buffer's K (V). Out-of-range rows arrive as zeros.
 template <int D, int STAGES>
 __device__ __forceinline__ void fwd_produce(const TmaDesc& tq, const TmaDesc& tk,
                                             const TmaDesc& tv, unsigned base, int m0,
                                             int head, int kvh, int b, int n_tiles) {
     using S = Sm90Smem<D, STAGES>;
-    const unsigned bar_q = base + S::BAR, bar_k = bar_q + 8, bar_v = bar_k + 8 * STAGES,
-                   bar_e = bar_v + 8 * STAGES;
-    mbar_expect_tx(bar_q, S::TILE);
+    mbar_expect_tx(base + S::QF, S::TILE);
 #pragma unroll
-    for (int p = 0; p < D / 64; ++p) tma_load_4d(base + S::Q + p * kPanel, tq, bar_q, 64 * p, head, m0, b);
+    for (int p = 0; p < D / 64; ++p)
+        tma_load_4d(base + S::Q + p * kPanel, tq, base + S::QF, 64 * p, head, m0, b);
     for (int j = 0; j < n_tiles; ++j) {
         const int s = j % STAGES;
-        if (j >= STAGES) mbar_wait(bar_e + 8 * s, (j / STAGES - 1) & 1);
-        mbar_expect_tx(bar_k + 8 * s, S::TILE);
+        const unsigned use = (j / STAGES - 1) & 1;  // phase of the buffer's last release
+        if (j >= STAGES) mbar_wait(base + S::KE + 8 * s, use);
+        mbar_expect_tx(base + S::KF + 8 * s, S::TILE);
 #pragma unroll
         for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::K + s * S::TILE + p * kPanel, tk, bar_k + 8 * s, 64 * p, kvh,
-                        j * kSm90BN, b);
-        mbar_expect_tx(bar_v + 8 * s, S::TILE);
+            tma_load_4d(base + S::K + s * S::TILE + p * kPanel, tk, base + S::KF + 8 * s,
+                        64 * p, kvh, j * kSm90BN, b);
+        if (j >= STAGES) mbar_wait(base + S::VE + 8 * s, use);
+        mbar_expect_tx(base + S::VF + 8 * s, S::TILE);
 #pragma unroll
         for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::V + s * S::TILE + p * kPanel, tv, bar_v + 8 * s, 64 * p, kvh,
-                        j * kSm90BN, b);
+            tma_load_4d(base + S::V + s * S::TILE + p * kPanel, tv, base + S::VF + 8 * s,
+                        64 * p, kvh, j * kSm90BN, b);
     }
 }
 
-template <typename T, int D, bool CAUSAL>
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// one arrival per warp on an mbarrier, once the warp's wgmma reads are complete
+__device__ __forceinline__ void warp_release(unsigned bar) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// S = Q K^T for a warpgroup's 64 rows: 16 columns of d per step (panel kk / 4, 32 bytes in)
+template <typename T, int D>
+__device__ __forceinline__ void fwd_qk(float (&sc)[kSm90BN / 8][4], unsigned q_tile,
+                                       unsigned k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32;
+        Wgmma<T>::template ss<0, 0>(sc, smem_desc(q_tile + off, 16, 1024),
+                                    smem_desc(k_tile + off, 16, 1024), kk > 0);
+    }
+}
+// O += P V: P from registers, V MN-major; 16 keys per step (2 groups of 8 rows of a panel)
+template <typename T, int D>
+__device__ __forceinline__ void fwd_pv(float (&acc)[D / 8][4],
+                                       const unsigned (&pa)[kSm90BN / 16][4], unsigned v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kSm90BN / 16; ++kk)
+        Wgmma<T>::rs(acc, pa[kk], smem_desc(v_tile + kk * 16 * 128, kPanel, 1024), 1);
+}
+// P (float accumulators) -> A fragments of 16 keys each
+template <typename T>
+__device__ __forceinline__ void to_a(unsigned (&pa)[kSm90BN / 16][4],
+                                     const float (&sc)[kSm90BN / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSm90BN / 16; ++kk) {
+        pa[kk][0] = Mma<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = Mma<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = Mma<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = Mma<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+
+// grid (ceil(sq / 128), h, b), 384 threads; see the top of the file. Each consumer
+// warpgroup issues S_j = Q K_j^T together with O += P_{j-1} V_{j-1}, and computes the
+// softmax of S_j while the second product runs; the two warpgroups take turns to issue
+// (named barriers), so one's softmax overlaps the other's products.
+template <typename T, int D, bool CAUSAL, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
                    const __grid_constant__ TmaDesc tv, T* __restrict__ o,
                    float* __restrict__ lse, const int* __restrict__ seqlens_q,
                    const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
                    float scale_log2, long long o_b, long long o_s) {
-    constexpr int STAGES = 2, BM = kSm90BM, BN = kSm90BN;
+    constexpr int BM = kSm90BM, BN = kSm90BN;
     using S = Sm90Smem<D, STAGES>;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const unsigned bar_q = base + S::BAR, bar_k = bar_q + 8, bar_v = bar_k + 8 * STAGES,
-                   bar_e = bar_v + 8 * STAGES;
     // causal: the last query blocks have the most keys; they start first
     const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
     const int head = blockIdx.y, b = blockIdx.z, kvh = head / (h / hk);
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
     const int n_end = CAUSAL ? min(kv_len, m0 + BM) : kv_len;
-    const int n_tiles = m0 < q_len ? (n_end + BN - 1) / BN : 0;
+    const int n = m0 < q_len ? (n_end + BN - 1) / BN : 0;  // K/V tiles
     if (threadIdx.x == 0) {
-        mbar_init(bar_q, 1);
+        mbar_init(base + S::QF, 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bar_k + 8 * s, 1);
-            mbar_init(bar_v + 8 * s, 1);
-            mbar_init(bar_e + 8 * s, 8);  // one arrival per consumer warp
+            mbar_init(base + S::KF + 8 * s, 1);
+            mbar_init(base + S::VF + 8 * s, 1);
+            mbar_init(base + S::KE + 8 * s, 8);  // one arrival per consumer warp
+            mbar_init(base + S::VE + 8 * s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -194,53 +249,56 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     const int wg = threadIdx.x / 128;
     if (wg == 0) {  // producer: few registers, one thread at work
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0 && n_tiles > 0)
-            fwd_produce<D, STAGES>(tq, tk, tv, base, m0, head, kvh, b, n_tiles);
+        if (threadIdx.x == 0 && n > 0)
+            fwd_produce<D, STAGES>(tq, tk, tv, base, m0, head, kvh, b, n);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    const int lane = threadIdx.x & 31, row0 = m0 + 64 * (wg - 1);  // this warpgroup's rows
-    const int row = row0 + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2);
-    const unsigned q_tile = base + S::Q + (wg - 1) * 64 * 128;
-    float acc[D / 8][4] = {}, m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};
-    if (n_tiles > 0) mbar_wait(bar_q, 0);
-    for (int j = 0; j < n_tiles; ++j) {
-        const int s = j % STAGES;
-        const unsigned ph = (j / STAGES) & 1, k_tile = base + S::K + s * S::TILE,
-                       v_tile = base + S::V + s * S::TILE;
+    const int c = wg - 1, row0 = m0 + 64 * c;  // this warpgroup's rows
+    const int row = row0 + 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+    const unsigned q_tile = base + S::Q + c * 64 * 128;
+    float acc[D / 8][4] = {}, m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f}, corr[2];
+    unsigned pa[BN / 16][4];
+    // step j: S_j (and, when PV, O += P_{j-1} V_{j-1}) issued in this warpgroup's turn, the
+    // softmax of S_j while the second product runs. The first step is peeled (PV false):
+    // a wgmma behind a runtime condition makes ptxas serialize them all (C7520).
+    auto step = [&](int j, auto pv) {
+        constexpr bool PV = decltype(pv)::value;
+        const int s = j % STAGES, sp = (j + STAGES - 1) % STAGES;  // buffers of j, j - 1
         float sc[BN / 8][4];
-        mbar_wait(bar_k + 8 * s, ph);
+        mbar_wait(base + S::KF + 8 * s, (j / STAGES) & 1);
+        if (PV) mbar_wait(base + S::VF + 8 * sp, ((j - 1) / STAGES) & 1);
+        bar_sync(kSchedBar + c, 256);  // this warpgroup's turn
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {  // 16 columns of d: panel kk / 4, 32 bytes in
-            const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32;
-            Wgmma<T>::template ss<0, 0>(sc, smem_desc(q_tile + off, 16, 1024),
-                            smem_desc(k_tile + off, 16, 1024), kk > 0);
-        }
+        fwd_qk<T, D>(sc, q_tile, base + S::K + s * S::TILE);
         wg_commit();
-        wg_wait0();
+        if constexpr (PV) fwd_pv<T, D>(acc, pa, base + S::V + sp * S::TILE);
+        wg_commit();
+        if (c == 0 || j + 1 < n) bar_arrive(kSchedBar + 1 - c, 256);  // the other's turn
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S_j is done
         reg_fence(sc);
+        warp_release(base + S::KE + 8 * s);
         const bool masked = (j + 1) * BN > kv_len || (CAUSAL && (j + 1) * BN - 1 > row0);
-        fwd_softmax<D, BN, CAUSAL, false>(sc, m, l, acc, row, j * BN, kv_len, masked,
-                                          scale_log2, 0, skv, Dropout{});
-        unsigned pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = Mma<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = Mma<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = Mma<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = Mma<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-        mbar_wait(bar_v + 8 * s, ph);
+        fwd_softmax<BN, CAUSAL, false>(sc, m, l, corr, row, j * BN, kv_len, masked,
+                                       scale_log2, 0, skv, Dropout{});
+        wg_wait0();  // O += P_{j-1} V_{j-1} is done
+        reg_fence(acc);
+        if constexpr (PV) warp_release(base + S::VE + 8 * sp);
+        rescale<D>(acc, corr);
+        to_a<T>(pa, sc);
+    };
+    if (n > 0) {
+        mbar_wait(base + S::QF, 0);
+        if (c == 1) bar_arrive(kSchedBar, 256);  // the first warpgroup issues first
+        step(0, Bool<false>());
+        for (int j = 1; j < n; ++j) step(j, Bool<true>());
+        const int sp = (n - 1) % STAGES;  // the last tile's P V
+        mbar_wait(base + S::VF + 8 * sp, ((n - 1) / STAGES) & 1);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)  // 16 keys: 2 groups of 8 rows of every panel
-            Wgmma<T>::rs(acc, pa[kk], smem_desc(v_tile + kk * 16 * 128, kPanel, 1024), 1);
+        fwd_pv<T, D>(acc, pa, base + S::V + sp * S::TILE);
         wg_commit();
         wg_wait0();
         reg_fence(acc);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_e + 8 * s);  // this warp is done with K and V of j
     }
     fwd_store<T, D>(o + b * o_b + head * D, lse + (long long)(b * h + head) * sq, acc, m, l,
                     row, sq, q_len, o_s);

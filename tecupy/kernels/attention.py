@@ -31,7 +31,7 @@ BWD_WARPS = 8  # warps of 16 KV rows per backward block (4 was 10% slower)
 # Backward: "sm90" (attention_sm90.cu; Hopper, no dropout) or "mma" (attention.cu).
 BWD_VARIANTS = ("sm90", "mma")
 CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0]}
-SM90_BM, SM90_STAGES = 128, 2  # query rows per block; K/V buffers (the kernel's constants)
+SM90_BM, SM90_STAGES = 128, 2  # query rows per forward block, K/V buffers (3 was 5% slower)
 SM90_BWD_BM, SM90_BWD_BN = 64, 128  # query rows per step, keys per block
 
 
@@ -46,7 +46,7 @@ def _bwd_name(t, d, causal, dropout):
 
 
 def _sm90_name(t, d, causal):
-    return f"attention_fwd_sm90<{t}, {d}, {cbool(causal)}>"
+    return f"attention_fwd_sm90<{t}, {d}, {cbool(causal)}, {SM90_STAGES}>"
 
 
 def _sm90_bwd_name(t, d, causal):
@@ -63,7 +63,8 @@ def _declare():
     sm90 = [f"attention_bwd_prep_sm90<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
     for t, d, c in itertools.product(_TYPES, HEAD_DIMS, (False, True)):
         sm90 += [_sm90_name(t, d, c), _sm90_bwd_name(t, d, c)]
-    loader.declare(SM90_FILE, sm90, archs=("sm_90a",))
+    # -default-device: the forward's step is a lambda (NVRTC has no host code)
+    loader.declare(SM90_FILE, sm90, archs=("sm_90a",), options=("-default-device",))
 
 
 _declare()
@@ -161,8 +162,8 @@ def _tma(t, rows=SM90_BM):
 
 def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
     b, sq, h, d = q.shape
-    tile = SM90_BM * d * 2  # bytes of a Q, K or V tile; barriers and alignment slack after
-    smem = (1 + 2 * SM90_STAGES) * tile + 8 * (1 + 3 * SM90_STAGES) + 1024
+    tile, stages = SM90_BM * d * 2, SM90_STAGES  # bytes of a Q, K or V tile
+    smem = (1 + 2 * stages) * tile + 8 * (1 + 4 * stages) + 1024  # + barriers, alignment
     fn = _function(_sm90_name(CTYPE[q.dtype], d, causal), smem, SM90_FILE)
     fn((-(-sq // SM90_BM), h, b), (384,),
        (_tma(q), _tma(k), _tma(v), o, lse, lq, lkv, np.int32(sq), np.int32(k.shape[1]),
