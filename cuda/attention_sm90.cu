@@ -201,12 +201,11 @@ __device__ __forceinline__ void fwd_pv(float (&acc)[D / 8][4],
     for (int kk = 0; kk < kSm90BN / 16; ++kk)
         Wgmma<T>::rs(acc, pa[kk], smem_desc(v_tile + kk * 16 * 128, kPanel, 1024), 1);
 }
-// P (float accumulators) -> A fragments of 16 keys each
-template <typename T>
-__device__ __forceinline__ void to_a(unsigned (&pa)[kSm90BN / 16][4],
-                                     const float (&sc)[kSm90BN / 8][4]) {
+// P (float accumulators of N columns) -> A fragments of 16 columns each
+template <typename T, int N>
+__device__ __forceinline__ void to_a(unsigned (&pa)[N / 16][4], const float (&sc)[N / 8][4]) {
 #pragma unroll
-    for (int kk = 0; kk < kSm90BN / 16; ++kk) {
+    for (int kk = 0; kk < N / 16; ++kk) {
         pa[kk][0] = Mma<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
         pa[kk][1] = Mma<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
         pa[kk][2] = Mma<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
@@ -285,7 +284,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         reg_fence(acc);
         if constexpr (PV) warp_release(base + S::VE + 8 * sp);
         rescale<D>(acc, corr);
-        to_a<T>(pa, sc);
+        to_a<T, BN>(pa, sc);
     };
     if (n > 0) {
         mbar_wait(base + S::QF, 0);
@@ -342,11 +341,17 @@ __device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigne
                  " [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
+__device__ __forceinline__ float2 lds_f2(unsigned addr) {  // 8-byte aligned shared load
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
 constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys per block
+constexpr int kDsBar = 1;  // named barrier: both consumer warpgroups wrote dS^T
 
 // Shared memory (bytes from a 1024-aligned base): K and V of the block (128 rows), rings of
 // 2 Q and dO tiles (64 rows), 2 dS^T tiles ([128 keys][64 queries], one panel), 2 x 64
@@ -400,6 +405,47 @@ __device__ __forceinline__ void bwd_produce(const TmaDesc& tq, const TmaDesc& tk
     }
 }
 
+// S^T (or dP^T) = K (V) Q^T (dO^T) for a warpgroup's 64 keys: both K-major, 16 columns of
+// d per step
+template <typename T, int D>
+__device__ __forceinline__ void bwd_scores(float (&acc)[8][4], unsigned keys, unsigned queries) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // panels of 128 key rows, of 64 query rows
+        const unsigned col = (kk % 4) * 32;
+        Wgmma<T>::template ss<0, 0>(acc, smem_desc(keys + (kk / 4) * kPanel + col, 16, 1024),
+                                    smem_desc(queries + (kk / 4) * kPanel / 2 + col, 16, 1024),
+                                    kk > 0);
+    }
+}
+// dV (dK) += P^T (dS^T) dO (Q): A fragments from registers, dO (Q) MN-major, 16 queries a step
+template <typename T, int D>
+__device__ __forceinline__ void bwd_rs(float (&acc)[D / 8][4], const unsigned (&a)[4][4],
+                                       unsigned queries) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        Wgmma<T>::rs(acc, a[kk], smem_desc(queries + kk * 16 * 128, kPanel / 2, 1024), 1);
+}
+// dS^T fragments (rows r, r + 8 of the tile) -> shared [128 keys][64 queries], 128B-swizzled
+__device__ __forceinline__ void store_ds(unsigned tile, const unsigned (&da)[4][4], int r,
+                                         int t) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i, r += 8)
+#pragma unroll
+        for (int chunk = 0; chunk < 8; ++chunk)  // 8 queries each
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + r * 128 +
+                                                          ((chunk ^ (r & 7)) << 4) + 4 * t),
+                         "r"(da[chunk / 2][2 * (chunk & 1) + i]));
+}
+// dQ [64 queries x D / 2 columns] = dS K: A = dS^T (MN-major), B = K's rows at `cols`
+// (MN-major), 16 keys per step
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dq(float (&dq)[D / 16][4], unsigned ds, unsigned cols) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+        Wgmma<T>::template ss<1, 1>(dq, smem_desc(ds + kk * 16 * 128, 16, 1024),
+                                    smem_desc(cols + kk * 16 * 128, 16, 1024), kk > 0);
+}
+
 // Strides (elements) of the backward's outputs: batch and sequence of dq_acc and of dk (dv
 // is laid out as dk).
 struct BwdSm90Strides {
@@ -448,7 +494,6 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3, kv_row = n0 + 64 * c + 16 * warp + g;
     const float scale_log2 = scale * kLog2e;
-    const unsigned char* sbase = smem_raw + (base - smem_u32(smem_raw));  // generic address
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
     if (w.total > 0) mbar_wait(bar_kv, 0);
     for (int it = 0; it < w.total; ++it) {
@@ -456,94 +501,56 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         const int q0 = (w.qb0 + it % w.nqb) * kBwdSm90BM;
         const unsigned q_t = base + S::Q + s * S::TQ, do_t = base + S::DO + s * S::TQ,
                        ds_t = base + S::DS + s * S::TDS;
-        const float* sl = reinterpret_cast<const float*>(sbase + S::LSE + s * 256);
-        const float* sd = reinterpret_cast<const float*>(sbase + S::DELTA + s * 256);
+        const unsigned sl = base + S::LSE + s * 256, sd = base + S::DELTA + s * 256;
         mbar_wait(bar_q + 8 * s, (it >> 1) & 1);
         float st_[8][4], dp[8][4];  // S^T and dP^T: this warpgroup's 64 keys x 64 queries
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32, qoff = (kk / 4) * kPanel / 2 + (kk % 4) * 32;
-            Wgmma<T>::template ss<0, 0>(st_, smem_desc(base + S::K + off + c * 64 * 128, 16, 1024),
-                                        smem_desc(q_t + qoff, 16, 1024), kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32, qoff = (kk / 4) * kPanel / 2 + (kk % 4) * 32;
-            Wgmma<T>::template ss<0, 0>(dp, smem_desc(base + S::V + off + c * 64 * 128, 16, 1024),
-                                        smem_desc(do_t + qoff, 16, 1024), kk > 0);
-        }
-        wg_commit();
-        wg_wait0();
-        reg_fence(st_);
-        reg_fence(dp);
-        const bool masked = n0 + kBwdSm90BN > kv_len || (CAUSAL && n0 + kBwdSm90BN - 1 > q0);
         unsigned pa[4][4], da[4][4];  // P^T, dS^T as A fragments (16 queries each)
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = 8 * n + 2 * t + e;
-                const float L = sl[col], Dl = sd[col];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = kv_row + 8 * i;
-                    float p = fast_exp2(fmaf(st_[n][2 * i + e], scale_log2, -L));
-                    if (masked && (r >= kv_len || (CAUSAL && r > q0 + col))) p = 0.f;
-                    st_[n][2 * i + e] = p;
-                    dp[n][2 * i + e] = p * (dp[n][2 * i + e] - Dl) * scale;
-                }
-            }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = Mma<T>::pack(st_[2 * kk][0], st_[2 * kk][1]);
-            pa[kk][1] = Mma<T>::pack(st_[2 * kk][2], st_[2 * kk][3]);
-            pa[kk][2] = Mma<T>::pack(st_[2 * kk + 1][0], st_[2 * kk + 1][1]);
-            pa[kk][3] = Mma<T>::pack(st_[2 * kk + 1][2], st_[2 * kk + 1][3]);
-            da[kk][0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-            da[kk][1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-            da[kk][2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            da[kk][3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-        }
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)  // 16 queries: 2 groups of 8 rows of every panel
-            Wgmma<T>::rs(dvr, pa[kk], smem_desc(do_t + kk * 16 * 128, kPanel / 2, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            Wgmma<T>::rs(dkr, da[kk], smem_desc(q_t + kk * 16 * 128, kPanel / 2, 1024), 1);
+        bwd_scores<T, D>(st_, base + S::K + c * 64 * 128, q_t);
         wg_commit();
-        // dS^T -> shared [128 keys][64 queries], 128B-swizzled rows
+        bwd_scores<T, D>(dp, base + S::V + c * 64 * 128, do_t);
+        wg_commit();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S^T is done
+        reg_fence(st_);
+        const bool masked = n0 + kBwdSm90BN > kv_len || (CAUSAL && n0 + kBwdSm90BN - 1 > q0);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = 64 * c + 16 * warp + g + 8 * i;
+        for (int n = 0; n < 8; ++n) {  // P^T while dP^T runs
+            const float2 L = lds_f2(sl + 4 * (8 * n + 2 * t));  // lse2 of the 2 queries
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int chunk = 2 * kk + half;  // 8 queries
-                    const unsigned addr = ds_t + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * t;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(da[kk][2 * half + i]));
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * n + 2 * t + (e & 1), r = kv_row + 8 * (e >> 1);
+                float p = fast_exp2(fmaf(st_[n][e], scale_log2, -(e & 1 ? L.y : L.x)));
+                st_[n][e] = masked && (r >= kv_len || (CAUSAL && r > q0 + col)) ? 0.f : p;
+            }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS^T written
-        // dQ[64 queries x D / 2 columns of this warpgroup] = dS K: A = dS^T (MN-major),
-        // B = K rows (MN-major), 8 steps of 16 keys
-        float dq[D / 16][4];
-        constexpr unsigned kcol = D == 128 ? kPanel : 64;  // this warpgroup's columns of K
+        to_a<T, 64>(pa, st_);
+        wg_fence();
+        bwd_rs<T, D>(dvr, pa, do_t);  // dV += P^T dO
+        wg_commit();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dP^T is done
+        reg_fence(dp);
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
-            Wgmma<T>::template ss<1, 1>(dq, smem_desc(ds_t + kk * 16 * 128, 16, 1024),
-                                        smem_desc(base + S::K + c * kcol + kk * 16 * 128, 16, 1024),
-                                        kk > 0);
+        for (int n = 0; n < 8; ++n) {  // dS^T while dV's product runs
+            const float2 dl = lds_f2(sd + 4 * (8 * n + 2 * t));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp[n][e] = st_[n][e] * (dp[n][e] - (e & 1 ? dl.y : dl.x)) * scale;
+        }
+        to_a<T, 64>(da, dp);
+        wg_fence();
+        bwd_rs<T, D>(dkr, da, q_t);  // dK += dS^T Q
+        wg_commit();
+        store_ds(ds_t, da, 64 * c + 16 * warp + g, t);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        bar_sync(kDsBar, 256);  // both warpgroups' dS^T written
+        float dq[D / 16][4];
+        bwd_dq<T, D>(dq, ds_t, base + S::K + c * (D == 128 ? kPanel : 64));
         wg_commit();
         wg_wait0();
         reg_fence(dq);
         reg_fence(dvr);
         reg_fence(dkr);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
+        warp_release(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
         float* dqb = dq_acc + b * st.dq_b + hh * D + c * (D / 2) + 2 * t;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
