@@ -197,7 +197,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
 
 
 # ---- autotuner: time the candidates for a shape, remember the winner on disk ----
-_tuned_cache = {}  # tuning file -> {shape key: config}
+_tuned_cache = {}  # TECUPY_CACHE_DIR's value -> {shape key: config}
 
 
 def _tune_file():
@@ -210,11 +210,12 @@ def _tune_key(m, n, k, a_fmt, b_fmt, split):
 
 def _tuned():
     """The remembered winners, read once per process (tune() updates them in place; no file
-    access on the GEMM's hot path)."""
-    path = _tune_file()
-    if path not in _tuned_cache:
-        _tuned_cache[path] = json.loads(path.read_text()) if path.exists() else {}
-    return _tuned_cache[path]
+    access, not even a path built and its folder made, on the GEMM's hot path)."""
+    where = os.environ.get("TECUPY_CACHE_DIR")
+    if where not in _tuned_cache:
+        path = _tune_file()
+        _tuned_cache[where] = json.loads(path.read_text()) if path.exists() else {}
+    return _tuned_cache[where]
 
 
 def tune(m, n, k, a_fmt="e4m3", b_fmt="e4m3", split_accumulator=False, calls=10):
