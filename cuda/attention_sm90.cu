@@ -346,8 +346,9 @@ __device__ __forceinline__ float2 lds_f2(unsigned addr) {  // 8-byte aligned sha
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
     return v;
 }
-__device__ __forceinline__ void red_add2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
+                 "f"(c), "f"(d) : "memory");
 }
 
 constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys per block
@@ -551,14 +552,18 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         reg_fence(dvr);
         reg_fence(dkr);
         warp_release(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
-        float* dqb = dq_acc + b * st.dq_b + hh * D + c * (D / 2) + 2 * t;
+        // dQ into dq_acc: lane pairs swap halves so that each thread adds 4 consecutive
+        // floats of one row (even t: row g, odd t: row g + 8) in one vector reduction
+        const bool odd = t & 1;
+        const int qr = q0 + 16 * warp + g + (odd ? 8 : 0);
+        float* dqb = dq_acc + b * st.dq_b + qr * st.dq_s + hh * D + c * (D / 2) + 4 * (t >> 1);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int qr = q0 + 16 * warp + g + 8 * i;
-            if (qr >= q_len) continue;
-#pragma unroll
-            for (int n = 0; n < D / 16; ++n)
-                red_add2(dqb + qr * st.dq_s + 8 * n, dq[n][2 * i], dq[n][2 * i + 1]);
+        for (int n = 0; n < D / 16; ++n) {
+            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+            if (qr < q_len)
+                red_add4(dqb + 8 * n, odd ? r0 : dq[n][0], odd ? r1 : dq[n][1],
+                         odd ? dq[n][2] : r0, odd ? dq[n][3] : r1);
         }
     }
 #pragma unroll
