@@ -82,6 +82,14 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&d)[N][4]) {
 #define REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
                "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ACC88(d) ACC64(d), ACC4(d, 16), ACC4(d, 17), ACC4(d, 18), ACC4(d, 19), ACC4(d, 20), \
+                 ACC4(d, 21)
+#define REGS88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+               "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
+               "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, " \
+               "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, " \
+               "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 #define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
                "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
                "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, " \
@@ -111,6 +119,8 @@ template <int N> __device__ __forceinline__ void reg_fence(float (&d)[N][4]) {
     }
 #define DEFINE_WGMMA(T, TY)                                                                  \
     template <> struct Wgmma<T> {                                                            \
+        WGMMA_SHAPE(TY, 176, REGS88, ACC88, "%88, %89, p, 1, 1, %91, %92", "%90",            \
+                    "{%88, %89, %90, %91}, %92, p, 1, 1, 1", "%93")                          \
         WGMMA_SHAPE(TY, 128, REGS64, ACC64, "%64, %65, p, 1, 1, %67, %68", "%66",            \
                     "{%64, %65, %66, %67}, %68, p, 1, 1, 1", "%69")                          \
         WGMMA_SHAPE(TY, 64, REGS32, ACC32, "%32, %33, p, 1, 1, %35, %36", "%34",             \
@@ -123,18 +133,20 @@ DEFINE_WGMMA(__nv_bfloat16, "bf16")
 DEFINE_WGMMA(__half, "f16")
 
 // ---- forward -----------------------------------------------------------------------------
-constexpr int kSm90BM = 128, kSm90BN = 128;  // query rows per block, keys per tile
-constexpr unsigned kPanel = 128 * 128;       // bytes of a 64-column box of 128 rows
+constexpr int kSm90BM = 128;             // query rows per block (keys per tile: BN)
+constexpr unsigned kPanel = 128 * 128;   // bytes of a 64-column box of 128 rows
 constexpr int kSchedBar = 1;                 // named barriers 1, 2: the consumers' turns
 template <bool B> struct Bool {
     static constexpr bool value = B;
 };
 
-// Shared memory (bytes from a 1024-aligned base): Q, the K and V rings, the barriers
-// (q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES]).
-template <int D, int STAGES> struct Sm90Smem {
-    static constexpr unsigned TILE = (D / 64) * kPanel, Q = 0, K = TILE,
-                              V = K + STAGES * TILE, BAR = V + STAGES * TILE,
+// Shared memory (bytes from a 1024-aligned base): Q, the K and V rings (tiles of BN rows,
+// panels of PANEL bytes), the barriers (q_full, k_full[STAGES], v_full[STAGES],
+// k_empty[STAGES], v_empty[STAGES]).
+template <int D, int BN, int STAGES> struct Sm90Smem {
+    static constexpr unsigned PANEL = BN * 128, TILE = (D / 64) * PANEL, Q = 0,
+                              K = (D / 64) * kPanel, V = K + STAGES * TILE,
+                              BAR = V + STAGES * TILE,
                               BYTES = BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
     // barrier addresses from the base
     static constexpr unsigned QF = BAR, KF = QF + 8, VF = KF + 8 * STAGES,
@@ -143,12 +155,12 @@ template <int D, int STAGES> struct Sm90Smem {
 
 // The producer thread: Q once, then K and V tile j into buffer j % STAGES once the
 // consumers have released that buffer's K (V). Out-of-range rows arrive as zeros.
-template <int D, int STAGES>
+template <int D, int BN, int STAGES>
 __device__ __forceinline__ void fwd_produce(const TmaDesc& tq, const TmaDesc& tk,
                                             const TmaDesc& tv, unsigned base, int m0,
                                             int head, int kvh, int b, int n_tiles) {
-    using S = Sm90Smem<D, STAGES>;
-    mbar_expect_tx(base + S::QF, S::TILE);
+    using S = Sm90Smem<D, BN, STAGES>;
+    mbar_expect_tx(base + S::QF, S::K);  // the Q tile ends where K starts
 #pragma unroll
     for (int p = 0; p < D / 64; ++p)
         tma_load_4d(base + S::Q + p * kPanel, tq, base + S::QF, 64 * p, head, m0, b);
@@ -159,14 +171,14 @@ __device__ __forceinline__ void fwd_produce(const TmaDesc& tq, const TmaDesc& tk
         mbar_expect_tx(base + S::KF + 8 * s, S::TILE);
 #pragma unroll
         for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::K + s * S::TILE + p * kPanel, tk, base + S::KF + 8 * s,
-                        64 * p, kvh, j * kSm90BN, b);
+            tma_load_4d(base + S::K + s * S::TILE + p * S::PANEL, tk, base + S::KF + 8 * s,
+                        64 * p, kvh, j * BN, b);
         if (j >= STAGES) mbar_wait(base + S::VE + 8 * s, use);
         mbar_expect_tx(base + S::VF + 8 * s, S::TILE);
 #pragma unroll
         for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::V + s * S::TILE + p * kPanel, tv, base + S::VF + 8 * s,
-                        64 * p, kvh, j * kSm90BN, b);
+            tma_load_4d(base + S::V + s * S::TILE + p * S::PANEL, tv, base + S::VF + 8 * s,
+                        64 * p, kvh, j * BN, b);
     }
 }
 
@@ -183,23 +195,24 @@ __device__ __forceinline__ void warp_release(unsigned bar) {
 }
 
 // S = Q K^T for a warpgroup's 64 rows: 16 columns of d per step (panel kk / 4, 32 bytes in)
-template <typename T, int D>
-__device__ __forceinline__ void fwd_qk(float (&sc)[kSm90BN / 8][4], unsigned q_tile,
+template <typename T, int D, int BN>
+__device__ __forceinline__ void fwd_qk(float (&sc)[BN / 8][4], unsigned q_tile,
                                        unsigned k_tile) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned off = (kk / 4) * kPanel + (kk % 4) * 32;
-        Wgmma<T>::template ss<0, 0>(sc, smem_desc(q_tile + off, 16, 1024),
-                                    smem_desc(k_tile + off, 16, 1024), kk > 0);
+        const unsigned col = (kk % 4) * 32;
+        Wgmma<T>::template ss<0, 0>(sc, smem_desc(q_tile + (kk / 4) * kPanel + col, 16, 1024),
+                                    smem_desc(k_tile + (kk / 4) * BN * 128 + col, 16, 1024),
+                                    kk > 0);
     }
 }
 // O += P V: P from registers, V MN-major; 16 keys per step (2 groups of 8 rows of a panel)
-template <typename T, int D>
-__device__ __forceinline__ void fwd_pv(float (&acc)[D / 8][4],
-                                       const unsigned (&pa)[kSm90BN / 16][4], unsigned v_tile) {
+template <typename T, int D, int BN>
+__device__ __forceinline__ void fwd_pv(float (&acc)[D / 8][4], const unsigned (&pa)[BN / 16][4],
+                                       unsigned v_tile) {
 #pragma unroll
-    for (int kk = 0; kk < kSm90BN / 16; ++kk)
-        Wgmma<T>::rs(acc, pa[kk], smem_desc(v_tile + kk * 16 * 128, kPanel, 1024), 1);
+    for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<T>::rs(acc, pa[kk], smem_desc(v_tile + kk * 16 * 128, BN * 128, 1024), 1);
 }
 // P (float accumulators of N columns) -> A fragments of 16 columns each
 template <typename T, int N>
@@ -217,15 +230,15 @@ __device__ __forceinline__ void to_a(unsigned (&pa)[N / 16][4], const float (&sc
 // warpgroup issues S_j = Q K_j^T together with O += P_{j-1} V_{j-1}, and computes the
 // softmax of S_j while the second product runs; the two warpgroups take turns to issue
 // (named barriers), so one's softmax overlaps the other's products.
-template <typename T, int D, bool CAUSAL, int STAGES>
+template <typename T, int D, int BN, bool CAUSAL, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
                    const __grid_constant__ TmaDesc tv, T* __restrict__ o,
                    float* __restrict__ lse, const int* __restrict__ seqlens_q,
                    const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
                    float scale_log2, long long o_b, long long o_s) {
-    constexpr int BM = kSm90BM, BN = kSm90BN;
-    using S = Sm90Smem<D, STAGES>;
+    constexpr int BM = kSm90BM;
+    using S = Sm90Smem<D, BN, STAGES>;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
     // causal: the last query blocks have the most keys; they start first
@@ -249,7 +262,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     if (wg == 0) {  // producer: few registers, one thread at work
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0 && n > 0)
-            fwd_produce<D, STAGES>(tq, tk, tv, base, m0, head, kvh, b, n);
+            fwd_produce<D, BN, STAGES>(tq, tk, tv, base, m0, head, kvh, b, n);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
@@ -269,9 +282,9 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         if (PV) mbar_wait(base + S::VF + 8 * sp, ((j - 1) / STAGES) & 1);
         bar_sync(kSchedBar + c, 256);  // this warpgroup's turn
         wg_fence();
-        fwd_qk<T, D>(sc, q_tile, base + S::K + s * S::TILE);
+        fwd_qk<T, D, BN>(sc, q_tile, base + S::K + s * S::TILE);
         wg_commit();
-        if constexpr (PV) fwd_pv<T, D>(acc, pa, base + S::V + sp * S::TILE);
+        if constexpr (PV) fwd_pv<T, D, BN>(acc, pa, base + S::V + sp * S::TILE);
         wg_commit();
         if (c == 0 || j + 1 < n) bar_arrive(kSchedBar + 1 - c, 256);  // the other's turn
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S_j is done
@@ -294,7 +307,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         const int sp = (n - 1) % STAGES;  // the last tile's P V
         mbar_wait(base + S::VF + 8 * sp, ((n - 1) / STAGES) & 1);
         wg_fence();
-        fwd_pv<T, D>(acc, pa, base + S::V + sp * S::TILE);
+        fwd_pv<T, D, BN>(acc, pa, base + S::V + sp * S::TILE);
         wg_commit();
         wg_wait0();
         reg_fence(acc);
