@@ -1,19 +1,24 @@
-// attention_sm90.cu — fused attention forward on Hopper (sm_90a only): TMA loads, wgmma,
-// warp specialization (FlashAttention-3's scheme). Semantics, layouts and outputs are those
-// of attention_fwd in attention.cu (see there), without dropout (that case runs there).
+// attention_sm90.cu — fused attention on Hopper (sm_90a only): TMA loads, wgmma, warp
+// specialization (FlashAttention-3's scheme). Semantics, layouts and outputs are those of
+// attention_fwd / attention_bwd in attention.cu (see there), without dropout (that case runs
+// there).
 //
-//   attention_fwd_sm90  grid (ceil(sq / 128), h, b), 384 threads. Warpgroup 0 produces:
-//                       one thread issues the TMA loads of the Q tile and of the K and V
-//                       tiles (128 rows) into a ring of STAGES buffers. Warpgroups 1 and 2
-//                       each own 64 query rows: S = Q K^T (wgmma, both operands in shared
-//                       memory), the online softmax in registers, O += P V (wgmma with P
-//                       from registers: the accumulator layout of S is the A-fragment
-//                       layout of the next wgmma, so P never goes through shared memory).
+//   attention_fwd_sm90       grid (ceil(sq / 128), h, b), 384 threads. Warpgroup 0 produces:
+//                            one thread issues the TMA loads of the Q tile and of the K and
+//                            V tiles (BN rows: 176, or 128 when causal) into a ring of
+//                            STAGES buffers. Warpgroups 1 and 2 each own 64 query rows:
+//                            S = Q K^T (wgmma, both operands in shared memory), the online
+//                            softmax in registers, O += P V (wgmma with P from registers:
+//                            the accumulator layout of S is the A-fragment layout of the next
+//                            wgmma, so P never goes through shared memory).
+//   attention_bwd_prep_sm90  lse2 = lse log2(e), delta = rowsum(dO O), padded rows.
+//   attention_bwd_sm90       grid (ceil(skv / 128), hk, b): 128 keys per block, steps of 64
+//                            queries; see the kernel.
 //
-// Shared tiles are TMA boxes of 64 columns (128 bytes) x 128 rows with the 128-byte swizzle,
-// one box ("panel") per 64 columns of d: row r of a panel lies at r * 128 bytes with its
-// 16-byte chunk c at c ^ (r % 8). wgmma reads Q and K from them as K-major operands and V
-// as an MN-major (transposed) B operand. Every panel starts 1024-byte aligned.
+// Shared tiles are TMA boxes of 64 columns (128 bytes) x rows with the 128-byte swizzle, one
+// box ("panel") per 64 columns of d: row r of a panel lies at r * 128 bytes with its 16-byte
+// chunk c at c ^ (r % 8). wgmma reads Q and K from them as K-major operands and V (dO, Q in
+// the backward) as MN-major (transposed) B operands. Every panel starts 1024-byte aligned.
 #include "attention_common.cuh"
 
 struct alignas(64) TmaDesc {  // a CUtensorMap, encoded on the host (NVRTC lacks the type)
@@ -58,7 +63,9 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned 
     return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
            ((unsigned long long)(stride >> 4) << 32) | (1ULL << 62);
 }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }

@@ -1,8 +1,9 @@
-"""CUDA fused attention (cuda/attention.cu, cuda/attention_sm90.cu) against the float64 reference: the output, lse
-and all three gradients, by flash-attention's rule (error at most 2x the error of the
-reference run in the same low precision, plus one unit of the format's precision at the
-data's largest value: the kernel rounds P and dS to the input dtype before the second
-matrix product, as FlashAttention does; the reference rounds only its result)."""
+"""CUDA fused attention (cuda/attention.cu; on Hopper cuda/attention_sm90.cu) against the
+float64 reference: the output, lse and all three gradients, by flash-attention's rule
+(error at most 2x the error of the reference run in the same low precision, plus one unit of
+the format's precision at the data's largest value: the kernel rounds P and dS to the input
+dtype before the second matrix product, as FlashAttention does; the reference rounds only
+its result)."""
 import ml_dtypes
 import numpy as np
 import pytest
