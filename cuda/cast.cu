@@ -59,6 +59,8 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.
+// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
+// the float32 sum of the tile's rows of x, for a second pass over the row blocks.
 // Needs rows % 16 == 0, cols % 8 == 0; grid (cols / 64, rows / (128 G)) rounded up.
 template <int G>
 __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row group in col
@@ -66,12 +68,14 @@ __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row gro
     return col * 32 * G + swz * 4 + (word & 3);
 }
 
-template <typename T, typename F8, int G>
+template <typename T, typename F8, int G, bool DBIAS>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ amax, int rows, int cols) {
+                     float* __restrict__ amax, float* __restrict__ part, int rows, int cols) {
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
+    __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
+    float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};     // this thread's rows, columns c .. c + 7
     const float s = scale[0];
     const int r0 = blockIdx.y * 128 * G, c0 = blockIdx.x * 64;
     const int a = threadIdx.x >> 3, b = threadIdx.x & 7, c = c0 + 8 * b;
@@ -96,6 +100,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
             for (int j = 0; j < 8; ++j) {
                 const float f = to_float(in[g][i].v[j]);
                 m = fmaxf(m, fabsf(f));
+                if (DBIAS) cs[j] += f;
                 out.v[j] = F8(f * s).__x;
                 word[j] |= (unsigned)out.v[j] << (8 * i);
             }
@@ -104,7 +109,21 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
 #pragma unroll
         for (int j = 0; j < 8; ++j) tt[tt_word<G>(8 * b + j, 32 * g + a)] = word[j];
     }
+    if (DBIAS) {  // lanes with the same b (columns) differ in a by lane / 8
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 8);
+            cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 16);
+            if ((threadIdx.x & 31) < 8) colsum[threadIdx.x >> 5][8 * b + j] = cs[j];
+        }
+    }
     __syncthreads();
+    if (DBIAS && threadIdx.x < 64 && c0 + threadIdx.x < cols) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
+        part[(long long)blockIdx.y * cols + c0 + threadIdx.x] = t;
+    }
 #pragma unroll
     for (int h = 0; h < 2 * G; ++h) {
         const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);

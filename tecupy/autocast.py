@@ -77,11 +77,11 @@ class FP8State:
         return quantize(x, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1],
                         transpose=transpose)
 
-    def quantize_bwd(self, g, gemm, which, transpose=False):
+    def quantize_bwd(self, g, gemm, which, transpose=False, dbias_dtype=None):
         i = self._slot(BWD_SLOTS, gemm, which, 2)
         m = self.bwd
         return quantize(g, m.scale[i:i + 1], m.fmt, amax_out=m.amax_history[0, i:i + 1],
-                        transpose=transpose)
+                        transpose=transpose, dbias_dtype=dbias_dtype)
 
     def update_forward(self):
         update_states([self], "fwd")

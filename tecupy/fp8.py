@@ -83,18 +83,26 @@ def _scale_array(xp, scale):
     return scale.reshape(1)
 
 
-def quantize(x, scale, fmt, amax_out=None, transpose=False):
+def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element) is given,
     max(amax_out, amax(x)) is written into it (what the cast kernel's atomicMax does).
-    transpose=True (2-D x) also makes the transposed copy in the same pass."""
+    transpose=True (2-D x) also makes the transposed copy in the same pass; with it,
+    dbias_dtype (a dtype) returns (FP8Tensor, the column sums of x in that dtype) from the
+    same read of x (Transformer Engine's cast_transpose_dbias, for a linear's dy)."""
     fmt = as_format(fmt)
     xp = array_module("quantize", x=x, amax_out=amax_out)
     check_float("quantize", x=x)
     if transpose and x.ndim != 2:
         raise ValueError(f"quantize(transpose=True) needs 2-D x, got shape {tuple(x.shape)}")
+    if dbias_dtype is not None and not transpose:
+        raise ValueError("quantize: dbias_dtype comes with transpose=True (the backward's "
+                         "cast of dy)")
     scale = _scale_array(xp, scale)
-    data_t = None
-    if transpose:
+    data_t = dbias = None
+    if dbias_dtype is not None:
+        data, data_t, amax, dbias = backends.dispatch("cast_transpose_dbias", x, scale, fmt,
+                                                      np.dtype(dbias_dtype))
+    elif transpose:
         data, data_t, amax = backends.dispatch("cast_transpose", x, scale, fmt)
     else:
         data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
@@ -102,7 +110,8 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False):
         xp.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
     # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
     # rewrites the state's scales before backward uses this tensor (TE saves them too).
-    return FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)
+    t = FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)
+    return t if dbias_dtype is None else (t, dbias)
 
 
 def dequantize(t, dtype=np.float32):
@@ -126,6 +135,7 @@ def current_scale(amax_arr, fmt):
     return xp.where(xp.isinf(s), np.float32(FLT_MAX), s).astype(np.float32)
 
 
-def quantize_current(x, fmt, transpose=False):
+def quantize_current(x, fmt, transpose=False, dbias_dtype=None):
     """Cast with this tensor's own amax (Float8CurrentScaling)."""
-    return quantize(x, current_scale(amax(x), fmt), fmt, transpose=transpose)
+    return quantize(x, current_scale(amax(x), fmt), fmt, transpose=transpose,
+                    dbias_dtype=dbias_dtype)

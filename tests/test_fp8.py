@@ -133,3 +133,19 @@ def test_quantize_with_transpose_keeps_both_copies(xp, rng):
     assert q.T.data is q.data_t and q.T.T.data is q.data  # no new copies
     with pytest.raises(ValueError, match="2-D"):
         tecupy.quantize(xp.ones((2, 2, 2), np.float32), 1.0, E4M3, transpose=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, tecupy.bfloat16])
+def test_quantize_with_dbias_returns_the_column_sums(xp, rng, dtype):
+    """dbias_dtype: (the same FP8 tensor, dy's column sums) from one call (on CuPy, one
+    pass of the cast_transpose_dbias kernel), as bias_grad computes them."""
+    x = xp.asarray((rng.standard_normal((272, 40)) + 1.0).astype(dtype))
+    q, db = tecupy.quantize(x, 2.0, E5M2, transpose=True, dbias_dtype=dtype)
+    plain = tecupy.quantize(x, 2.0, E5M2, transpose=True)
+    np.testing.assert_array_equal(asnp(q.data), asnp(plain.data))
+    np.testing.assert_array_equal(asnp(q.data_t), asnp(plain.data_t))
+    want = asnp(x).astype(np.float64).sum(0)
+    assert db.dtype == np.dtype(dtype) and db.shape == (40,)
+    np.testing.assert_allclose(asnp(db).astype(np.float64), want, rtol=1e-2, atol=1e-3)
+    with pytest.raises(ValueError, match="transpose=True"):
+        tecupy.quantize(x, 2.0, E5M2, dbias_dtype=dtype)

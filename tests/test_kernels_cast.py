@@ -1,5 +1,6 @@
 """CUDA cast to FP8 with amax, and dequantize, against the reference (bit for bit; NaN
 payloads may differ between CUDA and ml_dtypes, so NaN is compared as NaN)."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -76,3 +77,26 @@ def test_cast_transpose_matches_reference(rng, fmt, dtype, shape):
     assert_same_codes(cupy.asnumpy(qt), qt_ref, fmt)
     np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 8), (144, 72), (1008, 520), (272, 4104)], ids=str)
+def test_cast_transpose_dbias_matches_reference(rng, dtype, shape):
+    """The same codes as cast_transpose, and dbias (float32 sums of 128-row partials) within
+    float32 summation error of the float64 column sums, in the bias dtype."""
+    import cupy
+    x = (rng.standard_normal(shape) + 0.5).astype(dtype)
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    poison_gpu_pool()
+    args = (cupy.asarray(x), scale, E5M2, np.dtype(dtype))
+    assert tecupy.backends.chosen("cast_transpose_dbias", *args) == "cuda"
+    q, qt, amax, db = tecupy.backends.dispatch("cast_transpose_dbias", *args)
+    q_ref, qt_ref, amax_ref = ref.cast_transpose(x, cupy.asnumpy(scale), E5M2)
+    assert_same_codes(cupy.asnumpy(q), q_ref, E5M2)
+    assert_same_codes(cupy.asnumpy(qt), qt_ref, E5M2)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+    want = x.astype(np.float64).sum(0)
+    assert db.dtype == np.dtype(dtype) and db.shape == (shape[1],)
+    tol = float(np.finfo(np.float32).eps) * shape[0] * np.abs(x.astype(np.float64)).sum(0)
+    tol += np.abs(want) * float(ml_dtypes.finfo(dtype).eps)  # the cast to the bias dtype
+    assert (np.abs(cupy.asnumpy(db).astype(np.float64) - want) <= tol).all()

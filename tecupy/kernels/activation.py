@@ -53,6 +53,13 @@ def dbias(dx2):
     k = loader.function(FILE, f"col_sum<{CTYPE[dx2.dtype]}, float>")
     k((-(-ncols // 32), splits), (32, 8), (dx2, part, np.int64(rows), np.int32(ncols),
       np.int64(per)))
+    return col_sum(part)
+
+
+def col_sum(part):
+    """The float32 column sums of a float32 matrix of partial sums [splits, ncols]."""
+    import cupy
+    splits, ncols = part.shape
     out = cupy.empty((1, ncols), np.float32)
     k = loader.function(FILE, "col_sum<float, float>")
     k((-(-ncols // 32), 1), (32, 8), (part, out, np.int64(splits), np.int32(ncols),

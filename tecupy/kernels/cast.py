@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, FP8TYPE, LOW_PRECISION, grid_1d, on_gpu, vec_width
+from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, grid_1d, on_gpu, vec_width
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
@@ -13,8 +13,8 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
     CTYPE.values(), FP8TYPE.values()) for v in (1, _VECS[t])]
     + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
                                                                  FP8TYPE.values())]
-    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1>" for d in LOW_PRECISION
-       for f in FP8TYPE.values()])
+    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}>" for d in LOW_PRECISION
+       for f in FP8TYPE.values() for b in ("false", "true")])
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
@@ -49,14 +49,33 @@ def _ct_supported(x, scale, fmt):
 
 @backends.register("cast_transpose", "cuda", supports=_ct_supported)
 def cast_transpose(x, scale, fmt):
+    return _cast_transpose(x, scale, fmt, None)
+
+
+@backends.register("cast_transpose_dbias", "cuda",
+                   supports=lambda x, scale, fmt, dbias_dtype: _ct_supported(x, scale, fmt))
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype):
+    """cast_transpose, and dbias = the float32 column sums of x in dbias_dtype, from the
+    same read of x (per 128-row block partials, then their sum)."""
+    return _cast_transpose(x, scale, fmt, dbias_dtype)
+
+
+def _cast_transpose(x, scale, fmt, dbias_dtype):
     import cupy
+    from .activation import col_sum
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
     amax = cupy.zeros((1,), np.float32)
+    blocks = -(-rows // 128)
+    part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
-        k = loader.function(
-            FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, 1>")
-        k(((cols + 63) // 64, -(-rows // 128)), (256,), (x, scale, q, qt, amax, np.int32(rows),
+        k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
+                                  f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}>")
+        k(((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, part, np.int32(rows),
           np.int32(cols)))
-    return q, qt, amax
+    if dbias_dtype is None:
+        return q, qt, amax
+    if not x.size:
+        return q, qt, amax, cupy.zeros((cols,), dbias_dtype)
+    return q, qt, amax, col_sum(part).astype(dbias_dtype, copy=False)

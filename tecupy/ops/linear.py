@@ -103,9 +103,12 @@ def _linear_fp8(x, weight, bias, state, recipe, gemm):
 
 def fp8_linear_backward(dy2, qx, qw, bias, state, fmt, gemm, x_dtype):
     """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias): dy cast to the backward format (with its
-    transposed copy), dgrad = dy8 @ w8, wgrad = dy8.T @ x8."""
-    qdy = (quantize_current(dy2, fmt.bwd, transpose=True) if state is None
-           else state.quantize_bwd(dy2, gemm, "grad_output", transpose=True))
+    transposed copy and, with a bias, dbias from the same read of dy), dgrad = dy8 @ w8,
+    wgrad = dy8.T @ x8."""
+    kw = dict(transpose=True, dbias_dtype=None if bias is None else bias.dtype)
+    qdy = (quantize_current(dy2, fmt.bwd, **kw) if state is None
+           else state.quantize_bwd(dy2, gemm, "grad_output", **kw))
+    qdy, db = (qdy, None) if bias is None else qdy
     dx = fp8_gemm(qdy, qw.T, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
     dw = fp8_gemm(qdy.T, qx.T, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
-    return dx, dw, _dbias(dy2, bias)
+    return dx, dw, db

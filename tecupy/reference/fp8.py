@@ -58,6 +58,14 @@ def cast_transpose(x, scale, fmt):
     return q, xp_of(q).ascontiguousarray(q.T), a
 
 
+@backends.register("cast_transpose_dbias", "reference")
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype):
+    """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
+    backward's cast of dy with its linear's bias gradient."""
+    from .linear import bias_grad
+    return cast_transpose(x, scale, fmt) + (bias_grad(x, dbias_dtype),)
+
+
 @backends.register("fp8_transpose", "reference")
 def fp8_transpose(data):
     """The transposed, contiguous copy of 2-D FP8 codes."""
