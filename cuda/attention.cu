@@ -479,20 +479,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
         bwd_dq<T, D, NW, 2>(dqb + hh * D, sm, sm + S::DS, q0, q_len, st.dq_s);
     }
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = kv_row + 8 * i;
-        if (r >= skv) continue;
-        const long long off = b * st.dk_b + r * st.dk_s + kvh * D + 2 * t;  // dv: same layout
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =
-                Mma<T>::pack(dkr[dt][2 * i], dkr[dt][2 * i + 1]);
-            *reinterpret_cast<unsigned*>(dv + off + 8 * dt) =
-                Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
-        }
-    }
+    store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
 }
 
 // dq = dq_acc in T, 4 elements per thread step (n % 4 == 0): dq_acc is rows of `width`

@@ -140,3 +140,25 @@ __device__ __forceinline__ void fwd_store(T* ob, float* lseb, const float acc[][
         if (t == 0) lseb[r] = ok ? m[i] * kLn2 + logf(li) : kInf;
     }
 }
+
+// Write dK and dV (accumulators of the thread's key rows kv_row, kv_row + 8; rows >= skv are
+// skipped) at base + row * stride (dv is laid out as dk).
+template <typename T, int D>
+__device__ __forceinline__ void store_dkv(T* dk, T* dv, const float dkr[][4],
+                                          const float dvr[][4], long long base, int kv_row,
+                                          int skv, long long stride) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = kv_row + 8 * i;
+        if (r >= skv) continue;
+        const long long off = base + r * stride + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =
+                Mma<T>::pack(dkr[dt][2 * i], dkr[dt][2 * i + 1]);
+            *reinterpret_cast<unsigned*>(dv + off + 8 * dt) =
+                Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
+        }
+    }
+}

@@ -586,17 +586,5 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                          odd ? dq[n][2] : r0, odd ? dq[n][3] : r1);
         }
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = kv_row + 8 * i;
-        if (r >= skv) continue;
-        const long long off = b * st.dk_b + r * st.dk_s + kvh * D + 2 * t;  // dv: same layout
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            *reinterpret_cast<unsigned*>(dk + off + 8 * dt) =
-                Mma<T>::pack(dkr[dt][2 * i], dkr[dt][2 * i + 1]);
-            *reinterpret_cast<unsigned*>(dv + off + 8 * dt) =
-                Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
-        }
-    }
+    store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
 }
