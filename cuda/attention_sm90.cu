@@ -174,18 +174,16 @@ __device__ __forceinline__ void fwd_produce(const TmaDesc& tq, const TmaDesc& tk
     for (int j = 0; j < n_tiles; ++j) {
         const int s = j % STAGES;
         const unsigned use = (j / STAGES - 1) & 1;  // phase of the buffer's last release
-        if (j >= STAGES) mbar_wait(base + S::KE + 8 * s, use);
-        mbar_expect_tx(base + S::KF + 8 * s, S::TILE);
 #pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::K + s * S::TILE + p * S::PANEL, tk, base + S::KF + 8 * s,
-                        64 * p, kvh, j * BN, b);
-        if (j >= STAGES) mbar_wait(base + S::VE + 8 * s, use);
-        mbar_expect_tx(base + S::VF + 8 * s, S::TILE);
+        for (int m = 0; m < 2; ++m) {  // K, then V
+            const unsigned full = base + (m ? S::VF : S::KF) + 8 * s,
+                           tile = base + (m ? S::V : S::K) + s * S::TILE;
+            if (j >= STAGES) mbar_wait(base + (m ? S::VE : S::KE) + 8 * s, use);
+            mbar_expect_tx(full, S::TILE);
 #pragma unroll
-        for (int p = 0; p < D / 64; ++p)
-            tma_load_4d(base + S::V + s * S::TILE + p * S::PANEL, tv, base + S::VF + 8 * s,
-                        64 * p, kvh, j * BN, b);
+            for (int p = 0; p < D / 64; ++p)
+                tma_load_4d(tile + p * S::PANEL, m ? tv : tk, full, 64 * p, kvh, j * BN, b);
+        }
     }
 }
 

@@ -160,6 +160,31 @@ def test_attention_reads_strided_views_in_place(rng, d, mask, p):
             np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))
 
 
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_attention_takes_size_one_dims_with_stride_zero(rng, mask):
+    """x[None] gives the batch dim stride 0 (and x[:, None] the sequence dim): the same bits
+    as contiguous copies."""
+    import cupy
+    qkv = [cupy.asarray(rng.standard_normal((150, 4, 64)).astype(tecupy.bfloat16))
+           for _ in range(4)]
+    views = [t[None] for t in qkv]
+    assert views[0].strides[0] == 0
+    dense = [cupy.ascontiguousarray(t).copy() for t in views]
+    args = (0.1, mask, None, None, 0.0, 0)
+    o, lse = backends.dispatch("attention_fwd", *views[:3], *args)
+    o_c, lse_c = backends.dispatch("attention_fwd", *dense[:3], *args)
+    np.testing.assert_array_equal(asnp(o).view(np.uint16), asnp(o_c).view(np.uint16))
+    grads = backends.dispatch("attention_bwd", views[3], *views[:3], o, lse, *args)
+    grads_c = backends.dispatch("attention_bwd", dense[3], *dense[:3], o_c, lse_c, *args)
+    for g, gc in zip(grads[1:], grads_c[1:]):  # dk, dv: deterministic
+        np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))
+    short = [t[:, None] for t in qkv[:3]]  # sequence length 1, stride 0
+    o1, _ = backends.dispatch("attention_fwd", *short, *args)
+    o1_c, _ = backends.dispatch("attention_fwd", *(cupy.ascontiguousarray(t).copy()
+                                                   for t in short), *args)
+    np.testing.assert_array_equal(asnp(o1).view(np.uint16), asnp(o1_c).view(np.uint16))
+
+
 def test_packed_qkv_gradients_need_no_concatenate(rng):
     """The layer's path: one projection [s, b, (h + 2 hk) d], reshaped and split into q, k, v.
     The backward writes dq, dk, dv as slices of one packed buffer, which the split joins

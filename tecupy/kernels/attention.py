@@ -1,6 +1,6 @@
 """CUDA fused attention: cuda/attention.cu (FlashAttention-2 scheme on mma.sync, every
-sm_80+ GPU) and, on Hopper, cuda/attention_sm90.cu (forward on TMA and wgmma, the
-FlashAttention-3 scheme).
+sm_80+ GPU) and, on Hopper, cuda/attention_sm90.cu (forward and backward on TMA and wgmma,
+the FlashAttention-3 scheme; attention dropout runs on mma.sync).
 
 attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
 (reference/attention.py). bf16/fp16, head dim 64 or 128, shapes bshd; other inputs fall
@@ -156,10 +156,12 @@ def _dropout_args(p, seed):
 
 def _tma(t, rows):
     """TMA descriptor of a bshd-shaped operand: dims (d, heads, sequence, batch), boxes of
-    64 columns x `rows` rows of one head."""
+    64 columns x `rows` rows of one head. A dim of size 1 may have stride 0 (x[None]): only
+    its index 0 is read, so it gets the head stride instead (TMA takes no zero stride)."""
     b, s, h, d = t.shape
-    return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (d * t.itemsize, t.strides[1],
-                                                        t.strides[0]), (64, 1, rows, 1))
+    head = d * t.itemsize
+    strides = [st if n > 1 else head for n, st in ((s, t.strides[1]), (b, t.strides[0]))]
+    return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (head, *strides), (64, 1, rows, 1))
 
 
 def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):

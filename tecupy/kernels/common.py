@@ -71,7 +71,6 @@ def cbool(flag):
     return "true" if flag else "false"
 
 
-
 _hopper = {}  # device id -> compute capability 9.0 (asked once: supports() runs every call)
 
 
