@@ -20,30 +20,13 @@
 // chunk c at c ^ (r % 8). wgmma reads Q and K from them as K-major operands and V (dO, Q in
 // the backward) as MN-major (transposed) B operands. Every panel starts 1024-byte aligned.
 #include "attention_common.cuh"
+#include "bulk.cuh"
 
 struct alignas(64) TmaDesc {  // a CUtensorMap, encoded on the host (NVRTC lacks the type)
     unsigned long long w[16];
 };
 
-// ---- mbarrier and TMA --------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                 "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n.reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
+// ---- TMA ------------------------------------------------------------------------------
 // box at coordinates (c0 innermost .. c3) of the tensor `d` describes -> shared `dst`;
 // completes `bytes` of the transaction on `bar`
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc& d, unsigned bar,
@@ -260,7 +243,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
             mbar_init(base + S::KE + 8 * s, 8);  // one arrival per consumer warp
             mbar_init(base + S::VE + 8 * s, 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     const int wg = threadIdx.x / 128;
@@ -352,13 +335,6 @@ __global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __r
     }
 }
 
-// 16-byte-aligned global -> shared bulk copy completing `bytes` on `bar`
-__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
 __device__ __forceinline__ float2 lds_f2(unsigned addr) {  // 8-byte aligned shared load
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
@@ -499,7 +475,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
             mbar_init(bar_q + 8 * s, 1);
             mbar_init(bar_e + 8 * s, 8);  // one arrival per consumer warp
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     const int wg = threadIdx.x / 128;

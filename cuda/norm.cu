@@ -16,6 +16,7 @@
 // block [2 hidden]; norm_bwd_reduce adds the partials up. norm_bwd_ring (the default
 // backward for 16-byte rows) streams the next rows through shared memory instead, and its
 // partials go through norm_bwd_reduce_vec.
+#include "bulk.cuh"
 #include "common.cuh"
 
 #define OWNED(k, i) \
@@ -150,6 +151,83 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
         m = warp_reduce(m, MaxOp());
         if (lane == 0 && m > 0.f) atomic_max_nonneg(amax, m);
     }
+}
+
+// Hopper: one warp per row, rows streamed through the warp's WarpRing (bulk copies; rows of
+// 16-byte multiples), so many rows per SM are loading at once whatever the row length, and
+// no row is held in registers: the warp reads its slot twice (the two moments, then y).
+// Warp w of the grid takes rows w, w + total warps, ... The launch fixes `slots` and the
+// dynamic shared memory (WarpRing::smem_bytes).
+template <typename T, int VEC, bool RMS, typename OUT>
+__global__ void __launch_bounds__(128)
+norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
+                const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
+                float* __restrict__ rsigma, long long rows, int hidden, float eps,
+                int zero_centered, const float* __restrict__ scale, float* __restrict__ amax,
+                int slots) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char smem[];
+    using V = Vec<T, VEC>;
+    const int lane = threadIdx.x & 31, n = hidden / VEC;
+    const unsigned bytes = hidden * sizeof(T);
+    const long long step = gridDim.x * (long long)(blockDim.x >> 5);
+    const long long first = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float zc = zero_centered ? 1.f : 0.f;
+    const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    WarpRing ring(smem, slots, bytes);
+    if (lane == 0)
+        for (int i = 0; i < slots && first + i * step < rows; ++i)
+            ring.fill(smem, i, x + (first + i * step) * hidden, bytes);
+    float m = 0.f;
+    for (long long row = first; row < rows; row += step) {
+        const V* v = reinterpret_cast<const V*>(ring.at(smem));
+        // both moments in one pass, shifted by the row's first element (see norm_fwd)
+        const float x0 = RMS ? 0.f : to_float(v[0].v[0]);
+        float sum = 0.f, sq = 0.f;
+#pragma unroll 4
+        for (int c = lane; c < n; c += 32) {
+            const V a = v[c];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = to_float(a.v[j]) - x0;
+                sum += d;
+                sq += d * d;
+            }
+        }
+        sum = warp_sum(sum);
+        sq = warp_sum(sq);
+        const float dmean = sum / hidden, mean = RMS ? 0.f : x0 + dmean;
+        const float var = RMS ? sq / hidden : fmaxf(sq / hidden - dmean * dmean, 0.f);
+        const float rs = rsqrtf(var + eps);
+#pragma unroll 4
+        for (int c = lane; c < n; c += 32) {
+            const V a = v[c], g = load_vec<VEC>(gamma + c * VEC);
+            V b;
+            if (!RMS) b = load_vec<VEC>(beta + c * VEC);
+            Vec<OUT, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float o = (to_float(a.v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
+                if (!RMS) o += to_float(b.v[j]);
+                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
+                out.v[j] = Out<OUT>::make(o, sc);
+            }
+            store_vec<VEC>(y + row * hidden + c * VEC, out);
+        }
+        __syncwarp();  // every lane has read the slot: refill it
+        if (lane == 0) {
+            if (row + slots * step < rows)
+                ring.fill(smem, ring.cur, x + (row + slots * step) * hidden, bytes);
+            if (!RMS) mu[row] = mean;
+            rsigma[row] = rs;
+        }
+        ring.next();
+    }
+    if (Out<OUT>::fp8) {
+        m = warp_reduce(m, MaxOp());
+        if (lane == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    }
+#endif
 }
 
 // ---- backward --------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 // entry excluded gives zeros. Backward: dx = scale y (dy - sum(dy y)).
 // Launch: one block per row, 128 threads; the row is read three times (max, sum, write):
 // the second and third reads hit L1/L2.
+#include "bulk.cuh"
 #include "common.cuh"
 
 template <bool HAS_MASK>
@@ -215,6 +216,80 @@ softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mas
             store_vec<VEC>(y + r * sk + c, out);
         }
     }
+}
+
+// Hopper: one warp per row, rows (and their mask rows) streamed through the warp's WarpRing
+// by bulk copies, so many rows per SM load at once and none is held in registers. Pass 1
+// over the slot: each lane's online (max, sum of exp2) per chunk of VEC, merged across the
+// warp; pass 2: y = exp2(v - max) / sum. Rows of x are 16-byte multiples and, with a mask,
+// sk % 16 == 0. Warp w of the grid takes rows w, w + total warps, ...
+template <typename T, int VEC, bool HAS_MASK>
+__device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const unsigned char* slot,
+                                              int c, int sk, int qi, int causal, float scale2) {
+    const Vec<T, VEC> a = reinterpret_cast<const Vec<T, VEC>*>(slot)[c];
+    Vec<unsigned char, VEC> mk;
+    if (HAS_MASK) mk = reinterpret_cast<const Vec<unsigned char, VEC>*>(slot + sk * sizeof(T))[c];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const bool keep = !(causal && c * VEC + j > qi) && !(HAS_MASK && mk.v[j]);
+        v[j] = keep ? scale2 * to_float(a.v[j]) : -kInf;
+    }
+}
+
+template <typename T, int VEC, bool HAS_MASK>
+__global__ void __launch_bounds__(128)
+softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ mask,
+                   T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal,
+                   int slots) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int lane = threadIdx.x & 31, n = sk / VEC;
+    const unsigned xbytes = sk * sizeof(T), mbytes = HAS_MASK ? sk : 0;
+    const long long step = gridDim.x * (long long)(blockDim.x >> 5);
+    const long long first = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const float scale2 = scale * 1.4426950408889634f;  // log2(e): exp(a) = exp2(a log2 e)
+    WarpRing ring(smem, slots, xbytes + mbytes);
+    if (lane == 0)
+        for (int i = 0; i < slots && first + i * step < rows; ++i) {
+            const long long r = first + i * step;
+            ring.fill(smem, i, x + r * sk, xbytes, mask + r * mbytes, mbytes);
+        }
+    for (long long r = first; r < rows; r += step) {
+        const unsigned char* slot = ring.at(smem);
+        const int qi = (int)(r % sq);
+        float2 ms = make_float2(-kInf, 0.f);  // this lane's (max, sum of exp2(v - max))
+#pragma unroll 2
+        for (int c = lane; c < n; c += 32) {
+            float v[VEC], cm = -kInf, cs = 0.f;
+            softmax_chunk<T, VEC, HAS_MASK>(v, slot, c, sk, qi, causal, scale2);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) cm = fmaxf(cm, v[j]);
+            if (cm == -kInf) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) cs += exp2f(v[j] - cm);
+            ms = merge_max_sum(ms, make_float2(cm, cs));
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            ms = merge_max_sum(ms, make_float2(__shfl_xor_sync(0xffffffffu, ms.x, o),
+                                               __shfl_xor_sync(0xffffffffu, ms.y, o)));
+        // a row with nothing kept becomes zeros: exp2(-inf - 0) = 0
+        const float mx = ms.x == -kInf ? 0.f : ms.x, inv = ms.y > 0.f ? 1.f / ms.y : 0.f;
+#pragma unroll 2
+        for (int c = lane; c < n; c += 32) {
+            float v[VEC];
+            softmax_chunk<T, VEC, HAS_MASK>(v, slot, c, sk, qi, causal, scale2);
+            Vec<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(exp2f(v[j] - mx) * inv);
+            store_vec<VEC>(y + r * sk + c * VEC, out);
+        }
+        __syncwarp();  // every lane has read the slot: refill it
+        const long long ahead = r + slots * step;
+        if (lane == 0 && ahead < rows)
+            ring.fill(smem, ring.cur, x + ahead * sk, xbytes, mask + ahead * mbytes, mbytes);
+        ring.next();
+    }
+#endif
 }
 
 // dx = scale y (dy - sum(dy y)), dy and y held in registers: each read once.

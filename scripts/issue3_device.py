@@ -144,10 +144,10 @@ def make_softmax_bwd(rows, cols, rng):
     return (dy, y, 0.125), lambda got: rel_err(got, want)
 
 
-# The norm forward and cast_transpose have one kernel choice left (PERFLOG.md, session 3):
-# attribute None, timed as they are.
-OPS = [("layernorm_fwd", nk, None, ("base",), make_norm_fwd(False), 4, "norm"),
-       ("rmsnorm_fwd", nk, None, ("base",), make_norm_fwd(True), 4, "norm"),
+# cast_transpose has one kernel choice left (PERFLOG.md, session 3): attribute None, timed
+# as it is.
+OPS = [("layernorm_fwd", nk, "FWD_VARIANT", nk.FWD_VARIANTS, make_norm_fwd(False), 4, "norm"),
+       ("rmsnorm_fwd", nk, "FWD_VARIANT", nk.FWD_VARIANTS, make_norm_fwd(True), 4, "norm"),
        ("layernorm_bwd", nk, "BWD_VARIANT", nk.BWD_VARIANTS, make_norm_bwd(False), 6, "norm"),
        ("rmsnorm_bwd", nk, "BWD_VARIANT", nk.BWD_VARIANTS, make_norm_bwd(True), 6, "norm"),
        ("cast_transpose", ck, None, ("tiled1",), make_cast_transpose, 4, "cast_transpose"),

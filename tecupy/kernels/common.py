@@ -61,6 +61,41 @@ def balanced_grid(units, per_sm):
     return int(max(1, -(-units // max(per, 1))))
 
 
+# Per-warp rings of rows (WarpRing in cuda/bulk.cuh), blocks of 4 warps: per SM the rings
+# take at most RING_SMEM bytes, with the most warps (of RING_WARPS per SM) that still get
+# 2+ slots each, at most RING_MAX_SLOTS.
+RING_SMEM = 200 << 10
+RING_WARPS = (16, 8, 4)
+RING_MAX_SLOTS = 8
+
+
+def ring_plan(row_bytes):
+    """(blocks of 4 warps per SM, slots per warp, dynamic shared bytes per block) for
+    streaming rows of `row_bytes` through WarpRings, or None when 2 slots do not fit."""
+    for warps in RING_WARPS:
+        slots = min(RING_MAX_SLOTS, RING_SMEM // (warps * row_bytes))
+        if slots >= 2:
+            return warps // 4, slots, ((8 * 4 * slots + 127) & ~127) + 4 * slots * row_bytes
+    return None
+
+
+def ring_launch(k, rows, row_bytes):
+    """(launch(grid, block, args, shared_mem) appending the slot count, grid, 128 threads,
+    shared bytes) for a kernel `k` (loader function) whose warps stream rows through
+    WarpRings, or None (see ring_plan)."""
+    plan = ring_plan(row_bytes)
+    if plan is None:
+        return None
+    per_sm, slots, smem = plan
+    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
+    per_sm = min(per_sm, resident_blocks(k, 128, smem))
+
+    def run(grid, block, args, shared_mem):
+        k(grid, block, args + (np.int32(slots),), shared_mem=shared_mem)
+    return run, balanced_grid(-(-rows // 4), per_sm), 128, smem
+
+
 def vec_width(dtype, n):
     """Elements per 16-byte access when every row of length n stays 16-byte aligned, else 1."""
     v = 16 // np.dtype(dtype).itemsize

@@ -6,8 +6,8 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, balanced_grid, cbool, resident_blocks,
-                     sm_count, vec_width)
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, balanced_grid, cbool, hopper,
+                     resident_blocks, ring_launch, ring_plan, sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -40,6 +40,15 @@ _RING_VECS = {t: v[1] for t, v in _VECS.items()}  # 16-byte vectors only
 loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_VECS.items()
                       for c, r in itertools.product((1, 2), _BOOLS)]
                + [f"norm_bwd_reduce_vec<{t}>" for t in _VECS])
+
+# Forward variants: "warp" (a warp per row from registers, or a block per row for long
+# rows); "stream" (Hopper, rows of 16-byte vectors: norm_fwd_stream, rows streamed through
+# per-warp rings of shared memory by bulk copies, common.ring_launch; other cases take
+# "warp").
+FWD_VARIANTS = ("warp", "stream")
+FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
+loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}>" for t, v in _RING_VECS.items()
+                      for r in _BOOLS for o in _outs(t, v)])
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
@@ -101,6 +110,9 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
 def _fwd_launch(rows, hidden, vec, types):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
+    stream = _stream_launch(rows, hidden, vec, types)
+    if stream:
+        return stream
     threads, chunks = _shape(hidden, vec)
     wchunks = -(-hidden // (32 * vec))
     if FWD_WARP and wchunks <= WARP_CHUNKS[-1]:
@@ -110,6 +122,15 @@ def _fwd_launch(rows, hidden, vec, types):
         return k, _grid(groups, 128, FWD_THREADS_PER_SM), 128, 0
     k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
     return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
+
+
+def _stream_launch(rows, hidden, vec, types):
+    """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
+    not apply (not Hopper, rows not of 16-byte vectors, a row too long for 2 slots)."""
+    if not (FWD_VARIANT == "stream" and vec > 1 and hopper() and ring_plan(hidden * 16 // vec)):
+        return None
+    k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + ">")
+    return ring_launch(k, rows, hidden * 16 // vec)
 
 
 def _outputs(y, mu, rsigma, shape, rms):

@@ -4,8 +4,8 @@ import os
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, LOW_PRECISION, balanced_grid, cbool, grid_1d, on_gpu_low_precision,
-                     resident_blocks, vec_width)
+from .common import (CTYPE, LOW_PRECISION, balanced_grid, cbool, grid_1d, hopper,
+                     on_gpu_low_precision, resident_blocks, ring_launch, ring_plan, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -14,11 +14,13 @@ WARP_CHUNKS = (1, 2, 4, 8, 16)
 # Variants (scripts/issue3_device.py times them; PERFLOG.md): "base" is the session-1 choice
 # (warp per row, else block per row reading the row 3 times); "blockC": softmax_{fwd,bwd}_block
 # with C chunks per thread (sk = 4096 bf16: 512 / C threads), for 16-byte rows of at most
-# 512 C VEC entries (other rows take the base kernels).
-FWD_VARIANTS = {"base": 0, "block4": 4}
+# 512 C VEC entries (other rows take the base kernels). "stream" (forward, Hopper):
+# softmax_fwd_stream, rows streamed through per-warp rings of shared memory by bulk copies
+# (common.ring_launch), for 16-byte rows (with a mask: sk % 16 == 0); other rows take block4.
+FWD_VARIANTS = {"base": 0, "block4": 4, "stream": 4}
 BWD_VARIANTS = {"base": 0, "block2": 2}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
-FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "block4")
+FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "stream")
 BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
@@ -27,9 +29,11 @@ loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false"
                + [f"softmax_bwd_warp<{t}, {_VECS[t]}, {c}>" for t in _TYPES
                   for c in WARP_CHUNKS[:-1]]
                + [f"softmax_fwd_block<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
-                  for c in FWD_VARIANTS.values() if c for m in ("false", "true")]
+                  for c in set(FWD_VARIANTS.values()) if c for m in ("false", "true")]
                + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
-                  for c in BWD_VARIANTS.values() if c])
+                  for c in BWD_VARIANTS.values() if c]
+               + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}>" for t in _TYPES
+                  for m in ("false", "true")])
 
 
 def _block_shape(dtype, sk, chunks):
@@ -60,6 +64,19 @@ def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
     return vec, next(c for c in WARP_CHUNKS if c >= need)
 
 
+def _stream_launch(dtype, sk, rows, has_mask):
+    """The launch of softmax_fwd_stream (common.ring_launch), or None where it does not
+    apply (not the variant, not Hopper, rows not of 16-byte vectors, a mask row not of
+    16-byte multiples, a row too long for 2 slots)."""
+    vec = vec_width(dtype, sk)
+    row_bytes = sk * np.dtype(dtype).itemsize + (sk if has_mask else 0)
+    if not (FWD_VARIANT == "stream" and vec > 1 and (sk % 16 == 0 or not has_mask)
+            and hopper() and ring_plan(row_bytes)):
+        return None
+    k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, {cbool(has_mask)}>")
+    return ring_launch(k, rows, row_bytes)
+
+
 def supported(x, *args):
     return on_gpu_low_precision(x) and x.ndim >= 1 and x.shape[-1] < 2**31
 
@@ -75,6 +92,12 @@ def softmax_fwd(x, scale, mask, causal):
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
+    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None)
+    if stream:
+        k, grid, threads, smem = stream
+        k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
+          np.float32(scale), np.int32(causal)), shared_mem=smem)
+        return y
     block = rows and sk and _block_launch("softmax_fwd_block", x.dtype, sk, rows,
                                           FWD_VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
     if block:

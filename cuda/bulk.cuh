@@ -1,0 +1,87 @@
+// bulk.cuh — Hopper (sm_90) asynchronous copies into shared memory that complete on
+// mbarriers (attention_sm90.cu), and WarpRing, a warp's ring of rows streamed in by them
+// (the memory-bound row kernels of norm.cu and softmax.cu). Use inside
+// `#if __CUDA_ARCH__ >= 900` or in Hopper-only files.
+#pragma once
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+// Make this thread's mbarrier initializations visible to the async proxy (the copies).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// 16-byte-aligned global -> shared bulk copy (bytes % 16 == 0) completing `bytes` on `bar`
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// A warp's ring of `slots` slots of `bytes` bytes each, inside the block's dynamic shared
+// memory `smem`: first one mbarrier per slot of every warp (padded to 128 bytes), then
+// warp w's slots at [w * slots, (w + 1) * slots). A slot holds one row (of one or two
+// tensors, back to back), filled by bulk copies that lane 0 issues. The warp waits for its
+// current slot, reads it, and only then refills it with a later row, so slots - 1 rows per
+// warp are loading while it works: bytes in flight cost shared memory, not registers.
+// Call order per row: at() ... reads ... __syncwarp(); lane 0: fill(cur, ...); next().
+struct WarpRing {
+    unsigned bar;     // shared address of this warp's first mbarrier
+    unsigned offset;  // byte offset of this warp's first slot in smem
+    unsigned bytes;
+    int slots, cur = 0;
+    unsigned parity = 0;
+
+    __device__ WarpRing(unsigned char* smem, int slots_, unsigned bytes_)
+        : slots(slots_), bytes(bytes_) {
+        const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+        bar = smem_addr(smem) + 8 * warp * slots;
+        offset = ((8 * warps * slots + 127) & ~127) + warp * slots * bytes;
+        if ((threadIdx.x & 31) == 0) {
+            for (int i = 0; i < slots; ++i) mbar_init(bar + 8 * i, 1);
+            mbar_init_fence();
+        }
+        __syncwarp();
+    }
+    // Shared bytes a block of `warps` warps needs.
+    __host__ __device__ static unsigned smem_bytes(int warps, int slots, unsigned bytes) {
+        return ((8 * warps * slots + 127) & ~127) + warps * slots * bytes;
+    }
+    // Lane 0 only: load n1 bytes from a (and n2 bytes from b after them) into slot i.
+    __device__ void fill(unsigned char* smem, int i, const void* a, unsigned n1,
+                         const void* b = nullptr, unsigned n2 = 0) const {
+        const unsigned mb = bar + 8 * i, dst = smem_addr(smem) + offset + i * bytes;
+        mbar_expect_tx(mb, n1 + n2);
+        bulk_load(dst, a, n1, mb);
+        if (n2) bulk_load(dst + n1, b, n2, mb);
+    }
+    // Wait until the current slot is filled; its bytes.
+    __device__ const unsigned char* at(const unsigned char* smem) const {
+        mbar_wait(bar + 8 * cur, parity);
+        return smem + offset + cur * bytes;
+    }
+    __device__ void next() {
+        if (++cur == slots) cur = 0, parity ^= 1;
+    }
+};
