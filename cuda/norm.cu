@@ -156,10 +156,11 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // Hopper: one warp per row, rows streamed through the warp's WarpRing (bulk copies; rows of
 // 16-byte multiples), so many rows per SM are loading at once whatever the row length, and
 // no row is held in registers: the warp reads its slot twice (the two moments, then y).
-// Warp w of the grid takes rows w, w + total warps, ... The launch fixes `slots` and the
-// dynamic shared memory (WarpRing::smem_bytes).
+// gamma and beta are copied once per block into shared memory after the rings (L1 loads of
+// them per row stalled every warp). Warp w of the grid takes rows w, w + total warps, ...
+// The launch fixes `slots` and the dynamic shared memory (ring, then gamma, beta).
 template <typename T, int VEC, bool RMS, typename OUT>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(256)
 norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
                 float* __restrict__ rsigma, long long rows, int hidden, float eps,
@@ -178,6 +179,12 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     if (lane == 0)
         for (int i = 0; i < slots && first + i * step < rows; ++i)
             ring.fill(smem, i, x + (first + i * step) * hidden, bytes);
+    V* gb = reinterpret_cast<V*>(smem + WarpRing::smem_bytes(blockDim.x >> 5, slots, bytes));
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        gb[c] = load_vec<VEC>(gamma + c * VEC);
+        if (!RMS) gb[n + c] = load_vec<VEC>(beta + c * VEC);
+    }
+    __syncthreads();
     float m = 0.f;
     for (long long row = first; row < rows; row += step) {
         const V* v = reinterpret_cast<const V*>(ring.at(smem));
@@ -187,12 +194,15 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
 #pragma unroll 4
         for (int c = lane; c < n; c += 32) {
             const V a = v[c];
+            float cs = 0.f, cq = 0.f;  // per chunk first: a lane's running sums stay short
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(a.v[j]) - x0;
-                sum += d;
-                sq += d * d;
+                cs += d;
+                cq += d * d;
             }
+            sum += cs;
+            sq += cq;
         }
         sum = warp_sum(sum);
         sq = warp_sum(sq);
@@ -201,9 +211,9 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         const float rs = rsqrtf(var + eps);
 #pragma unroll 4
         for (int c = lane; c < n; c += 32) {
-            const V a = v[c], g = load_vec<VEC>(gamma + c * VEC);
+            const V a = v[c], g = gb[c];
             V b;
-            if (!RMS) b = load_vec<VEC>(beta + c * VEC);
+            if (!RMS) b = gb[n + c];
             Vec<OUT, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {

@@ -99,7 +99,8 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     types = f"{CTYPE[x.dtype]}, {vec_width(x.dtype, hidden)}, {{}}, {cbool(rms)}, " + (
         FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
     if rows:
-        k, grid, threads, smem = _fwd_launch(rows, hidden, vec_width(x.dtype, hidden), types)
+        k, grid, threads, smem = _fwd_launch(rows, hidden, vec_width(x.dtype, hidden), types,
+                                             rms)
         k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
           np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
           amax if scale is None else scale, amax), shared_mem=smem)
@@ -107,10 +108,10 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     return out + (amax,) if fmt else out
 
 
-def _fwd_launch(rows, hidden, vec, types):
+def _fwd_launch(rows, hidden, vec, types, rms):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
-    stream = _stream_launch(rows, hidden, vec, types)
+    stream = _stream_launch(rows, hidden, vec, types, rms)
     if stream:
         return stream
     threads, chunks = _shape(hidden, vec)
@@ -124,13 +125,15 @@ def _fwd_launch(rows, hidden, vec, types):
     return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
 
 
-def _stream_launch(rows, hidden, vec, types):
+def _stream_launch(rows, hidden, vec, types, rms):
     """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
     not apply (not Hopper, rows not of 16-byte vectors, a row too long for 2 slots)."""
-    if not (FWD_VARIANT == "stream" and vec > 1 and hopper() and ring_plan(hidden * 16 // vec)):
+    row_bytes = hidden * 16 // vec
+    extra = row_bytes * (1 if rms else 2)  # copies of gamma (and beta)
+    if not (FWD_VARIANT == "stream" and vec > 1 and hopper() and ring_plan(row_bytes, extra)):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + ">")
-    return ring_launch(k, rows, hidden * 16 // vec)
+    return ring_launch(k, rows, row_bytes, extra)
 
 
 def _outputs(y, mu, rsigma, shape, rms):
