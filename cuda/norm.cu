@@ -156,9 +156,11 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // Hopper: one warp per row, rows streamed through the warp's WarpRing (bulk copies; rows of
 // 16-byte multiples), so many rows per SM are loading at once whatever the row length, and
 // no row is held in registers: the warp reads its slot twice (the two moments, then y).
-// gamma and beta are copied once per block into shared memory after the rings (L1 loads of
-// them per row stalled every warp). Warp w of the grid takes rows w, w + total warps, ...
-// The launch fixes `slots` and the dynamic shared memory (ring, then gamma, beta).
+// gamma + (1 if zero-centered) and beta are copied once per block, as float, into shared
+// memory after the rings: L1 loads of them per row stalled every warp, and converting them
+// per row cost more instructions than the norm itself. Warp w of the grid takes rows w,
+// w + total warps, ... The launch fixes `slots` and the dynamic shared memory (ring, then
+// hidden floats of gamma, and of beta for LayerNorm).
 template <typename T, int VEC, bool RMS, typename OUT>
 __global__ void __launch_bounds__(256)
 norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
@@ -179,10 +181,17 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     if (lane == 0)
         for (int i = 0; i < slots && first + i * step < rows; ++i)
             ring.fill(smem, i, x + (first + i * step) * hidden, bytes);
-    V* gb = reinterpret_cast<V*>(smem + WarpRing::smem_bytes(blockDim.x >> 5, slots, bytes));
+    using F = Vec<float, VEC>;
+    F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(blockDim.x >> 5, slots, bytes));
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        gb[c] = load_vec<VEC>(gamma + c * VEC);
-        if (!RMS) gb[n + c] = load_vec<VEC>(beta + c * VEC);
+        const V g = load_vec<VEC>(gamma + c * VEC);
+        V b;
+        if (!RMS) b = load_vec<VEC>(beta + c * VEC);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            gb[c].v[j] = to_float(g.v[j]) + zc;
+            if (!RMS) gb[n + c].v[j] = to_float(b.v[j]);
+        }
     }
     __syncthreads();
     float m = 0.f;
@@ -211,14 +220,15 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         const float rs = rsqrtf(var + eps);
 #pragma unroll 4
         for (int c = lane; c < n; c += 32) {
-            const V a = v[c], g = gb[c];
-            V b;
+            const V a = v[c];
+            const F g = gb[c];
+            F b;
             if (!RMS) b = gb[n + c];
             Vec<OUT, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                float o = (to_float(a.v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
-                if (!RMS) o += to_float(b.v[j]);
+                const float xh = (to_float(a.v[j]) - mean) * rs;
+                const float o = RMS ? xh * g.v[j] : fmaf(xh, g.v[j], b.v[j]);
                 if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
                 out.v[j] = Out<OUT>::make(o, sc);
             }

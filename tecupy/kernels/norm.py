@@ -131,7 +131,7 @@ def _stream_launch(rows, hidden, vec, types, rms):
     """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
     not apply (not Hopper, rows not of 16-byte vectors, a row too long for 2 slots)."""
     row_bytes = hidden * 16 // vec
-    extra = row_bytes * (1 if rms else 2)  # copies of gamma (and beta)
+    extra = 4 * hidden * (1 if rms else 2)  # float copies of gamma (and beta)
     if not (FWD_VARIANT == "stream" and vec > 1 and hopper() and ring_plan(row_bytes, extra)):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + ">")
