@@ -21,12 +21,19 @@ __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ s
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i);
         Vec<unsigned char, VEC> out;
+        float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float v = to_float(a.v[j]);
-            m = fmaxf(m, fabsf(v));
-            out.v[j] = F8(v * s).__x;
+            v[j] = to_float(a.v[j]);
+            m = fmaxf(m, fabsf(v[j]));
         }
+#pragma unroll
+        for (int j = 0; j + 1 < VEC; j += 2) {  // one conversion per pair (fp8x2)
+            const unsigned p = fp8x2<F8>(v[j] * s, v[j + 1] * s);
+            out.v[j] = p & 0xff;
+            out.v[j + 1] = p >> 8;
+        }
+        if (VEC % 2) out.v[VEC - 1] = F8(v[VEC - 1] * s).__x;
         store_vec<VEC>(q + i, out);
     }
     m = block_max(m);
@@ -92,22 +99,30 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
     for (int g = 0; g < G; ++g) {
         const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
         if (r >= rows || c >= cols) continue;
-        unsigned word[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // word[j]: column c + j, 4 rows
+        unsigned pair[4][4];  // pair[i][k]: codes of row i, columns c + 2k, c + 2k + 1
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            Vec<unsigned char, 8> out;
+            float f[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float f = to_float(in[g][i].v[j]);
-                m = fmaxf(m, fabsf(f));
-                if (DBIAS) cs[j] += f;
-                out.v[j] = F8(f * s).__x;
-                word[j] |= (unsigned)out.v[j] << (8 * i);
+                f[j] = to_float(in[g][i].v[j]);
+                m = fmaxf(m, fabsf(f[j]));
+                if (DBIAS) cs[j] += f[j];
             }
-            store_vec<8>(q + (long long)(r + i) * cols + c, out);
-        }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) tt[tt_word<G>(8 * b + j, 32 * g + a)] = word[j];
+            for (int k = 0; k < 4; ++k) pair[i][k] = fp8x2<F8>(f[2 * k] * s, f[2 * k + 1] * s);
+            *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
+                make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
+                           __byte_perm(pair[i][2], pair[i][3], 0x5410));
+        }
+        // word of column c + j: its 4 row bytes (a 4 x 4 byte transpose by byte permutes)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned r01 = __byte_perm(pair[0][k], pair[1][k], 0x5410);
+            const unsigned r23 = __byte_perm(pair[2][k], pair[3][k], 0x5410);
+            tt[tt_word<G>(8 * b + 2 * k, 32 * g + a)] = __byte_perm(r01, r23, 0x6420);
+            tt[tt_word<G>(8 * b + 2 * k + 1, 32 * g + a)] = __byte_perm(r01, r23, 0x7531);
+        }
     }
     if (DBIAS) {  // lanes with the same b (columns) differ in a by lane / 8
 #pragma unroll

@@ -37,6 +37,16 @@ template <> struct Out<__nv_fp8_e5m2> {
     __device__ static __nv_fp8_e5m2 make(float v, float s) { return __nv_fp8_e5m2(v * s); }
 };
 
+// FP8 codes of a and b (a in the low byte) from one conversion instruction on sm_89+
+// (cvt ... e4m3x2 / e5m2x2), where F8(v).__x takes one per element; the same rounding and
+// saturation (__NV_SATFINITE) as F8(float).
+template <typename F8> struct Fp8Kind;
+template <> struct Fp8Kind<__nv_fp8_e4m3> { static constexpr auto value = __NV_E4M3; };
+template <> struct Fp8Kind<__nv_fp8_e5m2> { static constexpr auto value = __NV_E5M2; };
+template <typename F8> __device__ __forceinline__ unsigned fp8x2(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Fp8Kind<F8>::value);
+}
+
 // ---- reductions --------------------------------------------------------------------------
 // fmaxf ignores NaN, which is Transformer Engine's amax rule.
 struct MaxOp {
