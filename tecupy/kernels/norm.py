@@ -45,8 +45,12 @@ loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_
 # rows); "stream" (Hopper, rows of 16-byte vectors: norm_fwd_stream, rows streamed through
 # per-warp rings of shared memory by bulk copies, common.ring_launch; other cases take
 # "warp").
+# "stream" takes rows of at least STREAM_MIN_ROW_BYTES: shorter rows fit the warp kernel's
+# registers with many warps per SM, which measured faster (H200, PERFLOG.md: 1024 bf16
+# 93% of copy against 65%; 4096: 74% against 72%, with an FP8 output 57% against 50%).
 FWD_VARIANTS = ("warp", "stream")
 FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
+STREAM_MIN_ROW_BYTES = 4096
 loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}>" for t, v in _RING_VECS.items()
                       for r in _BOOLS for o in _outs(t, v)])
 
@@ -129,10 +133,11 @@ def _fwd_launch(rows, hidden, vec, types, rms):
 
 def _stream_launch(rows, hidden, vec, types, rms):
     """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
-    not apply (not Hopper, rows not of 16-byte vectors, a row too long for 2 slots)."""
+    not apply (not Hopper, rows not of 16-byte vectors, too short, too long for 2 slots)."""
     row_bytes = hidden * 16 // vec
     extra = 4 * hidden * (1 if rms else 2)  # float copies of gamma (and beta)
-    if not (FWD_VARIANT == "stream" and vec > 1 and hopper() and ring_plan(row_bytes, extra)):
+    if not (FWD_VARIANT == "stream" and vec > 1 and row_bytes >= STREAM_MIN_ROW_BYTES
+            and hopper() and ring_plan(row_bytes, extra)):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + ">")
     return ring_launch(k, rows, row_bytes, extra)
