@@ -418,11 +418,19 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     const int tensor_size = CHUNKS * blockDim.x;
     const float zc = zero_centered ? 1.f : 0.f;
     const long long step = gridDim.x;
-    float dg[CHUNKS][VEC], db[CHUNKS][VEC];
+    // dgamma/dbeta sums, and gamma (+1) of this thread's columns as float: read once, not
+    // loaded and converted per row
+    float dg[CHUNKS][VEC], db[CHUNKS][VEC], gz[CHUNKS][VEC];
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k)
+    OWNED(k, i) {
+        Vec<T, VEC> gv;
+        if (i < hidden) gv = load_vec<VEC>(gamma + i);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dg[k][j] = db[k][j] = 0.f;
+        for (int j = 0; j < VEC; ++j) {
+            dg[k][j] = db[k][j] = 0.f;
+            gz[k][j] = i < hidden ? to_float(gv.v[j]) + zc : 0.f;
+        }
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const long long r = blockIdx.x + s * step;
@@ -447,12 +455,11 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat xhat
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
-            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float dyf = to_float(cd[k].v[j]);
                 const float xh = (to_float(cx[k].v[j]) - m) * rs;
-                const float dxh = dyf * (to_float(gv.v[j]) + zc);
+                const float dxh = dyf * gz[k][j];
                 s1 += dxh;
                 s2 += dxh * xh;
                 dg[k][j] += dyf * xh;
@@ -463,12 +470,11 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
-            const Vec<T, VEC> gv = load_vec<VEC>(gamma + i);
             Vec<T, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float xh = (to_float(cx[k].v[j]) - m) * rs;
-                const float dxh = to_float(cd[k].v[j]) * (to_float(gv.v[j]) + zc);
+                const float dxh = to_float(cd[k].v[j]) * gz[k][j];
                 out.v[j] = from_float<T>(rs * (dxh - mean1 - xh * mean2));
             }
             store_vec<VEC>(dx + row * hidden + i, out);
