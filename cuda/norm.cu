@@ -153,16 +153,18 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
     }
 }
 
-// Hopper: one warp per row, rows streamed through the warp's WarpRing (bulk copies; rows of
-// 16-byte multiples), so many rows per SM are loading at once whatever the row length, and
-// no row is held in registers: the warp reads its slot twice (the two moments, then y).
-// gamma + (1 if zero-centered) and beta are copied once per block, as float, into shared
-// memory after the rings: L1 loads of them per row stalled every warp, and converting them
-// per row cost more instructions than the norm itself. Warp w of the grid takes rows w,
-// w + total warps, ... The launch fixes `slots` and the dynamic shared memory (ring, then
-// hidden floats of gamma, and of beta for LayerNorm).
-template <typename T, int VEC, bool RMS, typename OUT>
-__global__ void __launch_bounds__(256)
+// Hopper: G warps per row (a "group"), rows streamed through per-warp WarpRings by bulk
+// copies (rows of 16-byte multiples), so many rows per SM are loading at once whatever the
+// row length, and no row is held in registers: a warp reads its slot twice (the moments,
+// then y). Warp m of a group owns the contiguous chunks [m per, (m + 1) per) of every row
+// (per = ceil(chunks / G)) and streams only those; the group meets once per row, to merge
+// its moments through shared memory (named barrier 1 + group). gamma + (1 if zero-centered)
+// and beta are copied once per block, as float, into shared memory after the rings: L1
+// loads of them per row stalled every warp, and converting them per row cost more
+// instructions than the norm itself. Group i of the grid takes rows i, i + groups, ...
+// The launch fixes `slots` and the dynamic shared memory (rings, gamma, beta, scratch).
+template <typename T, int VEC, bool RMS, typename OUT, int G>
+__global__ void __launch_bounds__(512)
 norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
                 float* __restrict__ rsigma, long long rows, int hidden, float eps,
@@ -171,18 +173,22 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     using V = Vec<T, VEC>;
-    const int lane = threadIdx.x & 31, n = hidden / VEC;
-    const unsigned bytes = hidden * sizeof(T);
-    const long long step = gridDim.x * (long long)(blockDim.x >> 5);
-    const long long first = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    using F = Vec<float, VEC>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int member = warp % G, group = warp / G, n = hidden / VEC;
+    const int per = (n + G - 1) / G, lo = min(n, member * per), cnt = min(n, lo + per) - lo;
+    const unsigned bytes = per * sizeof(V);  // slot size: the largest portion
+    const long long step = gridDim.x * (long long)(warps / G);
+    const long long first = blockIdx.x * (long long)(warps / G) + group;
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
     WarpRing ring(smem, slots, bytes);
-    if (lane == 0)
+    const T* src = x + lo * VEC;  // this warp's portion of row 0
+    if (lane == 0 && cnt > 0)
         for (int i = 0; i < slots && first + i * step < rows; ++i)
-            ring.fill(smem, i, x + (first + i * step) * hidden, bytes);
-    using F = Vec<float, VEC>;
-    F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(blockDim.x >> 5, slots, bytes));
+            ring.fill(smem, i, src + (first + i * step) * hidden, cnt * sizeof(V));
+    F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(warps, slots, bytes));
+    float4* scratch = reinterpret_cast<float4*>(gb + (RMS ? n : 2 * n));  // [2][warps]
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const V g = load_vec<VEC>(gamma + c * VEC);
         V b;
@@ -195,15 +201,19 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     }
     __syncthreads();
     float m = 0.f;
-    for (long long row = first; row < rows; row += step) {
-        const V* v = reinterpret_cast<const V*>(ring.at(smem));
-        // both moments in one pass, shifted by the row's first element (see norm_fwd)
-        const float x0 = RMS ? 0.f : to_float(v[0].v[0]);
+    int parity = 0;
+    for (long long row = first; row < rows; row += step, parity ^= 1) {
+        // v[c] for the chunks c of this warp's portion (a warp with none never waits)
+        const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
+        // this warp's moments, shifted by its portion's first element (any value near the
+        // mean keeps E[d^2] - E[d]^2 free of cancellation); chunk sums first, so a lane's
+        // running sums stay short
+        const float x0 = (RMS || cnt == 0) ? 0.f : to_float(v[lo].v[0]);
         float sum = 0.f, sq = 0.f;
 #pragma unroll 4
-        for (int c = lane; c < n; c += 32) {
+        for (int c = lo + lane; c < lo + cnt; c += 32) {
             const V a = v[c];
-            float cs = 0.f, cq = 0.f;  // per chunk first: a lane's running sums stay short
+            float cs = 0.f, cq = 0.f;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(a.v[j]) - x0;
@@ -215,11 +225,32 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         }
         sum = warp_sum(sum);
         sq = warp_sum(sq);
-        const float dmean = sum / hidden, mean = RMS ? 0.f : x0 + dmean;
-        const float var = RMS ? sq / hidden : fmaxf(sq / hidden - dmean * dmean, 0.f);
+        float mean, var;
+        if (G == 1) {
+            const float dmean = sum / hidden;
+            mean = RMS ? 0.f : x0 + dmean;
+            var = RMS ? sq / hidden : fmaxf(sq / hidden - dmean * dmean, 0.f);
+        } else {  // merge the warps' (count, mean, M2) (Chan et al.), or sums of squares
+            const float k = (float)(cnt * VEC), wm = cnt ? sum / k : 0.f;
+            if (lane == 0)
+                scratch[parity * warps + warp] = make_float4(k, x0 + wm, sq - sum * wm, sq);
+            asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(32 * G) : "memory");
+            const float4* p = scratch + parity * warps + group * G;
+            float tm = 0.f, m2 = 0.f, ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < G; ++i) tm += p[i].x * p[i].y, ss += p[i].w;
+            tm /= hidden;
+#pragma unroll
+            for (int i = 0; i < G; ++i) {
+                const float d = p[i].y - tm;
+                m2 += p[i].z + p[i].x * d * d;
+            }
+            mean = RMS ? 0.f : tm;
+            var = RMS ? ss / hidden : fmaxf(m2 / hidden, 0.f);
+        }
         const float rs = rsqrtf(var + eps);
 #pragma unroll 4
-        for (int c = lane; c < n; c += 32) {
+        for (int c = lo + lane; c < lo + cnt; c += 32) {
             const V a = v[c];
             const F g = gb[c];
             F b;
@@ -236,12 +267,14 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
-            if (row + slots * step < rows)
-                ring.fill(smem, ring.cur, x + (row + slots * step) * hidden, bytes);
-            if (!RMS) mu[row] = mean;
-            rsigma[row] = rs;
+            if (row + slots * step < rows && cnt > 0)
+                ring.fill(smem, ring.cur, src + (row + slots * step) * hidden, cnt * sizeof(V));
+            if (member == 0) {
+                if (!RMS) mu[row] = mean;
+                rsigma[row] = rs;
+            }
         }
-        ring.next();
+        if (cnt) ring.next();
     }
     if (Out<OUT>::fp8) {
         m = warp_reduce(m, MaxOp());

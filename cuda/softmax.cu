@@ -237,7 +237,7 @@ __device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const unsigned ch
 }
 
 template <typename T, int VEC, bool HAS_MASK>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(512)
 softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                    T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal,
                    int slots) {

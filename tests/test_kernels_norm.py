@@ -94,7 +94,8 @@ def test_norm_bwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
 @pytest.mark.parametrize("variant", norm_kernels.FWD_VARIANTS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(2, 40), (300, 8192), (40001, 64), (1000, 3000)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 40), (300, 8192), (40001, 64), (1000, 3000), (77, 2048)],
+                         ids=str)
 def test_norm_fwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
     """Every forward variant, the stream kernel on short rows too; (40001, 64) has more rows
     than its rings hold, so each warp's ring wraps around several times (mbarrier phases

@@ -61,42 +61,47 @@ def balanced_grid(units, per_sm):
     return int(max(1, -(-units // max(per, 1))))
 
 
-# Per-warp rings of rows (WarpRing in cuda/bulk.cuh), blocks of 8 warps: per SM the rings
-# (and `extra` bytes per block) take at most RING_SMEM bytes, with the most warps (of
-# RING_WARPS per SM) that still get 2+ slots each, at most RING_MAX_SLOTS. Fewer than 8 warps
-# per SM leave too few rows in flight (PERFLOG.md).
+# Per-warp rings of rows (WarpRing in cuda/bulk.cuh), in groups of `group` warps per row
+# (each streams its 1 / group of the row), blocks of min(16, warps per SM) warps: per SM
+# the rings (and `extra` bytes per block) take at most RING_SMEM bytes, with the most
+# warps (of RING_WARPS per SM) that still get 2+ slots each, at most RING_MAX_SLOTS. Fewer
+# than 8 warps per SM leave too few rows in flight (PERFLOG.md).
 RING_SMEM = 220 << 10
 RING_WARPS = (32, 16, 8)
 RING_MAX_SLOTS = 8
 
 
-def ring_plan(row_bytes, extra=0):
-    """(blocks of 8 warps per SM, slots per warp, dynamic shared bytes per block) for
-    streaming rows of `row_bytes` through WarpRings, `extra` bytes after the rings, or None
-    when 2 slots do not fit."""
+def ring_plan(row_bytes, extra=0, group=1):
+    """(warps per block, blocks per SM, slots per warp, slot bytes, dynamic shared bytes
+    per block) for streaming rows of `row_bytes` (a multiple of 16) through WarpRings,
+    `extra` bytes after the rings, or None when 2 slots do not fit."""
+    portion = 16 * -(-row_bytes // (16 * group))
     for warps in RING_WARPS:
-        blocks = warps // 8
-        slots = min(RING_MAX_SLOTS, (RING_SMEM // blocks - extra - 1024) // (8 * row_bytes))
+        per_block = min(16, warps)
+        blocks = warps // per_block
+        slots = min(RING_MAX_SLOTS,
+                    (RING_SMEM // blocks - extra - 1024) // (per_block * portion))
         if slots >= 2:
-            return blocks, slots, ((8 * 8 * slots + 127) & ~127) + 8 * slots * row_bytes + extra
+            rings = ((8 * per_block * slots + 127) & ~127) + per_block * slots * portion
+            return per_block, blocks, slots, portion, rings + extra
     return None
 
 
-def ring_launch(k, rows, row_bytes, extra=0):
-    """(launch(grid, block, args, shared_mem) appending the slot count, grid, 256 threads,
-    shared bytes) for a kernel `k` (loader function) whose warps stream rows through
-    WarpRings, or None (see ring_plan)."""
-    plan = ring_plan(row_bytes, extra)
+def ring_launch(k, rows, row_bytes, extra=0, group=1):
+    """(launch(grid, block, args, shared_mem) appending the slot count, grid, threads,
+    shared bytes) for a kernel `k` (loader function) whose groups of warps stream rows
+    through WarpRings, or None (see ring_plan)."""
+    plan = ring_plan(row_bytes, extra, group)
     if plan is None:
         return None
-    per_sm, slots, smem = plan
+    warps, per_sm, slots, _, smem = plan
     if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
-    per_sm = min(per_sm, resident_blocks(k, 256, smem))
+    per_sm = min(per_sm, resident_blocks(k, 32 * warps, smem))
 
     def run(grid, block, args, shared_mem):
         k(grid, block, args + (np.int32(slots),), shared_mem=shared_mem)
-    return run, balanced_grid(-(-rows // 8), per_sm), 256, smem
+    return run, balanced_grid(-(-rows // (warps // group)), per_sm), 32 * warps, smem
 
 
 def vec_width(dtype, n):
