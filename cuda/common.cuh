@@ -121,9 +121,23 @@ template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; }
 template <int VEC, typename T> __device__ __forceinline__ Vec<T, VEC> load_vec(const T* p) {
     return *reinterpret_cast<const Vec<T, VEC>*>(p);
 }
+// To global memory, as one vector store for 4, 8 and 16 bytes: a struct copy of Vec may be
+// split into narrower stores (a 16-byte bf16 store became four 4-byte or eight 2-byte
+// stores in norm_fwd_stream: twice the kernel time). No "memory" clobber, so loads may
+// move across it: no kernel reads back, in the same thread, what it stores here.
 template <int VEC, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, VEC>& v) {
-    *reinterpret_cast<Vec<T, VEC>*>(p) = v;
+    constexpr int B = sizeof(T) * VEC;
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+    if constexpr (B == 16)
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w[0]),
+                     "r"(w[1]), "r"(w[2]), "r"(w[3]));
+    else if constexpr (B == 8)
+        asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]));
+    else if constexpr (B == 4)
+        asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]));
+    else
+        *reinterpret_cast<Vec<T, VEC>*>(p) = v;
 }
 
 // ---- cp.async (sm_80+): 16-byte global -> shared copies that bypass registers ----------
