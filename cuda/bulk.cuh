@@ -1,6 +1,7 @@
 // bulk.cuh — Hopper (sm_90) asynchronous copies into shared memory that complete on
-// mbarriers (attention_sm90.cu), and WarpRing, a warp's ring of rows streamed in by them
-// (the memory-bound row kernels of norm.cu and softmax.cu). Use inside
+// mbarriers (attention_sm90.cu), and WarpRing, a warp's ring of rows streamed in by them,
+// with group_share for the G warps that split a row (the memory-bound row kernels of
+// norm.cu and softmax.cu). Use inside
 // `#if __CUDA_ARCH__ >= 900` or in Hopper-only files.
 #pragma once
 
@@ -85,3 +86,28 @@ struct WarpRing {
         if (++cur == slots) cur = 0, parity ^= 1;
     }
 };
+
+// Chunks [lo, lo + cnt) of a row of n chunks that warp `member` of a group of G owns:
+// contiguous portions of `per` chunks, per = ceil(n / G) rounded up to a multiple of
+// `align` (so every portion but the last starts on a 16-byte boundary of a narrower
+// companion row, e.g. a byte mask).
+struct Portion {
+    int lo, cnt, per;
+    __device__ Portion(int n, int G, int member, int align) {
+        per = ((n + G - 1) / G + align - 1) / align * align;
+        lo = min(n, member * per);
+        cnt = min(n, lo + per) - lo;
+    }
+};
+
+// The G warps of a group (warps g G .. g G + G - 1 of the block) each publish a float4 and
+// get the group's G values back: one named barrier (1 + g, so at most 15 groups per
+// block). `scratch` [2][warps] float4 in shared memory is double-buffered by `parity` (the
+// row's), so the next row's writes need no second barrier.
+template <int G>
+__device__ __forceinline__ const float4* group_share(float4 v, float4* scratch, int parity) {
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) scratch[parity * warps + warp] = v;
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + warp / G), "r"(32 * G) : "memory");
+    return scratch + parity * warps + (warp / G) * G;
+}

@@ -175,9 +175,10 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     using V = Vec<T, VEC>;
     using F = Vec<float, VEC>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int member = warp % G, group = warp / G, n = hidden / VEC;
-    const int per = (n + G - 1) / G, lo = min(n, member * per), cnt = min(n, lo + per) - lo;
-    const unsigned bytes = per * sizeof(V);  // slot size: the largest portion
+    const int group = warp / G, n = hidden / VEC;
+    const Portion part(n, G, warp % G, 1);
+    const int lo = part.lo, cnt = part.cnt;
+    const unsigned bytes = part.per * sizeof(V);  // slot size: the largest portion
     const long long step = gridDim.x * (long long)(warps / G);
     const long long first = blockIdx.x * (long long)(warps / G) + group;
     const float zc = zero_centered ? 1.f : 0.f;
@@ -232,10 +233,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
             var = RMS ? sq / hidden : fmaxf(sq / hidden - dmean * dmean, 0.f);
         } else {  // merge the warps' (count, mean, M2) (Chan et al.), or sums of squares
             const float k = (float)(cnt * VEC), wm = cnt ? sum / k : 0.f;
-            if (lane == 0)
-                scratch[parity * warps + warp] = make_float4(k, x0 + wm, sq - sum * wm, sq);
-            asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(32 * G) : "memory");
-            const float4* p = scratch + parity * warps + group * G;
+            const float4* p =
+                group_share<G>(make_float4(k, x0 + wm, sq - sum * wm, sq), scratch, parity);
             float tm = 0.f, m2 = 0.f, ss = 0.f;
 #pragma unroll
             for (int i = 0; i < G; ++i) tm += p[i].x * p[i].y, ss += p[i].w;
@@ -269,7 +268,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         if (lane == 0) {
             if (row + slots * step < rows && cnt > 0)
                 ring.fill(smem, ring.cur, src + (row + slots * step) * hidden, cnt * sizeof(V));
-            if (member == 0) {
+            if (warp % G == 0) {
                 if (!RMS) mu[row] = mean;
                 rsigma[row] = rs;
             }

@@ -218,17 +218,21 @@ softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mas
     }
 }
 
-// Hopper: one warp per row, rows (and their mask rows) streamed through the warp's WarpRing
-// by bulk copies, so many rows per SM load at once and none is held in registers. Pass 1
-// over the slot: each lane's online (max, sum of exp2) per chunk of VEC, merged across the
-// warp; pass 2: y = exp2(v - max) / sum. Rows of x are 16-byte multiples and, with a mask,
-// sk % 16 == 0. Warp w of the grid takes rows w, w + total warps, ...
+// Hopper: G warps per row, rows (and their mask rows) streamed through per-warp WarpRings
+// by bulk copies, so many rows per SM load at once and none is held in registers. Warp m
+// of a group owns a contiguous portion of the row's chunks (Portion, aligned so the mask's
+// portion starts on 16 bytes) and streams only that. Pass 1 over the slot: each lane's
+// online (max, sum of exp2) per chunk of VEC, merged across the warp, then across the group
+// (group_share); pass 2: y = exp2(v - max) / sum. Rows of x are 16-byte multiples and, with
+// a mask, sk % 16 == 0. Group i of the grid takes rows i, i + groups, ... The launch fixes
+// `slots` and the dynamic shared memory (rings, then the scratch [2][warps] float4).
 template <typename T, int VEC, bool HAS_MASK>
-__device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const unsigned char* slot,
-                                              int c, int sk, int qi, int causal, float scale2) {
-    const Vec<T, VEC> a = reinterpret_cast<const Vec<T, VEC>*>(slot)[c];
+__device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const Vec<T, VEC>* xs,
+                                              const Vec<unsigned char, VEC>* ms, int c,
+                                              int qi, int causal, float scale2) {
+    const Vec<T, VEC> a = xs[c];
     Vec<unsigned char, VEC> mk;
-    if (HAS_MASK) mk = reinterpret_cast<const Vec<unsigned char, VEC>*>(slot + sk * sizeof(T))[c];
+    if (HAS_MASK) mk = ms[c];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const bool keep = !(causal && c * VEC + j > qi) && !(HAS_MASK && mk.v[j]);
@@ -236,48 +240,66 @@ __device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const unsigned ch
     }
 }
 
-template <typename T, int VEC, bool HAS_MASK>
+template <typename T, int VEC, bool HAS_MASK, int G>
 __global__ void __launch_bounds__(512)
 softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                    T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal,
                    int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
-    const int lane = threadIdx.x & 31, n = sk / VEC;
-    const unsigned xbytes = sk * sizeof(T), mbytes = HAS_MASK ? sk : 0;
-    const long long step = gridDim.x * (long long)(blockDim.x >> 5);
-    const long long first = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    using V = Vec<T, VEC>;
+    using M = Vec<unsigned char, VEC>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const Portion part(sk / VEC, G, warp % G, 16 / VEC);
+    const int lo = part.lo, cnt = part.cnt;
+    const unsigned xbytes = cnt * sizeof(V), mbytes = HAS_MASK ? cnt * VEC : 0;
+    const unsigned xslot = part.per * sizeof(V);  // the mask portion follows at xslot
+    const long long step = gridDim.x * (long long)(warps / G);
+    const long long first = blockIdx.x * (long long)(warps / G) + warp / G;
     const float scale2 = scale * 1.4426950408889634f;  // log2(e): exp(a) = exp2(a log2 e)
-    WarpRing ring(smem, slots, xbytes + mbytes);
-    if (lane == 0)
+    WarpRing ring(smem, slots, xslot + (HAS_MASK ? part.per * VEC : 0));
+    float4* scratch = reinterpret_cast<float4*>(smem + WarpRing::smem_bytes(warps, slots,
+                                                                            ring.bytes));
+    const T* xsrc = x + lo * VEC;
+    const unsigned char* msrc = mask + (HAS_MASK ? lo * VEC : 0);
+    if (lane == 0 && cnt > 0)
         for (int i = 0; i < slots && first + i * step < rows; ++i) {
             const long long r = first + i * step;
-            ring.fill(smem, i, x + r * sk, xbytes, mask + r * mbytes, mbytes);
+            ring.fill(smem, i, xsrc + r * sk, xbytes, msrc + r * (HAS_MASK ? sk : 0), mbytes);
         }
-    for (long long r = first; r < rows; r += step) {
-        const unsigned char* slot = ring.at(smem);
+    int parity = 0;
+    for (long long r = first; r < rows; r += step, parity ^= 1) {
+        const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
+        const V* xs = reinterpret_cast<const V*>(slot) - lo;     // xs[c], ms[c]: chunk c
+        const M* ms = reinterpret_cast<const M*>(slot + xslot) - lo;
         const int qi = (int)(r % sq);
-        float2 ms = make_float2(-kInf, 0.f);  // this lane's (max, sum of exp2(v - max))
+        float2 t = make_float2(-kInf, 0.f);  // this lane's (max, sum of exp2(v - max))
 #pragma unroll 2
-        for (int c = lane; c < n; c += 32) {
+        for (int c = lo + lane; c < lo + cnt; c += 32) {
             float v[VEC], cm = -kInf, cs = 0.f;
-            softmax_chunk<T, VEC, HAS_MASK>(v, slot, c, sk, qi, causal, scale2);
+            softmax_chunk<T, VEC, HAS_MASK>(v, xs, ms, c, qi, causal, scale2);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) cm = fmaxf(cm, v[j]);
             if (cm == -kInf) continue;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) cs += exp2f(v[j] - cm);
-            ms = merge_max_sum(ms, make_float2(cm, cs));
+            t = merge_max_sum(t, make_float2(cm, cs));
         }
         for (int o = 16; o > 0; o >>= 1)
-            ms = merge_max_sum(ms, make_float2(__shfl_xor_sync(0xffffffffu, ms.x, o),
-                                               __shfl_xor_sync(0xffffffffu, ms.y, o)));
+            t = merge_max_sum(t, make_float2(__shfl_xor_sync(0xffffffffu, t.x, o),
+                                             __shfl_xor_sync(0xffffffffu, t.y, o)));
+        if (G > 1) {
+            const float4* p = group_share<G>(make_float4(t.x, t.y, 0.f, 0.f), scratch, parity);
+            t = make_float2(-kInf, 0.f);
+#pragma unroll
+            for (int i = 0; i < G; ++i) t = merge_max_sum(t, make_float2(p[i].x, p[i].y));
+        }
         // a row with nothing kept becomes zeros: exp2(-inf - 0) = 0
-        const float mx = ms.x == -kInf ? 0.f : ms.x, inv = ms.y > 0.f ? 1.f / ms.y : 0.f;
+        const float mx = t.x == -kInf ? 0.f : t.x, inv = t.y > 0.f ? 1.f / t.y : 0.f;
 #pragma unroll 2
-        for (int c = lane; c < n; c += 32) {
+        for (int c = lo + lane; c < lo + cnt; c += 32) {
             float v[VEC];
-            softmax_chunk<T, VEC, HAS_MASK>(v, slot, c, sk, qi, causal, scale2);
+            softmax_chunk<T, VEC, HAS_MASK>(v, xs, ms, c, qi, causal, scale2);
             Vec<T, VEC> out;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(exp2f(v[j] - mx) * inv);
@@ -285,9 +307,10 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
         }
         __syncwarp();  // every lane has read the slot: refill it
         const long long ahead = r + slots * step;
-        if (lane == 0 && ahead < rows)
-            ring.fill(smem, ring.cur, x + ahead * sk, xbytes, mask + ahead * mbytes, mbytes);
-        ring.next();
+        if (lane == 0 && ahead < rows && cnt > 0)
+            ring.fill(smem, ring.cur, xsrc + ahead * sk, xbytes,
+                      msrc + ahead * (HAS_MASK ? sk : 0), mbytes);
+        if (cnt) ring.next();
     }
 #endif
 }

@@ -61,40 +61,52 @@ def balanced_grid(units, per_sm):
     return int(max(1, -(-units // max(per, 1))))
 
 
-# Per-warp rings of rows (WarpRing in cuda/bulk.cuh), in groups of `group` warps per row
-# (each streams its 1 / group of the row), blocks of min(16, warps per SM) warps: per SM
-# the rings (and `extra` bytes per block) take at most RING_SMEM bytes, with the most
-# warps (of RING_WARPS per SM) that still get 2+ slots each, at most RING_MAX_SLOTS. Fewer
-# than 8 warps per SM leave too few rows in flight (PERFLOG.md).
+# Per-warp rings of rows (WarpRing in cuda/bulk.cuh), in groups of G warps per row (each
+# streams its portion of the row, at most RING_WARP_BYTES), blocks of min(16, warps per
+# SM) warps: per SM the rings (and `extra` bytes per block) take at most RING_SMEM bytes,
+# with the most warps (of RING_WARPS per SM) that still get 2+ slots each, at most
+# RING_MAX_SLOTS. Fewer than 8 warps per SM leave too few rows in flight (PERFLOG.md).
 RING_SMEM = 220 << 10
 RING_WARPS = (32, 16, 8)
 RING_MAX_SLOTS = 8
+RING_GROUPS = (1, 2, 4)
+RING_WARP_BYTES = 2048
 
 
-def ring_plan(row_bytes, extra=0, group=1):
-    """(warps per block, blocks per SM, slots per warp, slot bytes, dynamic shared bytes
-    per block) for streaming rows of `row_bytes` (a multiple of 16) through WarpRings,
-    `extra` bytes after the rings, or None when 2 slots do not fit."""
-    portion = 16 * -(-row_bytes // (16 * group))
+def ring_group(row_bytes):
+    """Warps per row (G) for rows of `row_bytes`."""
+    return next((g for g in RING_GROUPS if row_bytes <= g * RING_WARP_BYTES), RING_GROUPS[-1])
+
+
+def ring_portion(chunks, group, align=1):
+    """Chunks of the largest portion of a row of `chunks` split over `group` warps (the
+    kernels' Portion)."""
+    return -(--(-chunks // group) // align) * align
+
+
+def ring_plan(slot_bytes, extra=0):
+    """(warps per block, blocks per SM, slots per warp, dynamic shared bytes per block) for
+    per-warp rings of slots of `slot_bytes`, `extra` bytes after the rings, or None when 2
+    slots do not fit."""
     for warps in RING_WARPS:
         per_block = min(16, warps)
         blocks = warps // per_block
         slots = min(RING_MAX_SLOTS,
-                    (RING_SMEM // blocks - extra - 1024) // (per_block * portion))
+                    (RING_SMEM // blocks - extra - 1024) // (per_block * slot_bytes))
         if slots >= 2:
-            rings = ((8 * per_block * slots + 127) & ~127) + per_block * slots * portion
-            return per_block, blocks, slots, portion, rings + extra
+            rings = ((8 * per_block * slots + 127) & ~127) + per_block * slots * slot_bytes
+            return per_block, blocks, slots, rings + extra
     return None
 
 
-def ring_launch(k, rows, row_bytes, extra=0, group=1):
+def ring_launch(k, rows, slot_bytes, extra=0, group=1):
     """(launch(grid, block, args, shared_mem) appending the slot count, grid, threads,
-    shared bytes) for a kernel `k` (loader function) whose groups of warps stream rows
-    through WarpRings, or None (see ring_plan)."""
-    plan = ring_plan(row_bytes, extra, group)
+    shared bytes) for a kernel `k` (loader function) whose groups of `group` warps stream
+    rows through WarpRings, or None (see ring_plan)."""
+    plan = ring_plan(slot_bytes, extra)
     if plan is None:
         return None
-    warps, per_sm, slots, _, smem = plan
+    warps, per_sm, slots, smem = plan
     if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
     per_sm = min(per_sm, resident_blocks(k, 32 * warps, smem))

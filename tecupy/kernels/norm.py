@@ -6,8 +6,9 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, balanced_grid, cbool, hopper,
-                     resident_blocks, ring_launch, ring_plan, sm_count, vec_width)
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, hopper,
+                     resident_blocks, ring_group, ring_launch, ring_plan, ring_portion, sm_count,
+                     vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -51,10 +52,8 @@ loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_
 FWD_VARIANTS = ("warp", "stream")
 FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
 STREAM_MIN_ROW_BYTES = 4096
-STREAM_GROUPS = (1, 2, 4)  # warps per row (norm_fwd_stream's G)
-STREAM_WARP_BYTES = 2048  # bytes of a row each warp streams, at most
 loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}>" for t, v in _RING_VECS.items()
-                      for r in _BOOLS for o in _outs(t, v) for g in STREAM_GROUPS])
+                      for r in _BOOLS for o in _outs(t, v) for g in RING_GROUPS])
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
@@ -137,20 +136,15 @@ def _stream_launch(rows, hidden, vec, types, rms):
     """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
     not apply (not Hopper, rows not of 16-byte vectors, too short, too long for 2 slots)."""
     row_bytes = hidden * 16 // vec
-    group = stream_group(row_bytes)
+    group = ring_group(row_bytes)
+    slot = 16 * ring_portion(hidden // vec, group)
     # float copies of gamma (and beta), and the moments' scratch [2, 16 warps] of float4
     extra = 4 * hidden * (1 if rms else 2) + 512
     if not (FWD_VARIANT == "stream" and vec > 1 and row_bytes >= STREAM_MIN_ROW_BYTES
-            and hopper() and ring_plan(row_bytes, extra, group)):
+            and hopper() and ring_plan(slot, extra)):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + f", {group}>")
-    return ring_launch(k, rows, row_bytes, extra, group)
-
-
-def stream_group(row_bytes):
-    """Warps per row of norm_fwd_stream: each warp streams at most STREAM_WARP_BYTES."""
-    return next((g for g in STREAM_GROUPS if row_bytes <= g * STREAM_WARP_BYTES),
-                STREAM_GROUPS[-1])
+    return ring_launch(k, rows, slot, extra, group)
 
 
 def _outputs(y, mu, rsigma, shape, rms):

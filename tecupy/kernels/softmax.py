@@ -4,8 +4,9 @@ import os
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, LOW_PRECISION, balanced_grid, cbool, grid_1d, hopper,
-                     on_gpu_low_precision, resident_blocks, ring_launch, ring_plan, vec_width)
+from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, grid_1d, hopper,
+                     on_gpu_low_precision, resident_blocks, ring_group, ring_launch, ring_plan,
+                     ring_portion, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -32,8 +33,8 @@ loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false"
                   for c in set(FWD_VARIANTS.values()) if c for m in ("false", "true")]
                + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
                   for c in BWD_VARIANTS.values() if c]
-               + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}>" for t in _TYPES
-                  for m in ("false", "true")])
+               + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}, {g}>" for t in _TYPES
+                  for m in ("false", "true") for g in RING_GROUPS])
 
 
 def _block_shape(dtype, sk, chunks):
@@ -69,12 +70,17 @@ def _stream_launch(dtype, sk, rows, has_mask):
     apply (not the variant, not Hopper, rows not of 16-byte vectors, a mask row not of
     16-byte multiples, a row too long for 2 slots)."""
     vec = vec_width(dtype, sk)
-    row_bytes = sk * np.dtype(dtype).itemsize + (sk if has_mask else 0)
+    row_bytes = sk * np.dtype(dtype).itemsize
+    group = ring_group(row_bytes)
+    per = ring_portion(sk // vec, group, 16 // vec)  # the mask's portions stay aligned
+    slot = per * (16 + (vec if has_mask else 0))
+    extra = 512  # the group's scratch [2, 16 warps] of float4
     if not (FWD_VARIANT == "stream" and vec > 1 and (sk % 16 == 0 or not has_mask)
-            and hopper() and ring_plan(row_bytes)):
+            and hopper() and ring_plan(slot, extra)):
         return None
-    k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, {cbool(has_mask)}>")
-    return ring_launch(k, rows, row_bytes)
+    k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, "
+                              f"{cbool(has_mask)}, {group}>")
+    return ring_launch(k, rows, slot, extra, group)
 
 
 def supported(x, *args):
