@@ -62,7 +62,8 @@ def balanced_grid(units, per_sm):
 
 
 # Per-warp rings of rows (WarpRing in cuda/bulk.cuh), in groups of G warps per row (each
-# streams its portion of the row, at most RING_WARP_BYTES), blocks of min(16, warps per
+# streams its portion of the row, at most RING_WARP_BYTES: the best for the norm on an
+# H200; the softmax, with more work per byte, takes 4096), blocks of min(16, warps per
 # SM) warps: per SM the rings (and `extra` bytes per block) take at most RING_SMEM bytes,
 # with the most warps (of RING_WARPS per SM) that still get 2+ slots each, at most
 # RING_MAX_SLOTS. Fewer than 8 warps per SM leave too few rows in flight (PERFLOG.md).
@@ -73,9 +74,10 @@ RING_GROUPS = (1, 2, 4)
 RING_WARP_BYTES = 2048
 
 
-def ring_group(row_bytes):
-    """Warps per row (G) for rows of `row_bytes`."""
-    return next((g for g in RING_GROUPS if row_bytes <= g * RING_WARP_BYTES), RING_GROUPS[-1])
+def ring_group(row_bytes, warp_bytes=RING_WARP_BYTES):
+    """Warps per row (G) for rows of `row_bytes`: the fewest that give each warp at most
+    `warp_bytes` of the row."""
+    return next((g for g in RING_GROUPS if row_bytes <= g * warp_bytes), RING_GROUPS[-1])
 
 
 def ring_portion(chunks, group, align=1):

@@ -22,6 +22,7 @@ FWD_VARIANTS = {"base": 0, "block4": 4, "stream": 4}
 BWD_VARIANTS = {"base": 0, "block2": 2}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
 FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "stream")
+STREAM_WARP_BYTES = 4096  # of a row per warp in softmax_fwd_stream (H200: PERFLOG.md)
 BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
@@ -71,7 +72,7 @@ def _stream_launch(dtype, sk, rows, has_mask):
     16-byte multiples, a row too long for 2 slots)."""
     vec = vec_width(dtype, sk)
     row_bytes = sk * np.dtype(dtype).itemsize
-    group = ring_group(row_bytes)
+    group = ring_group(row_bytes, STREAM_WARP_BYTES)
     per = ring_portion(sk // vec, group, 16 // vec)  # the mask's portions stay aligned
     slot = per * (16 + (vec if has_mask else 0))
     extra = 512  # the group's scratch [2, 16 warps] of float4
