@@ -524,6 +524,126 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     }
 }
 
+// ---- backward on Hopper, rows streamed (norm_fwd_stream's scheme) ----------------------
+// G warps per row; warp m of a group owns the contiguous chunks [lo, lo + cnt) of every
+// row (Portion) and streams its portions of x and dy (one slot: x's cnt chunks, then dy's)
+// through its WarpRing. Lane l takes chunks lo + l + 32 k (k < CPL; cnt <= 32 CPL), the same
+// columns in every row, so its dgamma/dbeta sums stay in registers; the group merges the
+// row sums (sum dxhat, sum dxhat xhat) once per row (group_share). At the end the block's
+// warps add their sums into shared memory (the rings' bytes, free by then) and the block
+// writes one partial row [2 hidden] for norm_bwd_reduce_vec. Shared memory: rings, gamma
+// (+1) as float [hidden], scratch [2][warps] float4.
+template <typename T, int VEC, bool RMS, int G, int CPL>
+__global__ void __launch_bounds__(512)
+norm_bwd_stream(const T* __restrict__ dy, const T* __restrict__ x,
+                const float* __restrict__ mu, const float* __restrict__ rsigma,
+                const T* __restrict__ gamma, T* __restrict__ dx, float* __restrict__ part,
+                long long rows, int hidden, int zero_centered, int slots) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char smem[];
+    using V = Vec<T, VEC>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int n = hidden / VEC;
+    const Portion pt(n, G, warp % G, 1);
+    const int lo = pt.lo, cnt = pt.cnt;
+    const unsigned nb = cnt * sizeof(V);  // bytes of each tensor's portion
+    const long long step = gridDim.x * (long long)(warps / G);
+    const long long first = blockIdx.x * (long long)(warps / G) + warp / G;
+    WarpRing ring(smem, slots, 2 * pt.per * sizeof(V));
+    const unsigned ring_end = WarpRing::smem_bytes(warps, slots, ring.bytes);
+    float* gz = reinterpret_cast<float*>(smem + ring_end);
+    using F = Vec<float, VEC>;
+    const F* gzv = reinterpret_cast<const F*>(gz);
+    float4* scratch = reinterpret_cast<float4*>(gz + hidden);
+    const long long off = (long long)lo * VEC;  // this warp's portion of row 0
+    if (lane == 0 && cnt > 0)
+        for (int i = 0; i < slots && first + i * step < rows; ++i) {
+            const long long r = (first + i * step) * hidden + off;
+            ring.fill(smem, i, x + r, nb, dy + r, nb);
+        }
+    const float zc = zero_centered ? 1.f : 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) gz[i] = to_float(gamma[i]) + zc;
+    __syncthreads();
+    float dg[CPL][VEC], db[CPL][VEC];
+#pragma unroll
+    for (int k = 0; k < CPL; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dg[k][j] = db[k][j] = 0.f;
+    int parity = 0;
+    for (long long row = first; row < rows; row += step, parity ^= 1) {
+        const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
+        const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
+        const V* xs = reinterpret_cast<const V*>(slot) - lo;       // xs[c], ds[c]: chunk c
+        const V* ds = reinterpret_cast<const V*>(slot + nb) - lo;
+        float s1 = 0.f, s2 = 0.f;  // sum dxhat, sum dxhat xhat
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) {
+            const int c = lo + lane + 32 * k;
+            if (c >= lo + cnt) break;
+            const V a = xs[c], d = ds[c];
+            const F g = gzv[c];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float dyf = to_float(d.v[j]), xh = (to_float(a.v[j]) - m) * rs;
+                const float dxh = dyf * g.v[j];
+                s1 += dxh;
+                s2 += dxh * xh;
+                dg[k][j] += dyf * xh;
+                db[k][j] += dyf;
+            }
+        }
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
+        if (G > 1) {
+            const float4* p = group_share<G>(make_float4(s1, s2, 0.f, 0.f), scratch, parity);
+            s1 = s2 = 0.f;
+#pragma unroll
+            for (int i = 0; i < G; ++i) s1 += p[i].x, s2 += p[i].y;
+        }
+        const float mean1 = RMS ? 0.f : s1 / hidden, mean2 = s2 / hidden;
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) {
+            const int c = lo + lane + 32 * k;
+            if (c >= lo + cnt) break;
+            const V a = xs[c], d = ds[c];
+            const F g = gzv[c];
+            V out;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float xh = (to_float(a.v[j]) - m) * rs;
+                const float dxh = to_float(d.v[j]) * g.v[j];
+                out.v[j] = from_float<T>(rs * (dxh - mean1 - xh * mean2));
+            }
+            store_vec<VEC>(dx + row * hidden + c * VEC, out);
+        }
+        __syncwarp();  // every lane has read the slot: refill it
+        const long long ahead = row + slots * step;
+        if (lane == 0 && ahead < rows && cnt > 0)
+            ring.fill(smem, ring.cur, x + ahead * hidden + off, nb, dy + ahead * hidden + off, nb);
+        if (cnt) ring.next();
+    }
+    // the block's sums: [2 hidden] floats over the rings' bytes (every copy has landed)
+    float* acc = reinterpret_cast<float*>(smem + ((8 * warps * slots + 127) & ~127));
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * hidden; i += blockDim.x) acc[i] = 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        const int c = lo + lane + 32 * k;
+        if (c >= lo + cnt) break;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            atomicAdd(acc + c * VEC + j, dg[k][j]);
+            atomicAdd(acc + hidden + c * VEC + j, db[k][j]);
+        }
+    }
+    __syncthreads();
+    float* p = part + (long long)blockIdx.x * 2 * hidden;
+    for (int i = threadIdx.x * 4; i < 2 * hidden; i += blockDim.x * 4)
+        *reinterpret_cast<float4*>(p + i) = *reinterpret_cast<const float4*>(acc + i);
+#endif
+}
+
 // norm_bwd_reduce with 16-byte loads and several loads in flight per thread: the partials
 // are few rows of many columns, so the sum is latency-bound unless each thread keeps
 // several loads outstanding. Launch: blocks of (32, 32), block b sums the 128 columns
