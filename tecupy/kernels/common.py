@@ -74,10 +74,10 @@ RING_GROUPS = (1, 2, 4)
 RING_WARP_BYTES = 2048
 
 
-def ring_group(row_bytes, warp_bytes=RING_WARP_BYTES, groups=RING_GROUPS):
-    """Warps per row (G, one of `groups`) for rows of `row_bytes`: the fewest that give
-    each warp at most `warp_bytes` of the row."""
-    return next((g for g in groups if row_bytes <= g * warp_bytes), groups[-1])
+def ring_group(row_bytes, warp_bytes=RING_WARP_BYTES):
+    """Warps per row (G) for rows of `row_bytes`: the fewest that give each warp at most
+    `warp_bytes` of the row."""
+    return next((g for g in RING_GROUPS if row_bytes <= g * warp_bytes), RING_GROUPS[-1])
 
 
 def ring_portion(chunks, group, align=1):

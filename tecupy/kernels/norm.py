@@ -35,14 +35,8 @@ loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
 # (kind, stages, dgamma/dbeta reduce). "base" is the session-1 path; "ring4": block per row,
 # the next 3 rows streamed into shared memory by cp.async, on 16-byte rows of at most 2
 # chunks per thread (other shapes take the base kernel, with the vector reduce).
-# "stream" (Hopper, 16-byte rows): norm_bwd_stream, rows streamed through per-warp rings
-# by bulk copies, STREAM_BWD_WARP_BYTES of a row per warp; rows too long for it take ring4.
-BWD_VARIANTS = {"base": ("base", 0, "scalar"), "ring4": ("ring", 4, "vec"),
-                "stream": ("stream", 0, "vec")}
-BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "stream")
-STREAM_BWD_GROUPS = (1, 2, 4, 8)
-STREAM_BWD_WARP_BYTES = 1024
-STREAM_BWD_CPL = (1, 2, 4)  # chunks per lane (norm_bwd_stream's CPL)
+BWD_VARIANTS = {"base": ("base", 0, "scalar"), "ring4": ("ring", 4, "vec")}
+BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "ring4")  # H200: 56-59% of copy vs 50-52%
 _RING_VECS = {t: v[1] for t, v in _VECS.items()}  # 16-byte vectors only
 loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_VECS.items()
                       for c, r in itertools.product((1, 2), _BOOLS)]
@@ -60,10 +54,6 @@ FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
 STREAM_MIN_ROW_BYTES = 4096
 loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}>" for t, v in _RING_VECS.items()
                       for r in _BOOLS for o in _outs(t, v) for g in RING_GROUPS])
-
-loader.declare(FILE, [f"norm_bwd_stream<{t}, {v}, {r}, {g}, {c}>"
-                      for t, v in _RING_VECS.items() for r in _BOOLS
-                      for g in STREAM_BWD_GROUPS for c in STREAM_BWD_CPL])
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
@@ -182,11 +172,6 @@ def _bwd_launch(rows, hidden, dtype, rms):
     """(kernel, blocks, threads, dynamic shared bytes, reduce variant) of the backward."""
     kind, stages, reduce = BWD_VARIANTS[BWD_VARIANT]
     vec = vec_width(dtype, hidden)
-    stream = kind == "stream" and vec > 1 and _bwd_stream_launch(rows, hidden, vec, dtype, rms)
-    if stream:
-        return stream + (reduce,)
-    kind = "ring" if kind == "stream" else kind
-    stages = stages or 4
     threads, chunks = _shape(hidden, vec)
     if kind == "ring" and vec > 1 and chunks <= 2:
         k = loader.function(FILE, f"norm_bwd_ring<{CTYPE[dtype]}, {vec}, {chunks}, "
@@ -205,21 +190,6 @@ def _bwd_launch(rows, hidden, dtype, rms):
                               f"{cbool(smem)}, {rows_at_once}>")
     _opt_in(k, smem)
     return k, nblocks, threads, smem, reduce
-
-
-def _bwd_stream_launch(rows, hidden, vec, dtype, rms):
-    """(launch, blocks, threads, shared bytes) of norm_bwd_stream, or None where it does
-    not apply (not Hopper, a warp's portion over 32 x 4 chunks, too long for 2 slots)."""
-    n = hidden // vec
-    group = ring_group(hidden * 16 // vec, STREAM_BWD_WARP_BYTES, STREAM_BWD_GROUPS)
-    per = ring_portion(n, group)
-    cpl = next((c for c in STREAM_BWD_CPL if 32 * c >= per), None)
-    extra = 4 * hidden + 512  # gamma (+1) as float, the group's scratch [2, 16] float4
-    if not (cpl and hopper() and ring_plan(2 * 16 * per, extra)):
-        return None
-    k = loader.function(FILE, f"norm_bwd_stream<{CTYPE[dtype]}, {vec}, {cbool(rms)}, "
-                              f"{group}, {cpl}>")
-    return ring_launch(k, rows, 2 * 16 * per, extra, group)
 
 
 def _bwd_reduce(part, nparts, hidden, dgamma, dbeta, rms, reduce):
