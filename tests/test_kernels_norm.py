@@ -83,7 +83,8 @@ def test_norm_forward_fp8_output(rng, rms, dtype, shape):
 @pytest.mark.parametrize("variant", list(norm_kernels.BWD_VARIANTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(37, 1001), (129, 4096), (3, 5, 768), (300, 8192), (2, 40)],
+@pytest.mark.parametrize("shape", [(37, 1001), (129, 4096), (3, 5, 768), (300, 8192), (2, 40),
+                                   (40001, 64)],
                          ids=str)
 def test_norm_bwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
     """Every backward variant (scripts/issue3_device.py), also at shapes beyond SHAPES."""
