@@ -471,6 +471,13 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         cp_async_commit_group();
     }
     int stage = 0;
+    // mu and rsigma one row ahead: loaded where the row is needed, their DRAM latency
+    // stalled every row
+    float m_next = 0.f, rs_next = 0.f;
+    if (blockIdx.x < rows) {
+        m_next = RMS ? 0.f : mu[blockIdx.x];
+        rs_next = rsigma[blockIdx.x];
+    }
     for (long long row = blockIdx.x; row < rows; row += step) {
         const int refill = stage == 0 ? STAGES - 1 : stage - 1;  // read last iteration
         const long long ahead = row + (STAGES - 1) * step;
@@ -478,7 +485,11 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         ring_issue<T, VEC, CHUNKS>(ring + (2 * refill + 1) * tensor_size, dy, ahead, rows,
                                    hidden);
         cp_async_commit_group();
-        const float m = RMS ? 0.f : mu[row], rs = rsigma[row];
+        const float m = m_next, rs = rs_next;
+        if (row + step < rows) {
+            m_next = RMS ? 0.f : mu[row + step];
+            rs_next = rsigma[row + step];
+        }
         cp_async_wait_group<STAGES - 1>();
         Vec<T, VEC> cx[CHUNKS], cd[CHUNKS];
         ring_read(cx, ring + (2 * stage) * tensor_size, hidden);
