@@ -28,6 +28,16 @@ __device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, i
     OWNED(k, i) if (i < hidden) r[k] = load_vec<VEC>(p + i);
 }
 
+// The shift of the one-pass moments: the mean of a row's first chunk (VEC elements). Any
+// value near the row's mean keeps E[d^2] - E[d]^2 free of cancellation; one element alone
+// may sit 4 sigma out, and then the variance lost 4 bits (float32 rows failed the test).
+template <typename T, int VEC> __device__ __forceinline__ float shift_of(const Vec<T, VEC>& a) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += to_float(a.v[j]);
+    return s * (1.f / VEC);
+}
+
 // ---- forward ---------------------------------------------------------------------------
 template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT>
 __global__ void __launch_bounds__(512)
@@ -41,9 +51,8 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
     Vec<T, VEC> nxt[CHUNKS];
     if (blockIdx.x < rows) load_row(nxt, x + blockIdx.x * (long long)hidden, hidden);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        // One reduction for both moments, on data shifted by the row's first element (any
-        // value near the mean keeps E[d^2] - E[d]^2 free of cancellation).
-        const float x0 = RMS ? 0.f : to_float(x[row * hidden]);
+        // One reduction for both moments, on data shifted (shift_of).
+        const float x0 = RMS ? 0.f : shift_of<T, VEC>(load_vec<VEC>(x + row * hidden));
         float v[CHUNKS][VEC];
         float sum = 0.f, sq = 0.f;
 #pragma unroll
@@ -108,7 +117,7 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
             const int i = (lane + 32 * k) * VEC;
             if (i < hidden) a[k] = load_vec<VEC>(xr + i);
         }
-        const float x0 = RMS ? 0.f : to_float(xr[0]);
+        const float x0 = RMS ? 0.f : shift_of<T, VEC>(load_vec<VEC>(xr));
         float sum = 0.f, sq = 0.f;
 #pragma unroll
         for (int k = 0; k < CHUNKS; ++k)
@@ -206,10 +215,9 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     for (long long row = first; row < rows; row += step, parity ^= 1) {
         // v[c] for the chunks c of this warp's portion (a warp with none never waits)
         const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
-        // this warp's moments, shifted by its portion's first element (any value near the
-        // mean keeps E[d^2] - E[d]^2 free of cancellation); chunk sums first, so a lane's
-        // running sums stay short
-        const float x0 = (RMS || cnt == 0) ? 0.f : to_float(v[lo].v[0]);
+        // this warp's moments, shifted by its portion's first chunk (shift_of); chunk sums
+        // first, so a lane's running sums stay short
+        const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;
 #pragma unroll 4
         for (int c = lo + lane; c < lo + cnt; c += 32) {
