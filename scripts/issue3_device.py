@@ -1,7 +1,7 @@
 """Issue 3 on the GPU: every variant of the memory-bound kernels, checked, then timed.
 
-For each op and each variant in tecupy/kernels/{norm,softmax}.py (*_VARIANTS; the norm
-forward and cast_transpose have one kernel, the winners of PERFLOG.md's session 3): the
+For each op and each variant in tecupy/kernels/{norm,softmax}.py (*_VARIANTS;
+cast_transpose has one kernel, the winner of PERFLOG.md's session 3): the
 result against the NumPy reference (float64; FP8 codes bit for bit) on fresh random bf16
 8192 x 4096 and an odd size, outputs poisoned first; then the time per call from CUDA-graph
 replay (tecupy.bench.graph_time_ms: the kernels' own time), TB/s over the fewest bytes the op
