@@ -60,14 +60,13 @@ __global__ void act_fwd(const T* __restrict__ x, const T* __restrict__ bias,
     float m = 0.f;
     GRID_STRIDE(i, n) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i);
-        Vec<OUT, VEC> out;
+        float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float v = act<ACT>(input<BIAS>(a, bias, i % ncols, j));
-            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v));
-            out.v[j] = Out<OUT>::make(v, s);
+            v[j] = act<ACT>(input<BIAS>(a, bias, i % ncols, j));
+            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v[j]));
         }
-        store_vec<VEC>(y + i, out);
+        store_vec<VEC>(y + i, make_out<OUT, VEC>(v, s));
     }
     finish_amax<OUT>(m, amax);
 }
@@ -98,14 +97,13 @@ __global__ void gated_fwd(const T* __restrict__ x, const T* __restrict__ bias,
         const long long r = i / n, c = i - r * n;
         const Vec<T, VEC> a = load_vec<VEC>(x + r * 2 * n + c);
         const Vec<T, VEC> b = load_vec<VEC>(x + r * 2 * n + n + c);
-        Vec<OUT, VEC> out;
+        float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float v = act<ACT>(input<BIAS>(a, bias, c, j)) * input<BIAS>(b, bias, n + c, j);
-            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v));
-            out.v[j] = Out<OUT>::make(v, s);
+            v[j] = act<ACT>(input<BIAS>(a, bias, c, j)) * input<BIAS>(b, bias, n + c, j);
+            if (Out<OUT>::fp8) m = fmaxf(m, fabsf(v[j]));
         }
-        store_vec<VEC>(y + i, out);
+        store_vec<VEC>(y + i, make_out<OUT, VEC>(v, s));
     }
     finish_amax<OUT>(m, amax);
 }

@@ -20,21 +20,13 @@ __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ s
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i);
-        Vec<unsigned char, VEC> out;
         float v[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             v[j] = to_float(a.v[j]);
             m = fmaxf(m, fabsf(v[j]));
         }
-#pragma unroll
-        for (int j = 0; j + 1 < VEC; j += 2) {  // one conversion per pair (fp8x2)
-            const unsigned p = fp8x2<F8>(v[j] * s, v[j + 1] * s);
-            out.v[j] = p & 0xff;
-            out.v[j + 1] = p >> 8;
-        }
-        if (VEC % 2) out.v[VEC - 1] = F8(v[VEC - 1] * s).__x;
-        store_vec<VEC>(q + i, out);
+        store_vec<VEC>(reinterpret_cast<F8*>(q + i), make_out<F8, VEC>(v, s));
     }
     m = block_max(m);
     if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);

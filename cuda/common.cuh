@@ -140,6 +140,24 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, VEC>& v) {
         *reinterpret_cast<Vec<T, VEC>*>(p) = v;
 }
 
+// VEC outputs from floats: T itself, or the FP8 codes of v * s, four per word through two
+// fp8x2 conversions (VEC % 4 == 0; else one conversion each).
+template <typename OUT, int VEC>
+__device__ __forceinline__ Vec<OUT, VEC> make_out(const float (&v)[VEC], float s) {
+    Vec<OUT, VEC> out;
+    if constexpr (Out<OUT>::fp8 && VEC % 4 == 0) {
+        unsigned* w = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4)
+            w[j / 4] = __byte_perm(fp8x2<OUT>(v[j] * s, v[j + 1] * s),
+                                   fp8x2<OUT>(v[j + 2] * s, v[j + 3] * s), 0x5410);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = Out<OUT>::make(v[j], s);
+    }
+    return out;
+}
+
 // ---- cp.async (sm_80+): 16-byte global -> shared copies that bypass registers ----------
 // (attention.cu has its own predicated forms under other names.)
 __device__ __forceinline__ void cp_async_16b(void* smem, const void* gmem) {

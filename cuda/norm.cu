@@ -73,16 +73,15 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
         OWNED(k, i) if (i < hidden) {
             const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
             Vec<T, VEC> b;
-            Vec<OUT, VEC> out;
+            float o[VEC];
             if (!RMS) b = load_vec<VEC>(beta + i);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                float o = (v[k][j] - mean) * rs * (to_float(g.v[j]) + zc);
-                if (!RMS) o += to_float(b.v[j]);
-                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
-                out.v[j] = Out<OUT>::make(o, sc);
+                o[j] = (v[k][j] - mean) * rs * (to_float(g.v[j]) + zc);
+                if (!RMS) o[j] += to_float(b.v[j]);
+                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
-            store_vec<VEC>(y + row * hidden + i, out);
+            store_vec<VEC>(y + row * hidden + i, make_out<OUT, VEC>(o, sc));
         }
         if (threadIdx.x == 0) {
             if (!RMS) mu[row] = mean;
@@ -139,16 +138,15 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
             if (i < hidden) {
                 const Vec<T, VEC> g = load_vec<VEC>(gamma + i);
                 Vec<T, VEC> b;
-                Vec<OUT, VEC> out;
+                float o[VEC];
                 if (!RMS) b = load_vec<VEC>(beta + i);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    float o = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
-                    if (!RMS) o += to_float(b.v[j]);
-                    if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
-                    out.v[j] = Out<OUT>::make(o, sc);
+                    o[j] = (to_float(a[k].v[j]) - mean) * rs * (to_float(g.v[j]) + zc);
+                    if (!RMS) o[j] += to_float(b.v[j]);
+                    if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
                 }
-                store_vec<VEC>(y + row * hidden + i, out);
+                store_vec<VEC>(y + row * hidden + i, make_out<OUT, VEC>(o, sc));
             }
         }
         if (lane == 0) {
@@ -262,15 +260,14 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
             const F g = gb[c];
             F b;
             if (!RMS) b = gb[n + c];
-            Vec<OUT, VEC> out;
+            float o[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float xh = (to_float(a.v[j]) - mean) * rs;
-                const float o = RMS ? xh * g.v[j] : fmaf(xh, g.v[j], b.v[j]);
-                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o));
-                out.v[j] = Out<OUT>::make(o, sc);
+                o[j] = RMS ? xh * g.v[j] : fmaf(xh, g.v[j], b.v[j]);
+                if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
-            store_vec<VEC>(y + row * hidden + c * VEC, out);
+            store_vec<VEC>(y + row * hidden + c * VEC, make_out<OUT, VEC>(o, sc));
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
