@@ -56,14 +56,18 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
         float v[CHUNKS][VEC];
         float sum = 0.f, sq = 0.f;
 #pragma unroll
-        OWNED(k, i) if (i < hidden)
+        OWNED(k, i) if (i < hidden) {
+            float cs = 0.f, cq = 0.f;  // per chunk first: a thread's running sums stay short
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 v[k][j] = to_float(nxt[k].v[j]);
                 const float d = v[k][j] - x0;
-                sum += d;
-                sq += d * d;
+                cs += d;
+                cq += d * d;
             }
+            sum += cs;
+            sq += cq;
+        }
         if (row + gridDim.x < rows) load_row(nxt, x + (row + gridDim.x) * hidden, hidden);
         const float2 s = block_sum2(sum, sq);
         const float dmean = s.x / hidden, mean = RMS ? 0.f : x0 + dmean;
@@ -120,13 +124,17 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
         float sum = 0.f, sq = 0.f;
 #pragma unroll
         for (int k = 0; k < CHUNKS; ++k)
-            if ((lane + 32 * k) * VEC < hidden)
+            if ((lane + 32 * k) * VEC < hidden) {
+                float cs = 0.f, cq = 0.f;  // per chunk first: a lane's running sums stay short
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const float d = to_float(a[k].v[j]) - x0;
-                    sum += d;
-                    sq += d * d;
+                    cs += d;
+                    cq += d * d;
                 }
+                sum += cs;
+                sq += cq;
+            }
         sum = warp_sum(sum);
         sq = warp_sum(sq);
         const float dmean = sum / hidden, mean = RMS ? 0.f : x0 + dmean;
