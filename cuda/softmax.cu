@@ -298,11 +298,16 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
         const float mx = t.x == -kInf ? 0.f : t.x, inv = t.y > 0.f ? 1.f / t.y : 0.f;
 #pragma unroll 2
         for (int c = lo + lane; c < lo + cnt; c += 32) {
-            float v[VEC];
-            softmax_chunk<T, VEC, HAS_MASK>(v, xs, ms, c, qi, causal, scale2);
             Vec<T, VEC> out;
+            if (causal && c * VEC > qi) {  // all past the diagonal: zeros, no exponentials
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(exp2f(v[j] - mx) * inv);
+                for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(0.f);
+            } else {
+                float v[VEC];
+                softmax_chunk<T, VEC, HAS_MASK>(v, xs, ms, c, qi, causal, scale2);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(exp2f(v[j] - mx) * inv);
+            }
             store_vec<VEC>(y + r * sk + c * VEC, out);
         }
         __syncwarp();  // every lane has read the slot: refill it
