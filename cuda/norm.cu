@@ -38,6 +38,22 @@ template <typename T, int VEC> __device__ __forceinline__ float shift_of(const V
     return s * (1.f / VEC);
 }
 
+// sum += sum of (a - x0), sq += sum of (a - x0)^2 over one chunk, the chunk summed first so
+// a thread's running sums stay short (a long sequential float sum lost digits at 3000 wide).
+template <typename T, int VEC>
+__device__ __forceinline__ void add_moments(const Vec<T, VEC>& a, float x0, float& sum,
+                                            float& sq) {
+    float cs = 0.f, cq = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float d = to_float(a.v[j]) - x0;
+        cs += d;
+        cq += d * d;
+    }
+    sum += cs;
+    sq += cq;
+}
+
 // ---- forward ---------------------------------------------------------------------------
 template <typename T, int VEC, int CHUNKS, bool RMS, typename OUT>
 __global__ void __launch_bounds__(512)
@@ -124,17 +140,7 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
         float sum = 0.f, sq = 0.f;
 #pragma unroll
         for (int k = 0; k < CHUNKS; ++k)
-            if ((lane + 32 * k) * VEC < hidden) {
-                float cs = 0.f, cq = 0.f;  // per chunk first: a lane's running sums stay short
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = to_float(a[k].v[j]) - x0;
-                    cs += d;
-                    cq += d * d;
-                }
-                sum += cs;
-                sq += cq;
-            }
+            if ((lane + 32 * k) * VEC < hidden) add_moments(a[k], x0, sum, sq);
         sum = warp_sum(sum);
         sq = warp_sum(sq);
         const float dmean = sum / hidden, mean = RMS ? 0.f : x0 + dmean;
@@ -221,23 +227,11 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     for (long long row = first; row < rows; row += step, parity ^= 1) {
         // v[c] for the chunks c of this warp's portion (a warp with none never waits)
         const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
-        // this warp's moments, shifted by its portion's first chunk (shift_of); chunk sums
-        // first, so a lane's running sums stay short
+        // this warp's moments, shifted by its portion's first chunk (shift_of)
         const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;
 #pragma unroll 4
-        for (int c = lo + lane; c < lo + cnt; c += 32) {
-            const V a = v[c];
-            float cs = 0.f, cq = 0.f;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float d = to_float(a.v[j]) - x0;
-                cs += d;
-                cq += d * d;
-            }
-            sum += cs;
-            sq += cq;
-        }
+        for (int c = lo + lane; c < lo + cnt; c += 32) add_moments(v[c], x0, sum, sq);
         sum = warp_sum(sum);
         sq = warp_sum(sq);
         float mean, var;
