@@ -15,7 +15,9 @@
 // The backward sums dgamma/dbeta of its rows in registers and writes one partial row per
 // block [2 hidden]; norm_bwd_reduce adds the partials up. norm_bwd_ring (the default
 // backward for 16-byte rows) streams the next rows through shared memory instead, and its
-// partials go through norm_bwd_reduce_vec.
+// partials go through norm_bwd_reduce_vec. Forward kernels: norm_fwd (a block per row, long
+// rows), norm_fwd_warp (a warp per row, rows of up to 16 chunks per lane) and, on Hopper for
+// rows of 4 KB and more, norm_fwd_stream (G warps per row, rows streamed by bulk copies).
 #include "bulk.cuh"
 #include "common.cuh"
 
