@@ -58,25 +58,27 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.
-// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[row block][col] =
+// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
 // the float32 sum of the tile's rows of x, for a second pass over the row blocks.
-// Needs rows % 16 == 0, cols % 8 == 0; a 1-D grid of any size (persistent over the tiles).
+// Needs rows % 16 == 0, cols % 8 == 0; grid (cols / 64, rows / (128 G)) rounded up.
 template <int G>
 __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row group in col
     const int chunk = word >> 2, swz = (chunk & ~7) | ((chunk ^ (col >> 3)) & 7);
     return col * 32 * G + swz * 4 + (word & 3);
 }
 
-// One tile (row block ty, columns from c0) of cast_transpose_tiled; m gathers max |x|.
 template <typename T, typename F8, int G, bool DBIAS>
-__device__ __forceinline__ void ct_tile(const T* __restrict__ x, float s,
-                                        unsigned char* __restrict__ q,
-                                        unsigned char* __restrict__ qt,
-                                        float* __restrict__ part, int rows, int cols, int ty,
-                                        int c0, unsigned* tt, float (*colsum)[64], float& m) {
-    float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // this thread's rows, columns c .. c + 7
-    const int r0 = ty * 128 * G;
+__global__ void __launch_bounds__(256)
+cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
+                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                     float* __restrict__ amax, float* __restrict__ part, int rows, int cols) {
+    __shared__ __align__(16) unsigned tt[64 * 32 * G];
+    __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
+    float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};     // this thread's rows, columns c .. c + 7
+    const float s = scale[0];
+    const int r0 = blockIdx.y * 128 * G, c0 = blockIdx.x * 64;
     const int a = threadIdx.x >> 3, b = threadIdx.x & 7, c = c0 + 8 * b;
+    float m = 0.f;
     Vec<T, 8> in[G][4];  // every load of the tile issued before any is used
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -127,7 +129,7 @@ __device__ __forceinline__ void ct_tile(const T* __restrict__ x, float s,
         float t = 0.f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
-        part[(long long)ty * cols + c0 + threadIdx.x] = t;
+        part[(long long)blockIdx.y * cols + c0 + threadIdx.x] = t;
     }
 #pragma unroll
     for (int h = 0; h < 2 * G; ++h) {
@@ -137,26 +139,6 @@ __device__ __forceinline__ void ct_tile(const T* __restrict__ x, float s,
             store_vec<16>(qt + (long long)(c0 + col) * rows + r,
                           *reinterpret_cast<const Vec<unsigned char, 16>*>(
                               &tt[tt_word<G>(col, 4 * chunk)]));
-    }
-}
-
-// Persistent: a block takes tiles blockIdx.x, + gridDim.x, ... (row-major over the tile
-// grid), so the amax reduction and its atomic run once per block, not per tile.
-template <typename T, typename F8, int G, bool DBIAS>
-__global__ void __launch_bounds__(256)
-cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
-                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ amax, float* __restrict__ part, int rows, int cols) {
-    __shared__ __align__(16) unsigned tt[64 * 32 * G];
-    __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
-    const float s = scale[0];
-    const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
-    float m = 0.f;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int ty = tile / tiles_x;
-        ct_tile<T, F8, G, DBIAS>(x, s, q, qt, part, rows, cols, ty, (tile - ty * tiles_x) * 64,
-                                 tt, colsum, m);
-        __syncthreads();  // tt and colsum are rewritten by the next tile
     }
     m = block_max(m);
     if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);

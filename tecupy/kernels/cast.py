@@ -5,8 +5,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, balanced_grid, cbool, grid_1d, on_gpu,
-                     resident_blocks, vec_width)
+from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, grid_1d, on_gpu, vec_width
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
@@ -61,11 +60,6 @@ def cast_transpose_dbias(x, scale, fmt, dbias_dtype):
     return _cast_transpose(x, scale, fmt, dbias_dtype)
 
 
-# cast_transpose_tiled blocks per SM at most (as many as fit, if fewer); each takes its
-# share of the tiles (0: one block per tile).
-CT_BLOCKS_PER_SM = 8
-
-
 def _cast_transpose(x, scale, fmt, dbias_dtype):
     import cupy
     from .activation import col_sum
@@ -78,11 +72,8 @@ def _cast_transpose(x, scale, fmt, dbias_dtype):
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
         k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
                                   f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}>")
-        tiles = (cols + 63) // 64 * blocks
-        per_sm = min(CT_BLOCKS_PER_SM, resident_blocks(k, 256, 0))
-        grid = balanced_grid(tiles, per_sm) if CT_BLOCKS_PER_SM else tiles
-        k((grid,), (256,),
-          (x, scale, q, qt, amax, part, np.int32(rows), np.int32(cols)))
+        k(((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, part, np.int32(rows),
+          np.int32(cols)))
     if dbias_dtype is None:
         return q, qt, amax
     if not x.size:
