@@ -184,9 +184,11 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // its moments through shared memory (named barrier 1 + group). gamma + (1 if zero-centered)
 // and beta are copied once per block, as float, into shared memory after the rings: L1
 // loads of them per row stalled every warp, and converting them per row cost more
-// instructions than the norm itself. Group i of the grid takes rows i, i + groups, ...
+// instructions than the norm itself (P = float; P = T keeps them as they are: half the
+// shared-memory reads per element, which ncu found saturated, for an unpack each). Group i
+// of the grid takes rows i, i + groups, ...
 // The launch fixes `slots` and the dynamic shared memory (rings, gamma, beta, scratch).
-template <typename T, int VEC, bool RMS, typename OUT, int G>
+template <typename T, int VEC, bool RMS, typename OUT, int G, typename P>
 __global__ void __launch_bounds__(512)
 norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
@@ -196,7 +198,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     using V = Vec<T, VEC>;
-    using F = Vec<float, VEC>;
+    using F = Vec<P, VEC>;  // P = float: gamma + zc as float; P = T: as they are
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int group = warp / G, n = hidden / VEC;
     const Portion part(n, G, warp % G, 1);
@@ -212,6 +214,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         for (int i = 0; i < slots && first + i * step < rows; ++i)
             ring.fill(smem, i, src + (first + i * step) * hidden, cnt * sizeof(V));
     F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(warps, slots, bytes));
+    const float zp = sizeof(P) == 4 ? 0.f : zc;  // added per use when gamma is kept raw
     float4* scratch = reinterpret_cast<float4*>(gb + (RMS ? n : 2 * n));  // [2][warps]
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const V g = load_vec<VEC>(gamma + c * VEC);
@@ -219,8 +222,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         if (!RMS) b = load_vec<VEC>(beta + c * VEC);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            gb[c].v[j] = to_float(g.v[j]) + zc;
-            if (!RMS) gb[n + c].v[j] = to_float(b.v[j]);
+            gb[c].v[j] = from_float<P>(to_float(g.v[j]) + (sizeof(P) == 4 ? zc : 0.f));
+            if (!RMS) gb[n + c].v[j] = from_float<P>(to_float(b.v[j]));
         }
     }
     __syncthreads();
@@ -268,7 +271,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float xh = (to_float(a.v[j]) - mean) * rs;
-                o[j] = RMS ? xh * g.v[j] : fmaf(xh, g.v[j], b.v[j]);
+                const float gj = to_float(g.v[j]) + zp;
+                o[j] = RMS ? xh * gj : fmaf(xh, gj, to_float(b.v[j]));
                 if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
             store_vec<VEC>(y + row * hidden + c * VEC, make_out<OUT, VEC>(o, sc));

@@ -92,7 +92,7 @@ def test_norm_bwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
 
 
-@pytest.mark.parametrize("variant", norm_kernels.FWD_VARIANTS)
+@pytest.mark.parametrize("variant", list(norm_kernels.FWD_VARIANTS) + ["stream-float"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(2, 40), (300, 8192), (40001, 64), (1000, 3000), (77, 2048)],
@@ -101,7 +101,8 @@ def test_norm_fwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
     """Every forward variant, the stream kernel on short rows too; (40001, 64) has more rows
     than its rings hold, so each warp's ring wraps around several times (mbarrier phases
     flip)."""
-    monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant)
+    monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant.split("-")[0])
+    monkeypatch.setattr(norm_kernels, "STREAM_GAMMA", "float" if "float" in variant else "input")
     monkeypatch.setattr(norm_kernels, "STREAM_MIN_ROW_BYTES", 0)
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
     if dtype != np.float32:

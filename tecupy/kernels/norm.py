@@ -52,8 +52,12 @@ loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_
 FWD_VARIANTS = ("warp", "stream")
 FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
 STREAM_MIN_ROW_BYTES = 4096
-loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}>" for t, v in _RING_VECS.items()
-                      for r in _BOOLS for o in _outs(t, v) for g in RING_GROUPS])
+# norm_fwd_stream keeps gamma/beta in shared memory as float ("float") or as the input
+# type ("input": half the shared-memory reads, ncu's limit; an unpack per use)
+STREAM_GAMMA = "input"
+loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}, {p}>"
+                      for t, v in _RING_VECS.items() for r in _BOOLS for o in _outs(t, v)
+                      for g in RING_GROUPS for p in sorted({"float", t})])
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
 THREADS_PER_ROW = 256  # preferred block size (tuned in PERFLOG.md)
@@ -138,12 +142,14 @@ def _stream_launch(rows, hidden, vec, types, rms):
     row_bytes = hidden * 16 // vec
     group = ring_group(row_bytes)
     slot = 16 * ring_portion(hidden // vec, group)
-    # float copies of gamma (and beta), and the moments' scratch [2, 16 warps] of float4
-    extra = 4 * hidden * (1 if rms else 2) + 512
+    ptype = "float" if STREAM_GAMMA == "float" else types.split(",")[0]
+    # copies of gamma (and beta), and the moments' scratch [2, 16 warps] of float4
+    extra = (4 if ptype == "float" else row_bytes // hidden) * hidden * (1 if rms else 2) + 512
     if not (FWD_VARIANT == "stream" and vec > 1 and row_bytes >= STREAM_MIN_ROW_BYTES
             and hopper() and ring_plan(slot, extra)):
         return None
-    k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "") + f", {group}>")
+    k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "")
+                        + f", {group}, {ptype}>")
     return ring_launch(k, rows, slot, extra, group)
 
 
