@@ -214,7 +214,6 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         for (int i = 0; i < slots && first + i * step < rows; ++i)
             ring.fill(smem, i, src + (first + i * step) * hidden, cnt * sizeof(V));
     F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(warps, slots, bytes));
-    const float zp = sizeof(P) == 4 ? 0.f : zc;  // added per use when gamma is kept raw
     float4* scratch = reinterpret_cast<float4*>(gb + (RMS ? n : 2 * n));  // [2][warps]
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const V g = load_vec<VEC>(gamma + c * VEC);
@@ -271,7 +270,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float xh = (to_float(a.v[j]) - mean) * rs;
-                const float gj = to_float(g.v[j]) + zp;
+                float gj = to_float(g.v[j]);
+                if constexpr (sizeof(P) != 4) gj += zc;  // kept raw: zc added here
                 o[j] = RMS ? xh * gj : fmaf(xh, gj, to_float(b.v[j]));
                 if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
