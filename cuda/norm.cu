@@ -43,8 +43,8 @@ template <typename T, int VEC> __device__ __forceinline__ float shift_of(const V
 // sum += sum of (a - x0), sq += sum of (a - x0)^2 over one chunk, the chunk summed first so
 // a thread's running sums stay short (a long sequential float sum lost digits at 3000 wide).
 template <typename T, int VEC>
-__device__ __forceinline__ void add_moments(const Vec<T, VEC>& a, float x0, float& sum,
-                                            float& sq) {
+__device__ __forceinline__ void add_moments(const Vec<T, VEC> a, float x0, float& sum,
+                                            float& sq) {  // a by value: one 16-byte load
     float cs = 0.f, cq = 0.f;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
