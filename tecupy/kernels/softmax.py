@@ -34,8 +34,8 @@ loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false"
                   for c in set(FWD_VARIANTS.values()) if c for m in ("false", "true")]
                + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
                   for c in BWD_VARIANTS.values() if c]
-               + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}, {g}>" for t in _TYPES
-                  for m in ("false", "true") for g in RING_GROUPS])
+               + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}, {g}, {c}>" for t in _TYPES
+                  for m in ("false", "true") for g in RING_GROUPS for c in ("false", "true")])
 
 
 def _block_shape(dtype, sk, chunks):
@@ -66,7 +66,7 @@ def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
     return vec, next(c for c in WARP_CHUNKS if c >= need)
 
 
-def _stream_launch(dtype, sk, rows, has_mask):
+def _stream_launch(dtype, sk, rows, has_mask, causal):
     """The launch of softmax_fwd_stream (common.ring_launch), or None where it does not
     apply (not the variant, not Hopper, rows not of 16-byte vectors, a mask row not of
     16-byte multiples, a row too long for 2 slots)."""
@@ -80,7 +80,7 @@ def _stream_launch(dtype, sk, rows, has_mask):
             and hopper() and ring_plan(slot, extra)):
         return None
     k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, "
-                              f"{cbool(has_mask)}, {group}>")
+                              f"{cbool(has_mask)}, {group}, {cbool(causal)}>")
     return ring_launch(k, rows, slot, extra, group)
 
 
@@ -99,7 +99,7 @@ def softmax_fwd(x, scale, mask, causal):
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
-    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None)
+    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal)
     if stream:
         k, grid, threads, smem = stream
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
