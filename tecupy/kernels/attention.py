@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import bfloat16, is_cupy
-from .common import CTYPE, cbool, grid_1d, hopper, tma_desc
+from .common import CTYPE, cbool, grid_1d, hopper, opt_in_smem, tma_desc
 
 FILE, SM90_FILE = "attention.cu", "attention_sm90.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]
@@ -90,8 +90,7 @@ def _supports_bwd(do, q, k, v, o, lse, scale, *rest):
 
 def _function(name, smem, file=FILE):
     fn = loader.function(file, name)
-    if smem > 48 << 10 and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem  # opt in beyond the default 48 KB
+    opt_in_smem(fn, smem)
     return fn
 
 

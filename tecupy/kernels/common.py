@@ -53,6 +53,13 @@ def resident_blocks(k, threads, smem):
     return _occupancy[key]
 
 
+def opt_in_smem(k, smem):
+    """Let kernel `k` (a loader function) use `smem` dynamic shared bytes, beyond the
+    default 48 KB when needed."""
+    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem
+
+
 def balanced_grid(units, per_sm):
     """Blocks for a grid-stride loop over `units` (rows, or groups of rows) when `per_sm`
     blocks fit on an SM: all blocks resident at once and each gets the same number of units
@@ -82,8 +89,9 @@ def ring_group(row_bytes, warp_bytes=RING_WARP_BYTES):
 
 def ring_portion(chunks, group, align=1):
     """Chunks of the largest portion of a row of `chunks` split over `group` warps (the
-    kernels' Portion)."""
-    return -(--(-chunks // group) // align) * align
+    kernels' Portion): ceil(chunks / group), rounded up to a multiple of `align`."""
+    per = -(-chunks // group)
+    return -(-per // align) * align
 
 
 def ring_plan(slot_bytes, extra=0):
@@ -109,8 +117,7 @@ def ring_launch(k, rows, slot_bytes, extra=0, group=1):
     if plan is None:
         return None
     warps, per_sm, slots, smem = plan
-    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
-        k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
+    opt_in_smem(k, smem)
     per_sm = min(per_sm, resident_blocks(k, 32 * warps, smem))
 
     def run(grid, block, args, shared_mem):

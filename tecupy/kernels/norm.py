@@ -7,8 +7,8 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, hopper,
-                     resident_blocks, ring_group, ring_launch, ring_plan, ring_portion, sm_count,
-                     vec_width)
+                     opt_in_smem, resident_blocks, ring_group, ring_launch, ring_plan,
+                     ring_portion, sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -88,11 +88,6 @@ def _shape(hidden, vec):
 
 def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
-
-
-def _opt_in(k, smem):
-    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
-        k.max_dynamic_shared_size_bytes = smem  # beyond the default 48 KB
 
 
 def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
@@ -183,7 +178,7 @@ def _bwd_launch(rows, hidden, dtype, rms):
         k = loader.function(FILE, f"norm_bwd_ring<{CTYPE[dtype]}, {vec}, {chunks}, "
                                   f"{cbool(rms)}, {stages}>")
         smem = stages * 2 * chunks * threads * 16
-        _opt_in(k, smem)
+        opt_in_smem(k, smem)
         return k, balanced_grid(rows, resident_blocks(k, threads, smem)), threads, smem, reduce
     # Each block writes a [2, hidden] partial that the reduce reads back: fewer blocks
     # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
@@ -194,7 +189,7 @@ def _bwd_launch(rows, hidden, dtype, rms):
     rows_at_once = BWD_ROWS if chunks <= 2 else 1  # more chunks: registers are full
     k = loader.function(FILE, f"norm_bwd<{CTYPE[dtype]}, {vec}, {chunks}, {cbool(rms)}, "
                               f"{cbool(smem)}, {rows_at_once}>")
-    _opt_in(k, smem)
+    opt_in_smem(k, smem)
     return k, nblocks, threads, smem, reduce
 
 
