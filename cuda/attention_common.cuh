@@ -20,30 +20,24 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf)
 
 // c[16x8] += a[16x16] b[16x8] (row.col): a, b as ldmatrix gives them, c float32
 template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    __device__ static unsigned pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&v);
-    }
-};
-template <> struct Mma<__half> {
-    __device__ static void run(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    __device__ static unsigned pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&v);
-    }
-};
+// One specialization per 16-bit type: its PTX type name and its float-pair packing.
+#define TECUPY_MMA(T, PTX, T2, PACK)                                                          \
+    template <> struct Mma<T> {                                                               \
+        __device__ static void run(float c[4], const unsigned a[4], unsigned b0,              \
+                                   unsigned b1) {                                             \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "         \
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"             \
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                     \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));     \
+        }                                                                                     \
+        __device__ static unsigned pack(float lo, float hi) {                                 \
+            T2 v = PACK(lo, hi);                                                              \
+            return *reinterpret_cast<unsigned*>(&v);                                          \
+        }                                                                                     \
+    };
+TECUPY_MMA(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
+TECUPY_MMA(__half, "f16", __half2, __floats2half2_rn)
+#undef TECUPY_MMA
 
 // Philox keep flag of element `index` of the flat [b, h, sq, skv] score array
 __device__ __forceinline__ bool dropout_keep(unsigned long long index, uint2 key, float p) {
