@@ -121,6 +121,25 @@ template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; }
 template <int VEC, typename T> __device__ __forceinline__ Vec<T, VEC> load_vec(const T* p) {
     return *reinterpret_cast<const Vec<T, VEC>*>(p);
 }
+// A vector's elements as floats. bf16 by bit operations on whole words (low half << 16,
+// high half & 0xffff0000: one instruction each, where the conversion took two for the
+// high half).
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack(const Vec<T, VEC>& v, float (&f)[VEC]) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = to_float(v.v[j]);
+}
+template <int VEC>
+__device__ __forceinline__ void unpack(const Vec<__nv_bfloat16, VEC>& v, float (&f)[VEC]) {
+    static_assert(VEC % 2 == 0, "bf16 vectors unpack by words");
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+#pragma unroll
+    for (int j = 0; j < VEC / 2; ++j) {
+        f[2 * j] = __uint_as_float(w[j] << 16);
+        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
 // To global memory, as one vector store for 4, 8 and 16 bytes: a struct copy of Vec may be
 // split into narrower stores (a 16-byte bf16 store became four 4-byte or eight 2-byte
 // stores in norm_fwd_stream: twice the kernel time). No "memory" clobber, so loads may

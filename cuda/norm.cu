@@ -548,6 +548,182 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     }
 }
 
+// ---- backward on Hopper: GROUPS rows at a time per block, rows streamed by bulk copies --
+// norm_bwd_ring spent half its instructions on per-row overhead (each thread's cp.async
+// addresses, two block barriers), and at 16 elements per thread per row it was issue-bound
+// (76% of copy at 8192 x 4096). Here the block is GROUPS groups of TPG threads, each group
+// taking its own rows through its own ring of STAGES slots: thread 0 of the group loads a
+// whole row of x and of dy into a slot with two bulk copies completing on the slot's
+// mbarrier; the group sums a row's (s1, s2) behind one named barrier, after which the slot
+// of the previous row is free for a refill. The groups merge dgamma/dbeta in shared memory
+// at the end, so the partials the reduce reads back are one per block (at 8192 x 4096 one
+// per 256 threads were 8% of the bytes).
+
+// (a, b) summed over the TPG threads of a group; valid in all of them. One named barrier
+// (1 + group) per call: the scratch alternates halves, so a call cannot overwrite a half
+// that the group's previous call is still reading.
+__device__ __forceinline__ float2 group_sum2(float a, float b, float2 (*scratch)[32],
+                                             int parity, int group, int tpg) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = tpg >> 5;
+    if (lane == 0) scratch[parity][warp] = make_float2(a, b);
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(tpg) : "memory");
+    const float2 p = lane < warps ? scratch[parity][group * warps + lane] : make_float2(0.f, 0.f);
+    return make_float2(warp_sum(p.x), warp_sum(p.y));
+}
+
+// One 16-byte shared-memory read (a Vec read through a reference was split into 4-byte
+// reads once unpack took its words).
+template <typename V> __device__ __forceinline__ V lds16(const V* p) {
+    static_assert(sizeof(V) == 16, "16-byte vectors");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    V v;
+    memcpy(&v, &u, 16);
+    return v;
+}
+
+// Dynamic shared memory: GROUPS * STAGES mbarriers padded to 128 bytes (HEAD), then group
+// g's slot s at HEAD + (g STAGES + s) 2 hidden sizeof(T): a row of x, then the row of dy.
+// Needs rows of 16-byte vectors (VEC * sizeof(T) == 16).
+template <typename T, int VEC, int CHUNKS, bool RMS, int STAGES, int GROUPS>
+__global__ void __launch_bounds__(CHUNKS == 1 ? 1024 : 512)
+norm_bwd_grp(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
+             const float* __restrict__ rsigma, const T* __restrict__ gamma,
+             T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
+             int zero_centered) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int HEAD = (8 * GROUPS * STAGES + 127) / 128 * 128;  // the mbarriers
+    using V = Vec<T, VEC>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float2 scratch[2][32];
+    const int tpg = blockDim.x / GROUPS, group = threadIdx.x / tpg, gt = threadIdx.x % tpg;
+    const unsigned row_bytes = hidden * sizeof(T), bar = smem_addr(smem) + 8 * group * STAGES;
+    unsigned char* slots = smem + HEAD + group * STAGES * 2 * row_bytes;
+    const long long step = (long long)gridDim.x * GROUPS, first = blockIdx.x * GROUPS + group;
+    // thread 0 of the group: rows r of x and dy into slot s
+    auto fill = [&](int s, long long r) {
+        if (r >= rows) return;
+        const unsigned dst = smem_addr(slots + s * 2 * row_bytes);
+        mbar_expect_tx(bar + 8 * s, 2 * row_bytes);
+        bulk_load(dst, x + r * hidden, row_bytes, bar + 8 * s);
+        bulk_load(dst + row_bytes, dy + r * hidden, row_bytes, bar + 8 * s);
+    };
+    if (gt == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(bar + 8 * s, 1);
+        mbar_init_fence();
+        for (int s = 0; s < STAGES; ++s) fill(s, first + s * step);
+    }
+    const float zc = zero_centered ? 1.f : 0.f;
+#define GOWNED(k, i) for (int k = 0, i = gt * VEC; k < CHUNKS; ++k, i += tpg * VEC)
+    float dg[CHUNKS][VEC], db[CHUNKS][VEC], gz[CHUNKS][VEC];
+#pragma unroll
+    GOWNED(k, i) {  // (gz of columns past the row is never read)
+        V gv = {};
+        if (i < hidden) gv = load_vec<VEC>(gamma + i);
+        unpack(gv, gz[k]);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            dg[k][j] = db[k][j] = 0.f;
+            gz[k][j] += zc;
+        }
+    }
+    __syncthreads();  // the mbarriers are initialized
+    int slot = 0;
+    unsigned parity = 0;
+    float m_next = 0.f, rs_next = 0.f;  // one row ahead, as norm_bwd_ring
+    if (first < rows) {
+        m_next = RMS ? 0.f : mu[first];
+        rs_next = rsigma[first];
+    }
+    // Per row, with d = x - mu, xhat = d rs, dxhat = gamma dy (fewest instructions per element):
+    //   s1 = sum gamma dy,  s2 = sum gamma dy d,  dgamma += (dy d) rs,  dbeta += dy,
+    //   dx = rs (dxhat - s1 / n - xhat rs s2 / n) = dy (gamma rs) - (d c2 + c1),
+    //   c1 = rs s1 / n, c2 = rs^3 s2 / n. RMSNorm: mu = 0, no s1, no dbeta.
+    const float inv_n = 1.f / hidden;
+    for (long long row = first; row < rows; row += step) {
+        const float m = m_next, rs = rs_next;
+        if (row + step < rows) {
+            m_next = RMS ? 0.f : mu[row + step];
+            rs_next = rsigma[row + step];
+        }
+        mbar_wait(bar + 8 * slot, parity);
+        const V* cx = reinterpret_cast<const V*>(slots + slot * 2 * row_bytes) + gt;
+        const V* cd = reinterpret_cast<const V*>(slots + slot * 2 * row_bytes + row_bytes) + gt;
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        GOWNED(k, i) if (i < hidden) {
+            float xf[VEC], df[VEC];
+            unpack(lds16(cx + k * tpg), xf);
+            unpack(lds16(cd + k * tpg), df);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float t = df[j] * (xf[j] - m);
+                dg[k][j] = fmaf(t, rs, dg[k][j]);
+                s2 = fmaf(gz[k][j], t, s2);
+                if (!RMS) {
+                    s1 = fmaf(gz[k][j], df[j], s1);
+                    db[k][j] += df[j];
+                }
+            }
+        }
+        const float2 s = group_sum2(s1, s2, scratch, parity, group, tpg);
+        // past the barrier every thread of the group is done with the previous row's slot
+        const int prev = slot == 0 ? STAGES - 1 : slot - 1;
+        if (gt == 0 && row != first) fill(prev, row - step + STAGES * step);
+        const float c1 = RMS ? 0.f : rs * s.x * inv_n, c2 = rs * rs * rs * s.y * inv_n;
+#pragma unroll
+        GOWNED(k, i) if (i < hidden) {
+            float xf[VEC], df[VEC], o[VEC];
+            unpack(lds16(cx + k * tpg), xf);
+            unpack(lds16(cd + k * tpg), df);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                o[j] = fmaf(df[j], gz[k][j] * rs, -fmaf(xf[j] - m, c2, c1));
+            store_vec<VEC>(dx + row * hidden + i, make_out<T, VEC>(o, 1.f));
+        }
+        if (++slot == STAGES) slot = 0, parity ^= 1;
+    }
+    // groups 1.. leave their sums in the (now idle) slots; group 0 adds them up
+    if (GROUPS > 1) {
+        Vec<float, VEC>* red = reinterpret_cast<Vec<float, VEC>*>(smem + HEAD);
+        __syncthreads();
+        if (group > 0) {
+#pragma unroll
+            GOWNED(k, i) {
+                Vec<float, VEC> g, b;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) g.v[j] = dg[k][j], b.v[j] = db[k][j];
+                red[((group - 1) * 2 * CHUNKS + k) * tpg + gt] = g;
+                red[(((group - 1) * 2 + 1) * CHUNKS + k) * tpg + gt] = b;
+            }
+        }
+        __syncthreads();
+        if (group > 0) return;
+#pragma unroll
+        for (int q = 0; q < GROUPS - 1; ++q) {
+#pragma unroll
+            GOWNED(k, i) {
+                const Vec<float, VEC> g = red[(q * 2 * CHUNKS + k) * tpg + gt];
+                const Vec<float, VEC> b = red[((q * 2 + 1) * CHUNKS + k) * tpg + gt];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) dg[k][j] += g.v[j], db[k][j] += b.v[j];
+            }
+        }
+    }
+    float* p = part + (long long)blockIdx.x * 2 * hidden;
+#pragma unroll
+    GOWNED(k, i) if (i < hidden) {
+        Vec<float, VEC> g, b;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g.v[j] = dg[k][j], b.v[j] = db[k][j];
+        store_vec<VEC>(p + i, g);
+        store_vec<VEC>(p + hidden + i, b);
+    }
+#undef GOWNED
+#endif
+}
+
 // norm_bwd_reduce with 16-byte loads and several loads in flight per thread: the partials
 // are few rows of many columns, so the sum is latency-bound unless each thread keeps
 // several loads outstanding. Launch: blocks of (32, 32), block b sums the 128 columns

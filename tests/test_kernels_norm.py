@@ -107,3 +107,21 @@ def test_norm_fwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
     if dtype != np.float32:
         test_norm_forward_fp8_output(rng, rms, dtype, shape)
+
+
+@pytest.mark.parametrize("groups_stages", [(1, 4, None), (2, 2, 1), (4, 3, None), (8, 3, 1)],
+                         ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(2, 40), (5, 24), (37, 1000), (129, 4096), (300, 2048),
+                                   (40001, 64)], ids=str)
+def test_norm_bwd_grp_groups(monkeypatch, rng, groups_stages, rms, dtype, shape):
+    """norm_bwd_grp (Hopper) with up to 1-8 groups per block, 2-4 ring slots, one block or
+    as many as fit per SM: rows shared unevenly between the groups, rings that wrap, the
+    groups' sums merged."""
+    groups, stages, per_sm = groups_stages
+    monkeypatch.setattr(norm_kernels, "BWD_VARIANT", "grp")
+    monkeypatch.setattr(norm_kernels, "BWD_GROUPS", groups)
+    monkeypatch.setattr(norm_kernels, "BWD_BLOCKS_PER_SM", per_sm)
+    monkeypatch.setitem(norm_kernels.BWD_VARIANTS, "grp", ("grp", stages, "vec"))
+    test_norm_forward_and_backward(rng, rms, True, dtype, shape)

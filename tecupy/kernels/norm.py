@@ -35,11 +35,22 @@ loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
 # (kind, stages, dgamma/dbeta reduce). "base" is the session-1 path; "ring4": block per row,
 # the next 3 rows streamed into shared memory by cp.async, on 16-byte rows of at most 2
 # chunks per thread (other shapes take the base kernel, with the vector reduce).
-BWD_VARIANTS = {"base": ("base", 0, "scalar"), "ring4": ("ring", 4, "vec")}
-BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "ring4")  # H200: 56-59% of copy vs 50-52%
+# "grp" (Hopper, rows of 16-byte vectors within 2 chunks per thread, else "ring4"):
+# norm_bwd_grp, BWD_GROUPS groups of threads per block, each with its own ring of
+# BWD_STAGES row slots filled by bulk copies (fewer where shared memory is short).
+BWD_VARIANTS = {"base": ("base", 0, "scalar"), "ring4": ("ring", 4, "vec"),
+                "grp": ("grp", 3, "vec")}
+BWD_VARIANT = os.environ.get("TECUPY_NORM_BWD", "grp")
+BWD_GROUPS = 8  # at most
+# grp blocks per SM (None: as many as fit); each block's dgamma/dbeta partial is read back
+BWD_BLOCKS_PER_SM = 1
+BWD_SMEM = 200 << 10  # shared bytes the grp rings may take per block
 _RING_VECS = {t: v[1] for t, v in _VECS.items()}  # 16-byte vectors only
 loader.declare(FILE, [f"norm_bwd_ring<{t}, {v}, {c}, {r}, 4>" for t, v in _RING_VECS.items()
                       for c, r in itertools.product((1, 2), _BOOLS)]
+               + [f"norm_bwd_grp<{t}, {v}, {c}, {r}, {s}, {g}>" for t, v in _RING_VECS.items()
+                  for c, r, s, g in itertools.product((1, 2), _BOOLS, (2, 3, 4), (1, 2, 4, 8))
+                  if c == 1 or g < 4]
                + [f"norm_bwd_reduce_vec<{t}>" for t in _VECS])
 
 # Forward variants: "warp" (a warp per row from registers, or a block per row for long
@@ -174,7 +185,22 @@ def _bwd_launch(rows, hidden, dtype, rms):
     kind, stages, reduce = BWD_VARIANTS[BWD_VARIANT]
     vec = vec_width(dtype, hidden)
     threads, chunks = _shape(hidden, vec)
-    if kind == "ring" and vec > 1 and chunks <= 2:
+    if kind == "grp" and vec > 1 and chunks <= 2 and hopper():
+        plan = _grp_plan(hidden * dtype.itemsize, stages, threads, chunks)
+        if plan:
+            groups, stages = plan
+            k = loader.function(FILE, f"norm_bwd_grp<{CTYPE[dtype]}, {vec}, {chunks}, "
+                                      f"{cbool(rms)}, {stages}, {groups}>")
+            # the rings, which the groups' dgamma/dbeta sums reuse at the end
+            smem = -(-8 * groups * stages // 128) * 128 + max(
+                groups * stages * 2 * hidden * dtype.itemsize,
+                (groups - 1) * 2 * chunks * threads * vec * 4)
+            opt_in_smem(k, smem)
+            per_sm = BWD_BLOCKS_PER_SM or resident_blocks(k, groups * threads, smem)
+            return (k, balanced_grid(-(-rows // groups), per_sm), groups * threads, smem,
+                    reduce)
+    if kind in ("ring", "grp") and vec > 1 and chunks <= 2:
+        stages = stages if kind == "ring" else 4
         k = loader.function(FILE, f"norm_bwd_ring<{CTYPE[dtype]}, {vec}, {chunks}, "
                                   f"{cbool(rms)}, {stages}>")
         smem = stages * 2 * chunks * threads * 16
@@ -191,6 +217,21 @@ def _bwd_launch(rows, hidden, dtype, rms):
                               f"{cbool(smem)}, {rows_at_once}>")
     opt_in_smem(k, smem)
     return k, nblocks, threads, smem, reduce
+
+
+def _grp_plan(row_bytes, stages, threads, chunks):
+    """(groups, stages) of norm_bwd_grp: the most groups of `threads` threads up to
+    BWD_GROUPS within its launch bounds (1024 threads of one chunk, 512 of two), then the
+    most stages up to `stages` whose rings (a row of x and one of dy per slot) fit in
+    BWD_SMEM; None when not even one group of 2 stages fits."""
+    limit = 1024 if chunks == 1 else 512
+    for groups in (8, 4, 2, 1):
+        if groups > BWD_GROUPS or groups * threads > limit:
+            continue
+        for s in range(stages, 1, -1):
+            if groups * s * 2 * row_bytes <= BWD_SMEM:
+                return groups, s
+    return None
 
 
 def _bwd_reduce(part, nparts, hidden, dgamma, dbeta, rms, reduce):
