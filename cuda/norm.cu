@@ -33,10 +33,22 @@ __device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, i
 // The shift of the one-pass moments: the mean of a row's first chunk (VEC elements). Any
 // value near the row's mean keeps E[d^2] - E[d]^2 free of cancellation; one element alone
 // may sit 4 sigma out, and then the variance lost 4 bits (float32 rows failed the test).
-template <typename T, int VEC> __device__ __forceinline__ float shift_of(const Vec<T, VEC>& a) {
-    float s = 0.f;
+// unpack (common.cuh) for any VEC: its bf16 form takes pairs of elements
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack_any(const Vec<T, VEC>& a, float (&f)[VEC]) {
+    if constexpr (VEC % 2 == 0) {
+        unpack(a, f);
+    } else {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s += to_float(a.v[j]);
+        for (int j = 0; j < VEC; ++j) f[j] = to_float(a.v[j]);
+    }
+}
+
+template <typename T, int VEC> __device__ __forceinline__ float shift_of(const Vec<T, VEC> a) {
+    float f[VEC], s = 0.f;  // a by value: one 16-byte (shared) load, not VEC 2-byte ones
+    unpack_any(a, f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += f[j];
     return s * (1.f / VEC);
 }
 
@@ -45,10 +57,11 @@ template <typename T, int VEC> __device__ __forceinline__ float shift_of(const V
 template <typename T, int VEC>
 __device__ __forceinline__ void add_moments(const Vec<T, VEC> a, float x0, float& sum,
                                             float& sq) {  // a by value: one 16-byte load
-    float cs = 0.f, cq = 0.f;
+    float f[VEC], cs = 0.f, cq = 0.f;
+    unpack_any(a, f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        const float d = to_float(a.v[j]) - x0;
+        const float d = f[j] - x0;
         cs += d;
         cq += d * d;
     }
@@ -259,20 +272,25 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
             mean = RMS ? 0.f : tm;
             var = RMS ? ss / hidden : fmaxf(m2 / hidden, 0.f);
         }
-        const float rs = rsqrtf(var + eps);
+        const float rs = rsqrtf(var + eps), nmr = -mean * rs;
 #pragma unroll 4
         for (int c = lo + lane; c < lo + cnt; c += 32) {
             const V a = v[c];
             const F g = gb[c];
             F b;
             if (!RMS) b = gb[n + c];
-            float o[VEC];
+            float o[VEC], xf[VEC], gf[VEC], bf[VEC];
+            unpack(a, xf);
+            unpack(g, gf);
+            if (!RMS) unpack(b, bf);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                const float xh = (to_float(a.v[j]) - mean) * rs;
-                float gj = to_float(g.v[j]);
+                // 16-bit x: x rs - mean rs in one FMA (its rounding sits far below x's own)
+                const float xh = RMS ? xf[j] * rs
+                                 : sizeof(T) == 2 ? fmaf(xf[j], rs, nmr) : (xf[j] - mean) * rs;
+                float gj = gf[j];
                 if constexpr (sizeof(P) != 4) gj += zc;  // kept raw: zc added here
-                o[j] = RMS ? xh * gj : fmaf(xh, gj, to_float(b.v[j]));
+                o[j] = RMS ? xh * gj : fmaf(xh, gj, bf[j]);
                 if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
             store_vec<VEC>(y + row * hidden + c * VEC, make_out<OUT, VEC>(o, sc));

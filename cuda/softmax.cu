@@ -221,25 +221,44 @@ softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mas
 // Hopper: G warps per row, rows (and their mask rows) streamed through per-warp WarpRings
 // by bulk copies, so many rows per SM load at once and none is held in registers. Warp m
 // of a group owns a contiguous portion of the row's chunks (Portion, aligned so the mask's
-// portion starts on 16 bytes) and streams only that. Pass 1 over the slot: each lane's
-// online (max, sum of exp2) per chunk of VEC, merged across the warp, then across the group
-// (group_share); pass 2: y = exp2(v - max) / sum. Rows of x are 16-byte multiples and, with
-// a mask, sk % 16 == 0. Group i of the grid takes rows i, i + groups, ... The launch fixes
-// `slots` and the dynamic shared memory (rings, then the scratch [2][warps] float4).
-// CAUSAL is a template parameter here: without a mask or the causal rule, no entry needs
-// the compare and select that cost 4 of ~14 instructions per entry over the two passes.
-template <typename T, int VEC, bool HAS_MASK, bool CAUSAL>
-__device__ __forceinline__ void softmax_chunk(float (&v)[VEC], const Vec<T, VEC>* xs,
-                                              const Vec<unsigned char, VEC>* ms, int c,
-                                              int qi, float scale2) {
-    const Vec<T, VEC> a = xs[c];
-    Vec<unsigned char, VEC> mk;
-    if (HAS_MASK) mk = ms[c];
+// portion starts on 16 bytes) and streams only that. Three passes over the slot, each
+// reduced across the warp and the group (group_share): the max of the kept x; the sum of
+// exp2(x scale2 - max scale2); y = that exp2 / sum. With scale >= 0 (the launch's
+// condition) max(x scale) = max(x) scale, so an entry costs one FMA and one ex2 per
+// exponential (an online (max, sum) took ~19 instructions per entry, PERFLOG.md). Rows of
+// x are 16-byte multiples and, with a mask, sk % 16 == 0. Group i of the grid takes rows
+// i, i + groups, ... The launch fixes `slots` and the dynamic shared memory (rings, then
+// the scratch [2][warps] float4). CAUSAL is a template parameter: without a mask or the
+// causal rule no entry pays for the keep test.
+__device__ __forceinline__ float exp2_ftz(float x) {  // one MUFU.EX2; exp2(-inf) = 0
+    float y;  // exp2f adds a denormal range fix-up (3 instructions) around it
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// chunk c of a slot, by value: one 16-byte shared load (unpack's word reads of a reference
+// became two 8-byte loads)
+template <typename V> __device__ __forceinline__ V load_chunk(const V* xs, int c) {
+    return xs[c];
+}
+
+// entry j of chunk c of row qi (mod sq) is kept: not past the diagonal, not masked
+template <int VEC, bool HAS_MASK, bool CAUSAL>
+__device__ __forceinline__ bool kept(const Vec<unsigned char, VEC>& mk, int c, int j, int qi) {
+    return !(CAUSAL && c * VEC + j > qi) && !(HAS_MASK && mk.v[j]);
+}
+
+// v over the warp, then over the G warps of the group (scratch half `parity`), by `op`
+template <int G, typename Op>
+__device__ __forceinline__ float group_reduce(float v, Op op, float4* scratch, int parity) {
+    v = warp_reduce(v, op);
+    if (G > 1) {
+        const float4* p = group_share<G>(make_float4(v, 0.f, 0.f, 0.f), scratch, parity);
+        v = p[0].x;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const bool keep = !(CAUSAL && c * VEC + j > qi) && !(HAS_MASK && mk.v[j]);
-        v[j] = keep ? scale2 * to_float(a.v[j]) : -kInf;
+        for (int i = 1; i < G; ++i) v = op(v, p[i].x);
     }
+    return v;
 }
 
 // causal (the argument) must equal CAUSAL.
@@ -270,48 +289,52 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
             const long long r = first + i * step;
             ring.fill(smem, i, xsrc + r * sk, xbytes, msrc + r * (HAS_MASK ? sk : 0), mbytes);
         }
-    int parity = 0;
-    for (long long r = first; r < rows; r += step, parity ^= 1) {
+    for (long long r = first; r < rows; r += step) {
         const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
         const V* xs = reinterpret_cast<const V*>(slot) - lo;     // xs[c], ms[c]: chunk c
         const M* ms = reinterpret_cast<const M*>(slot + xslot) - lo;
         const int qi = (int)(r % sq);
-        float2 t = make_float2(-kInf, 0.f);  // this lane's (max, sum of exp2(v - max))
+        float mx = -kInf, sum = 0.f, f[VEC];
+        M mk;
 #pragma unroll 2
         for (int c = lo + lane; c < lo + cnt; c += 32) {
-            float v[VEC], cm = -kInf, cs = 0.f;
-            softmax_chunk<T, VEC, HAS_MASK, CAUSAL>(v, xs, ms, c, qi, scale2);
+            unpack(load_chunk(xs, c), f);
+            if (HAS_MASK) mk = ms[c];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) cm = fmaxf(cm, v[j]);
-            if (cm == -kInf) continue;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) cs += exp2f(v[j] - cm);
-            t = merge_max_sum(t, make_float2(cm, cs));
+            for (int j = 0; j < VEC; ++j)
+                mx = fmaxf(mx, kept<VEC, HAS_MASK, CAUSAL>(mk, c, j, qi) ? f[j] : -kInf);
         }
-        for (int o = 16; o > 0; o >>= 1)
-            t = merge_max_sum(t, make_float2(__shfl_xor_sync(0xffffffffu, t.x, o),
-                                             __shfl_xor_sync(0xffffffffu, t.y, o)));
-        if (G > 1) {
-            const float4* p = group_share<G>(make_float4(t.x, t.y, 0.f, 0.f), scratch, parity);
-            t = make_float2(-kInf, 0.f);
-#pragma unroll
-            for (int i = 0; i < G; ++i) t = merge_max_sum(t, make_float2(p[i].x, p[i].y));
-        }
-        // a row with nothing kept becomes zeros: exp2(-inf - 0) = 0
-        const float mx = t.x == -kInf ? 0.f : t.x, inv = t.y > 0.f ? 1.f / t.y : 0.f;
+        mx = group_reduce<G>(mx, MaxOp(), scratch, 0);
+        // the reference's rule: a max that is not finite (all masked, or inf) counts as 0
+        const float shift = isfinite(mx) ? mx * scale2 : 0.f;
 #pragma unroll 2
         for (int c = lo + lane; c < lo + cnt; c += 32) {
-            Vec<T, VEC> out;
+            unpack(load_chunk(xs, c), f);
+            if (HAS_MASK) mk = ms[c];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float e = exp2_ftz(fmaf(f[j], scale2, -shift));
+                sum += kept<VEC, HAS_MASK, CAUSAL>(mk, c, j, qi) ? e : 0.f;
+            }
+        }
+        sum = group_reduce<G>(sum, SumOp(), scratch, 1);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll 2
+        for (int c = lo + lane; c < lo + cnt; c += 32) {
+            float o[VEC];
             if (CAUSAL && c * VEC > qi) {  // all past the diagonal: zeros, no exponentials
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(0.f);
+                for (int j = 0; j < VEC; ++j) o[j] = 0.f;
             } else {
-                float v[VEC];
-                softmax_chunk<T, VEC, HAS_MASK, CAUSAL>(v, xs, ms, c, qi, scale2);
+                unpack(load_chunk(xs, c), f);
+                if (HAS_MASK) mk = ms[c];
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(exp2f(v[j] - mx) * inv);
+                for (int j = 0; j < VEC; ++j) {
+                    const float e = exp2_ftz(fmaf(f[j], scale2, -shift)) * inv;
+                    o[j] = kept<VEC, HAS_MASK, CAUSAL>(mk, c, j, qi) ? e : 0.f;
+                }
             }
-            store_vec<VEC>(y + r * sk + c * VEC, out);
+            store_vec<VEC>(y + r * sk + c * VEC, make_out<T, VEC>(o, 1.f));
         }
         __syncwarp();  // every lane has read the slot: refill it
         const long long ahead = r + slots * step;

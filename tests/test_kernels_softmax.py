@@ -41,3 +41,15 @@ def test_softmax(monkeypatch, rng, variants, dtype, shape, masking):
     assert_within_2x_reference(run("softmax_bwd", bargs, True),
                                run("softmax_bwd", f64(bargs), False),
                                run("softmax_bwd", bargs, False), "softmax bwd", atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scale_sign(rng, scale, causal):
+    """The stream kernel takes max(x scale) as max(x) scale, so only scale >= 0; a negative
+    scale runs another kernel, and scale 0 gives each row's kept entries equal weights."""
+    x = (rng.standard_normal((2, 9, 4096)) * 4).astype(tecupy.bfloat16)
+    args = [x, scale, None, causal]
+    assert_within_2x_reference(run("softmax_fwd", args, True),
+                               run("softmax_fwd", f64(args), False),
+                               run("softmax_fwd", args, False), "softmax fwd", atol=1e-6)

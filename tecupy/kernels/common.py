@@ -69,8 +69,8 @@ def balanced_grid(units, per_sm):
 
 
 # Per-warp rings of rows (WarpRing in cuda/bulk.cuh), in groups of G warps per row (each
-# streams its portion of the row, at most RING_WARP_BYTES: the best for the norm on an
-# H200; the softmax, with more work per byte, takes 4096), blocks of min(16, warps per
+# streams its portion of the row, at most RING_WARP_BYTES: the best for the norm and
+# the softmax on an H200; the norm with an FP8 output takes 4096), blocks of min(16, warps per
 # SM) warps: per SM the rings (and `extra` bytes per block) take at most RING_SMEM bytes,
 # with the most warps (of RING_WARPS per SM) that still get 2+ slots each, at most
 # RING_MAX_SLOTS. Fewer than 8 warps per SM leave too few rows in flight (PERFLOG.md).

@@ -22,7 +22,7 @@ FWD_VARIANTS = {"base": 0, "block4": 4, "stream": 4}
 BWD_VARIANTS = {"base": 0, "block2": 2}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
 FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "stream")
-STREAM_WARP_BYTES = 4096  # of a row per warp in softmax_fwd_stream (H200: PERFLOG.md)
+STREAM_WARP_BYTES = 2048  # of a row per warp in softmax_fwd_stream (H200: PERFLOG.md)
 BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
@@ -66,17 +66,18 @@ def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
     return vec, next(c for c in WARP_CHUNKS if c >= need)
 
 
-def _stream_launch(dtype, sk, rows, has_mask, causal):
+def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
     """The launch of softmax_fwd_stream (common.ring_launch), or None where it does not
     apply (not the variant, not Hopper, rows not of 16-byte vectors, a mask row not of
-    16-byte multiples, a row too long for 2 slots)."""
+    16-byte multiples, a row too long for 2 slots, a scale that is negative or NaN: the
+    kernel takes max(x scale) as max(x) scale)."""
     vec = vec_width(dtype, sk)
     row_bytes = sk * np.dtype(dtype).itemsize
     group = ring_group(row_bytes, STREAM_WARP_BYTES)
     per = ring_portion(sk // vec, group, 16 // vec)  # the mask's portions stay aligned
     slot = per * (16 + (vec if has_mask else 0))
     extra = 512  # the group's scratch [2, 16 warps] of float4
-    if not (FWD_VARIANT == "stream" and vec > 1 and (sk % 16 == 0 or not has_mask)
+    if not (FWD_VARIANT == "stream" and scale >= 0 and vec > 1 and (sk % 16 == 0 or not has_mask)
             and hopper() and ring_plan(slot, extra)):
         return None
     k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, "
@@ -99,7 +100,8 @@ def softmax_fwd(x, scale, mask, causal):
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
-    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal)
+    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal,
+                                                 scale)
     if stream:
         k, grid, threads, smem = stream
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
