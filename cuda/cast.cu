@@ -60,14 +60,51 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // makes both the word stores and the 16-byte loads conflict-free.
 // DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
 // the float32 sum of the tile's rows of x, for a second pass over the row blocks.
-// Needs rows % 16 == 0, cols % 8 == 0; grid (cols / 64, rows / (128 G)) rounded up.
+// Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
+// element-wise loads, zeros past the edges, q by store_ragged; where rows % 16 != 0: qt by
+// store_ragged); grid (cols / 64, rows / (128 G)) rounded up.
 template <int G>
 __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row group in col
     const int chunk = word >> 2, swz = (chunk & ~7) | ((chunk ^ (col >> 3)) & 7);
     return col * 32 * G + swz * 4 + (word & 3);
 }
 
-template <typename T, typename F8, int G, bool DBIAS>
+// row r, columns c .. c + 7 of x (c < cols); RAGGED: rows past the end are zeros, and rows
+// not 16-byte aligned (cols % 8 != 0) are read element-wise
+template <bool RAGGED, typename T>
+__device__ __forceinline__ Vec<T, 8> load_tile_row(const T* x, int r, int c, int rows, int cols) {
+    if (!RAGGED || (cols % 8 == 0 && r < rows)) return load_vec<8>(x + (long long)r * cols + c);
+    Vec<T, 8> v;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        v.v[j] = r < rows && c + j < cols ? x[(long long)r * cols + c + j] : from_float<T>(0.f);
+    return v;
+}
+
+// RAGGED: q (where cols % 8 != 0) and qt (where rows % 16 != 0) written from the transposed
+// tile tt, each warp store 32 consecutive bytes of one row (rows of any length and
+// alignment; a thread's own 8-byte q piece or 16-byte qt piece as byte stores touched
+// 8-16x the L2 sectors: 5x slower)
+template <int G>
+__device__ __forceinline__ unsigned char tt_byte(const unsigned* tt, int col, int row) {
+    return reinterpret_cast<const unsigned char*>(tt)[4 * tt_word<G>(col, row >> 2) + (row & 3)];
+}
+
+template <int G>
+__device__ void store_ragged(const unsigned* tt, unsigned char* q, unsigned char* qt, int r0,
+                             int c0, int rows, int cols) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = warp; i < 128 * G && r0 + i < rows && cols % 8; i += 8)  // q: tile rows
+#pragma unroll
+        for (int col = lane; col < 64; col += 32)
+            if (c0 + col < cols) q[(long long)(r0 + i) * cols + c0 + col] = tt_byte<G>(tt, col, i);
+    for (int col = warp; col < 64 && c0 + col < cols && rows % 16; col += 8)  // qt: columns
+#pragma unroll
+        for (int i = lane; i < 128 * G; i += 32)
+            if (r0 + i < rows) qt[(long long)(c0 + col) * rows + r0 + i] = tt_byte<G>(tt, col, i);
+}
+
+template <typename T, typename F8, int G, bool DBIAS, bool RAGGED>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
@@ -85,12 +122,13 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = r0 + 128 * g + 4 * a + i;
-            if (r < rows && c < cols) in[g][i] = load_vec<8>(x + (long long)r * cols + c);
+            if ((RAGGED || r < rows) && c < cols)
+                in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols);
         }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
-        if (r >= rows || c >= cols) continue;
+        if (r >= rows || c >= cols) continue;  // (RAGGED: rows past the end are zeros)
         unsigned pair[4][4];  // pair[i][k]: codes of row i, columns c + 2k, c + 2k + 1
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -103,9 +141,10 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
             }
 #pragma unroll
             for (int k = 0; k < 4; ++k) pair[i][k] = fp8x2<F8>(f[2 * k] * s, f[2 * k + 1] * s);
-            *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
-                make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
-                           __byte_perm(pair[i][2], pair[i][3], 0x5410));
+            if (!RAGGED || (cols % 8 == 0 && r + i < rows))  // (else q from tt below)
+                *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
+                    make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
+                               __byte_perm(pair[i][2], pair[i][3], 0x5410));
         }
         // word of column c + j: its 4 row bytes (a 4 x 4 byte transpose by byte permutes)
 #pragma unroll
@@ -131,8 +170,9 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
         for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
         part[(long long)blockIdx.y * cols + c0 + threadIdx.x] = t;
     }
+    if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols);
 #pragma unroll
-    for (int h = 0; h < 2 * G; ++h) {
+    for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
         const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);
         const int r = r0 + 16 * chunk;
         if (r < rows && c0 + col < cols)

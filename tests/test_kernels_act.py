@@ -53,8 +53,9 @@ def test_activation(rng, name, dtype, shape, with_bias):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_activation_fp8_output(rng, name, dtype):
-    x, bias, _ = inputs(rng, name, dtype, (129, 1024), True)
+@pytest.mark.parametrize("shape", [(129, 1024), (37, 1002)], ids=str)  # 1002: scalar path
+def test_activation_fp8_output(rng, name, dtype, shape):
+    x, bias, _ = inputs(rng, name, dtype, shape, True)
     scale = np.array([rng.uniform(1, 20)], np.float32)
     q, amax = run(f"{name}_fwd", [x, bias, scale, E4M3], True)
     q_ref, amax_ref = run(f"{name}_fwd", [x, bias, scale, E4M3], False)

@@ -63,7 +63,8 @@ def test_quantize_accumulates_amax_on_gpu(rng):
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
-@pytest.mark.parametrize("shape", [(16, 8), (144, 72), (1008, 520), (64, 4096), (272, 136)],
+@pytest.mark.parametrize("shape", [(16, 8), (144, 72), (1008, 520), (64, 4096), (272, 136),
+                                   (1, 1), (3001, 1001), (131, 64), (16, 7), (272, 1001)],
                          ids=str)
 def test_cast_transpose_matches_reference(rng, fmt, dtype, shape):
     import cupy
@@ -80,7 +81,8 @@ def test_cast_transpose_matches_reference(rng, fmt, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
-@pytest.mark.parametrize("shape", [(16, 8), (144, 72), (1008, 520), (272, 4104)], ids=str)
+@pytest.mark.parametrize("shape", [(16, 8), (144, 72), (1008, 520), (272, 4104), (133, 77)],
+                         ids=str)
 def test_cast_transpose_dbias_matches_reference(rng, dtype, shape):
     """The same codes as cast_transpose, and dbias (float32 sums of 128-row partials) within
     float32 summation error of the float64 column sums, in the bias dtype."""

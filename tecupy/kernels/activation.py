@@ -16,7 +16,7 @@ _B = ("false", "true")
 def _names():
     for t, a, bias in itertools.product(_VECS, (0, 1, 2), _B):
         for v in _VECS[t]:
-            for out in (t,) + (tuple(FP8TYPE.values()) if v > 1 else ()):
+            for out in (t,) + tuple(FP8TYPE.values()):
                 yield from (f"act_fwd<{t}, {v}, {a}, {out}, {bias}>",
                             f"gated_fwd<{t}, {v}, {a}, {out}, {bias}>")
             yield from (f"act_bwd<{t}, {v}, {a}, {bias}>", f"gated_bwd<{t}, {v}, {a}, {bias}>")
@@ -28,12 +28,6 @@ loader.declare(FILE, list(_names()))
 
 
 supported = on_gpu_low_precision
-
-
-def supported_fwd(x, bias=None, scale=None, fmt=None):
-    """FP8 output only on the vectorized path (the output's last axis a multiple of 16
-    bytes of x; the gated halves then are too)."""
-    return supported(x) and (fmt is None or vec_width(x.dtype, x.shape[-1] // 2) > 1)
 
 
 def _kernel(prefix, name, x, vec, out=None, bias=None):
@@ -116,7 +110,7 @@ def _bwd(name, gated, dy, x, bias):
 
 
 def _register(name, gated):
-    backends.register(f"{name}_fwd", "cuda", supports=supported_fwd)(
+    backends.register(f"{name}_fwd", "cuda", supports=supported)(
         lambda x, bias=None, scale=None, fmt=None: _fwd(name, gated, x, bias, scale, fmt))
     backends.register(f"{name}_bwd", "cuda", supports=supported)(
         lambda dy, x, bias=None: _bwd(name, gated, dy, x, bias))

@@ -13,8 +13,8 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
     CTYPE.values(), FP8TYPE.values()) for v in (1, _VECS[t])]
     + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
                                                                  FP8TYPE.values())]
-    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}>" for d in LOW_PRECISION
-       for f in FP8TYPE.values() for b in ("false", "true")])
+    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}, {r}>" for d in LOW_PRECISION
+       for f in FP8TYPE.values() for b in ("false", "true") for r in ("false", "true")])
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
@@ -43,8 +43,7 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 
 
 def _ct_supported(x, scale, fmt):
-    return (is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim == 2
-            and x.shape[0] % 16 == 0 and x.shape[1] % 8 == 0)
+    return is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim == 2
 
 
 @backends.register("cast_transpose", "cuda", supports=_ct_supported)
@@ -71,7 +70,8 @@ def _cast_transpose(x, scale, fmt, dbias_dtype):
     part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
         k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
-                                  f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}>")
+                                  f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}, "
+                                  f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
         k(((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, part, np.int32(rows),
           np.int32(cols)))
     if dbias_dtype is None:

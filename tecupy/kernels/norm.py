@@ -19,14 +19,15 @@ _BOOLS = ("false", "true")
 _FP8 = tuple(FP8TYPE.values())
 
 
-def _outs(t, v):
-    """Output types of the forward: T itself, and FP8 codes on the vectorized path only."""
-    return (t,) + (_FP8 if v > 1 else ())
+# output types of the forward: T itself and FP8 codes, on every path (an odd hidden size
+# has no FP8 GEMM after it, but the op must still run on the GPU)
+def _outs(t):
+    return (t,) + _FP8
 
 
 loader.declare(FILE, [f"{k}<{t}, {v}, {c}, {r}, {o}>" for k, cs in (
     ("norm_fwd", CHUNKS), ("norm_fwd_warp", WARP_CHUNKS)) for t, c, r in itertools.product(
-    _VECS, cs, _BOOLS) for v in _VECS[t] for o in _outs(t, v)]
+    _VECS, cs, _BOOLS) for v in _VECS[t] for o in _outs(t)]
     + [f"norm_bwd<{t}, {v}, {c}, {r}, {a}, {q}>" for t, c, r, a, q in itertools.product(
         _VECS, CHUNKS, _BOOLS, _BOOLS, (1, 2)) for v in _VECS[t]]
     + [f"norm_bwd_reduce<{t}>" for t in _VECS])
@@ -70,7 +71,7 @@ STREAM_GAMMA = "input"
 # takes 4096 (H200 8192 x 4096: 65% of copy against 61% at 2048; bf16 out 85% against 81%)
 STREAM_WARP_BYTES = {False: RING_WARP_BYTES, True: 4096}
 loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}, {p}>"
-                      for t, v in _RING_VECS.items() for r in _BOOLS for o in _outs(t, v)
+                      for t, v in _RING_VECS.items() for r in _BOOLS for o in _outs(t)
                       for g in RING_GROUPS for p in sorted({"float", t})])
 
 MAX_THREADS = 512      # __launch_bounds__ of the kernels
@@ -254,16 +255,12 @@ def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
     return _fwd(x, gamma, beta, eps, zero_centered_gamma, rms=False)
 
 
-def supported_fp8(x, *args):
-    return supported(x) and vec_width(x.dtype, x.shape[-1]) > 1
-
-
-@backends.register("layernorm_fwd_fp8", "cuda", supports=supported_fp8)
+@backends.register("layernorm_fwd_fp8", "cuda", supports=supported)
 def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt):
     return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt)
 
 
-@backends.register("rmsnorm_fwd_fp8", "cuda", supports=supported_fp8)
+@backends.register("rmsnorm_fwd_fp8", "cuda", supports=supported)
 def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt):
     return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt)
 
