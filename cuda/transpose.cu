@@ -36,3 +36,21 @@ transpose_u8(const unsigned char* __restrict__ in, unsigned char* __restrict__ o
             make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
+
+// copy_u4: y = x in 16-byte words, U loads in flight per thread before its stores, grid-
+// stride. Not an op: the benchmark's measure of what a plain stream of SM loads and stores
+// reaches (python -m tecupy.bench kernels prints it beside the device-to-device memcpy).
+template <int U>
+__global__ void __launch_bounds__(256)
+copy_u4(const uint4* __restrict__ x, uint4* __restrict__ y, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += U * stride) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i + u * stride < n) v[u] = x[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i + u * stride < n) y[i + u * stride] = v[u];
+    }
+}

@@ -182,6 +182,17 @@ def copy_bandwidth(nbytes=1 << 30):
     return 2 * nbytes / ms / 1e9  # TB/s: bytes read + written
 
 
+def sm_copy_bandwidth(unroll, nbytes=1 << 30):
+    """TB/s of copy_u4 (cuda/transpose.cu), a plain grid-stride stream of 16-byte loads and
+    stores: what SM-driven streaming reaches, next to the memcpy above."""
+    import cupy
+    from tecupy.kernels.transpose import copy_u4
+    a = cupy.empty(nbytes, np.uint8)
+    b = cupy.empty_like(a)
+    ms = gpu_time_ms(lambda: copy_u4(a, b, unroll), [()], calls=10)
+    return 2 * nbytes / ms / 1e9
+
+
 def copy_at_size(nbytes):
     """TB/s of device-to-device copies moving `nbytes` (read + written), buffers rotated past
     L2 and replayed from a CUDA graph like the kernels."""
@@ -201,6 +212,9 @@ def kernels(args):
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: device-to-device "
           f"copy {copy:.2f} TB/s; one tecupy call costs at least {floor * 1e3:.0f} us "
           "(Python dispatch + launch): times near it are host-bound")
+    sm = {u: sm_copy_bandwidth(u) for u in (1, 4)}
+    print("a plain copy kernel (16-byte loads and stores, 1 or 4 in flight per thread): "
+          + ", ".join(f"{sm[u]:.2f} TB/s ({100 * sm[u] / copy:.0f}%)" for u in sm))
     print(f"{'kernel':18s} {'size':>11s} {'backend':>9s} {'first ms':>8s} {'call ms':>8s} "
           f"{'kern ms':>8s} {'TB/s':>5s} {'%copy':>5s} {'%size':>5s} {'torch ms':>8s} "
           f"{'torch/call':>10s} {'numpy ms':>8s}")

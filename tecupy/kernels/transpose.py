@@ -1,12 +1,13 @@
 """CUDA transpose of FP8 codes (cuda/transpose.cu): the column-wise copy of an FP8 tensor
-whose cast made none."""
+whose cast made none; and the benchmark's plain copy kernel."""
 import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
 
 FILE = "transpose.cu"
-loader.declare(FILE, ["transpose_u8"])
+COPY_UNROLL = (1, 4)
+loader.declare(FILE, ["transpose_u8"] + [f"copy_u4<{u}>" for u in COPY_UNROLL])
 
 
 def supported(data):
@@ -24,3 +25,14 @@ def fp8_transpose(data):
         loader.function(FILE, "transpose_u8")((-(-cols // 64), -(-rows // 64)), (256,),
                                               (data, out, np.int32(rows), np.int32(cols)))
     return out
+
+
+def copy_u4(src, dst, unroll=4):
+    """dst[:] = src by copy_u4 (uint8 arrays of one size, a multiple of 16 bytes): the
+    benchmark's bar for a stream of SM loads and stores, not an op."""
+    from .common import grid_1d
+    if src.nbytes != dst.nbytes or src.nbytes % 16:
+        raise ValueError(f"copy_u4: sizes {src.nbytes} and {dst.nbytes}, need one multiple of 16")
+    n = src.nbytes // 16
+    loader.function(FILE, f"copy_u4<{unroll}>")((grid_1d(n, unroll),), (256,),
+                                                 (src, dst, np.int64(n)))
