@@ -319,14 +319,15 @@ __device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP]) {
     for (int i = 0; i < NP; ++i) acc[H * NP + i] += part[i];
 }
 
-// Issue, wait for and promote the column sub-tiles H.. of one k-block (recursion unrolls it).
+// Issue and wait for the column sub-tiles H.. of one k-block, promoting all but the last
+// (recursion unrolls it): once it returns, the stage has been read.
 template <int H, int BN, class MMA>
 __device__ __forceinline__ void split_block(const uint8_t* a, const uint8_t* b,
                                             float (&acc)[BN / 2],
                                             float (&part)[mma_n<MMA>() / 2]) {
-    if constexpr (H * mma_n<MMA>() < BN) {
-        mma_block<MMA>(a, b + H * mma_n<MMA>() * BK, part, false);
-        cute::warpgroup_wait<0>();
+    mma_block<MMA>(a, b + H * mma_n<MMA>() * BK, part, false);
+    cute::warpgroup_wait<0>();
+    if constexpr ((H + 1) * mma_n<MMA>() < BN) {
         promote<H>(acc, part);
         split_block<H + 1, BN, MMA>(a, b, acc, part);
     }
@@ -348,7 +349,8 @@ __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t*
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
         split_block<0, BN, MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, part);
-        release<CLUSTER>(&empty[s]);
+        release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
+        promote<BN / mma_n<MMA>() - 1>(acc, part);
         advance(s, phase, STAGES);
     }
 }
