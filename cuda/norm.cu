@@ -212,6 +212,9 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     extern __shared__ __align__(128) unsigned char smem[];
     using V = Vec<T, VEC>;
     using F = Vec<P, VEC>;  // P = float: gamma + zc as float; P = T: as they are
+    // chunks unrolled per loop: an FP8 output runs 16 warps per SM (4 KB of a row per warp),
+    // so each warp needs more loads in flight (H200: +1-4 points over 4; PERFLOG.md)
+    constexpr int UNROLL = Out<OUT>::fp8 ? 8 : 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int group = warp / G, n = hidden / VEC;
     const Portion part(n, G, warp % G, 1);
@@ -247,7 +250,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         // this warp's moments, shifted by its portion's first chunk (shift_of)
         const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;
-#pragma unroll 4
+#pragma unroll UNROLL
         for (int c = lo + lane; c < lo + cnt; c += 32) add_moments(v[c], x0, sum, sq);
         sum = warp_sum(sum);
         sq = warp_sum(sq);
@@ -273,7 +276,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
             var = RMS ? ss / hidden : fmaxf(m2 / hidden, 0.f);
         }
         const float rs = rsqrtf(var + eps), nmr = -mean * rs;
-#pragma unroll 4
+#pragma unroll UNROLL
         for (int c = lo + lane; c < lo + cnt; c += 32) {
             const V a = v[c];
             const F g = gb[c];
