@@ -123,7 +123,7 @@ template <int VEC, typename T> __device__ __forceinline__ Vec<T, VEC> load_vec(c
 }
 // A vector's elements as floats. bf16 by bit operations on whole words (low half << 16,
 // high half & 0xffff0000: one instruction each, where the conversion took two for the
-// high half).
+// high half); an odd-length bf16 vector element by element.
 template <typename T, int VEC>
 __device__ __forceinline__ void unpack(const Vec<T, VEC>& v, float (&f)[VEC]) {
 #pragma unroll
@@ -131,12 +131,16 @@ __device__ __forceinline__ void unpack(const Vec<T, VEC>& v, float (&f)[VEC]) {
 }
 template <int VEC>
 __device__ __forceinline__ void unpack(const Vec<__nv_bfloat16, VEC>& v, float (&f)[VEC]) {
-    static_assert(VEC % 2 == 0, "bf16 vectors unpack by words");
-    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
+    if constexpr (VEC % 2 == 0) {
+        const unsigned* w = reinterpret_cast<const unsigned*>(&v);
 #pragma unroll
-    for (int j = 0; j < VEC / 2; ++j) {
-        f[2 * j] = __uint_as_float(w[j] << 16);
-        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        for (int j = 0; j < VEC / 2; ++j) {
+            f[2 * j] = __uint_as_float(w[j] << 16);
+            f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = to_float(v.v[j]);
     }
 }
 

@@ -33,20 +33,9 @@ __device__ __forceinline__ void load_row(Vec<T, VEC> (&r)[CHUNKS], const T* p, i
 // The shift of the one-pass moments: the mean of a row's first chunk (VEC elements). Any
 // value near the row's mean keeps E[d^2] - E[d]^2 free of cancellation; one element alone
 // may sit 4 sigma out, and then the variance lost 4 bits (float32 rows failed the test).
-// unpack (common.cuh) for any VEC: its bf16 form takes pairs of elements
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack_any(const Vec<T, VEC>& a, float (&f)[VEC]) {
-    if constexpr (VEC % 2 == 0) {
-        unpack(a, f);
-    } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = to_float(a.v[j]);
-    }
-}
-
 template <typename T, int VEC> __device__ __forceinline__ float shift_of(const Vec<T, VEC> a) {
     float f[VEC], s = 0.f;  // a by value: one 16-byte (shared) load, not VEC 2-byte ones
-    unpack_any(a, f);
+    unpack(a, f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) s += f[j];
     return s * (1.f / VEC);
@@ -58,7 +47,7 @@ template <typename T, int VEC>
 __device__ __forceinline__ void add_moments(const Vec<T, VEC> a, float x0, float& sum,
                                             float& sq) {  // a by value: one 16-byte load
     float f[VEC], cs = 0.f, cq = 0.f;
-    unpack_any(a, f);
+    unpack(a, f);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         const float d = f[j] - x0;

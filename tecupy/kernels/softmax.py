@@ -100,8 +100,7 @@ def softmax_fwd(x, scale, mask, causal):
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
     warp = _warp_chunks(x.dtype, sk)
-    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal,
-                                                 scale)
+    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal, scale)
     if stream:
         k, grid, threads, smem = stream
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
