@@ -62,6 +62,14 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) {
     return d.desc_;
 }
 
+// The descriptor of the tile `bytes` further on: only the start address (bits 0-13, 16-byte
+// units; shared addresses stay below 2^18, so the sum never carries out of the field) moves.
+// The loops add to descriptors built once per kernel instead of building each from a pointer:
+// ~50 fewer instructions per k-block and warp, +2-12% split, +0-12% fast (H200, PERFLOG).
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, int bytes) {
+    return (d & 0xffffffff00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
+
 // One wgmma with the accumulator array unpacked into the atom's N / 2 register operands.
 template <class MMA, int N, int... I>
 __device__ __forceinline__ void wgmma(uint64_t da, uint64_t db, float (&d)[N], bool acc,
@@ -184,8 +192,8 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
 
 // 16-bit outputs without gelu's aux or accumulation leave through shared memory and TMA
 // stores, so the math warpgroups go back to their MMAs while the stores drain.
-template <class TOut, int EPI, bool ACCUM>
-constexpr bool kTmaStore = sizeof(TOut) == 2 && EPI < 2 && !ACCUM;
+template <class TOut, int EPI, bool ACCUM, int BN>
+constexpr bool kTmaStore = sizeof(TOut) == 2 && EPI < 2 && !ACCUM && BN % 64 == 0;
 
 // The staging buffer of one math warpgroup holds its 64 x BN tile as BN / 64 boxes of 64 rows
 // x 128 bytes, 128B-swizzled as the store descriptor expects (16-byte unit u of row r sits at
@@ -260,16 +268,17 @@ __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
     }
 }
 
-// Issue the BK / 32 wgmma of one k-block (a: this warpgroup's 64 rows of the A stage, b:
-// the B stage) as one batch into frag, restarting it from zero when !accumulate.
+// Issue the BK / 32 wgmma of one k-block (da: descriptor of this warpgroup's 64 rows of the
+// A stage, db: of the B stage) as one batch into frag, restarting it from zero when
+// !accumulate.
 template <class MMA, int N>
-__device__ __forceinline__ void mma_block(const uint8_t* a, const uint8_t* b, float (&frag)[N],
+__device__ __forceinline__ void mma_block(uint64_t da, uint64_t db, float (&frag)[N],
                                           bool accumulate) {
     fence(frag);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int k = 0; k < BK / 32; ++k)
-        wgmma<MMA>(smem_desc(a + 32 * k), smem_desc(b + 32 * k), frag, accumulate || k > 0);
+        wgmma<MMA>(desc_at(da, 32 * k), desc_at(db, 32 * k), frag, accumulate || k > 0);
     cute::warpgroup_commit_batch();
 }
 
@@ -293,14 +302,14 @@ __device__ __forceinline__ void advance(int& s, int& phase, int stages) {
 // Fast accumulation: wgmma accumulates in place; one batch stays in flight, so a stage is
 // released once the batch after it has been issued (wait<1>).
 template <int BN, int STAGES, int CLUSTER, class MMA>
-__device__ __forceinline__ void mainloop_fast(const uint8_t* sa, const uint8_t* sb,
+__device__ __forceinline__ void mainloop_fast(uint64_t da, uint64_t db,
                                               uint64_t* full, uint64_t* empty, int nk,
                                               int& s, int& phase, float (&acc)[BN / 2]) {
     static_assert(mma_n<MMA>() == BN, "fast accumulation takes a full-width wgmma atom");
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
-        mma_block<MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, kb > 0);
+        mma_block<MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc, kb > 0);
         cute::warpgroup_wait<1>();
         if (kb > 0) release<CLUSTER>(&empty[prev]);
         prev = s;
@@ -322,14 +331,14 @@ __device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP]) {
 // Issue and wait for the column sub-tiles H.. of one k-block, promoting all but the last
 // (recursion unrolls it): once it returns, the stage has been read.
 template <int H, int BN, class MMA>
-__device__ __forceinline__ void split_block(const uint8_t* a, const uint8_t* b,
+__device__ __forceinline__ void split_block(uint64_t da, uint64_t db,
                                             float (&acc)[BN / 2],
                                             float (&part)[mma_n<MMA>() / 2]) {
-    mma_block<MMA>(a, b + H * mma_n<MMA>() * BK, part, false);
+    mma_block<MMA>(da, desc_at(db, H * mma_n<MMA>() * BK), part, false);
     cute::warpgroup_wait<0>();
     if constexpr ((H + 1) * mma_n<MMA>() < BN) {
         promote<H>(acc, part);
-        split_block<H + 1, BN, MMA>(a, b, acc, part);
+        split_block<H + 1, BN, MMA>(da, db, acc, part);
     }
 }
 
@@ -340,7 +349,7 @@ __device__ __forceinline__ void split_block(const uint8_t* a, const uint8_t* b,
 // atom is narrower than the tile (BN = 256 with a 128-wide atom: acc and a full-width part
 // would not fit in 232 registers), the k-block runs one column sub-tile at a time.
 template <int BN, int STAGES, int CLUSTER, class MMA>
-__device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t* sb,
+__device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
                                                uint64_t* full, uint64_t* empty, int nk,
                                                int& s, int& phase, float (&acc)[BN / 2]) {
     float part[mma_n<MMA>() / 2];
@@ -348,7 +357,8 @@ __device__ __forceinline__ void mainloop_split(const uint8_t* sa, const uint8_t*
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
-        split_block<0, BN, MMA>(sa + s * BM * BK, sb + s * BN * BK, acc, part);
+        split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
+                                part);
         release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
         promote<BN / mma_n<MMA>() - 1>(acc, part);
         advance(s, phase, STAGES);
@@ -363,20 +373,21 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
                                      int nk, const uint8_t* sa, const uint8_t* sb,
                                      uint64_t* full, uint64_t* empty, uint8_t* staging,
                                      const cute::TmaDescriptor* tma_d) {
-    constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM>;
+    constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
     uint8_t* stage = staging + (threadIdx.x / 128 - 1) * 64 * BN * 2;
     e.alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
     e.out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
     const int row_off = (threadIdx.x / 128 - 1) * 64, M = e.M, N = e.N;
+    const uint64_t da = smem_desc(sa + row_off * BK), db = smem_desc(sb);  // stage 0's tiles
     float amax = 0.f;
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb);) {
         float acc[BN / 2];
         if constexpr (PROMOTE)
-            mainloop_split<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
+            mainloop_split<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s,
                                                      phase, acc);
         else
-            mainloop_fast<BN, STAGES, CLUSTER, MMA>(sa + row_off * BK, sb, full, empty, nk, s,
+            mainloop_fast<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s,
                                                     phase, acc);
         if constexpr (tma_store)
             epilogue_tma<BN, TOut, EPI>(acc, e, stage, tma_d, mb * BM + row_off, nb * BN);
@@ -401,7 +412,7 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
     uint8_t* staging = sb + STAGES * BN * BK;
-    constexpr int kStaging = kTmaStore<TOut, EPI, ACCUM> ? 2 * 64 * BN * 2 : 0;
+    constexpr int kStaging = kTmaStore<TOut, EPI, ACCUM, BN> ? 2 * 64 * BN * 2 : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStaging);
     uint64_t* empty = full + STAGES;
     const int nk = (K + BK - 1) / BK;

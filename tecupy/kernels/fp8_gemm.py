@@ -79,10 +79,11 @@ def smem_bytes(config, staging=True):
     return stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0) + 2 * stages * 8
 
 
-def tma_store(out_dtype, gelu, accumulate):
+def tma_store(out_dtype, gelu, accumulate, bn):
     """Whether the kernel's epilogue stages D in shared memory for TMA stores (as the
-    template decides: 16-bit D, no gelu aux output, no accumulation)."""
-    return np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
+    template decides: 16-bit D, no gelu aux output, no accumulation, 64-column boxes)."""
+    return (np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
+            and bn % 64 == 0)
 
 
 _warned = []
@@ -170,7 +171,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
     epi = 2 if gelu else int(bias is not None)
     name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config)
-    staged = not fp8_out and tma_store(out_dtype, gelu, accumulate)
+    staged = not fp8_out and tma_store(out_dtype, gelu, accumulate, bn)
     smem = smem_bytes(config, staged)
     if name not in _ready:  # first call of this kernel: declare a tuned config, raise smem
         if name not in loader.declared().get(FILE, ()):
