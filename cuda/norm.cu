@@ -187,7 +187,8 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // and beta are copied once per block, as float, into shared memory after the rings: L1
 // loads of them per row stalled every warp, and converting them per row cost more
 // instructions than the norm itself (P = float; P = T keeps them as they are: half the
-// shared-memory reads per element, which ncu found saturated, for an unpack each). Group i
+// shared-memory reads per element, which ncu found saturated, for an unpack each; only
+// without zero-centered gamma, as g + 1 is not a T). Group i
 // of the grid takes rows i, i + groups, ...
 // The launch fixes `slots` and the dynamic shared memory (rings, gamma, beta, scratch).
 template <typename T, int VEC, bool RMS, typename OUT, int G, typename P>
@@ -280,9 +281,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 // 16-bit x: x rs - mean rs in one FMA (its rounding sits far below x's own)
                 const float xh = RMS ? xf[j] * rs
                                  : sizeof(T) == 2 ? fmaf(xf[j], rs, nmr) : (xf[j] - mean) * rs;
-                float gj = gf[j];
-                if constexpr (sizeof(P) != 4) gj += zc;  // kept raw: zc added here
-                o[j] = RMS ? xh * gj : fmaf(xh, gj, bf[j]);
+                o[j] = RMS ? xh * gf[j] : fmaf(xh, gf[j], bf[j]);
                 if (Out<OUT>::fp8) m = fmaxf(m, fabsf(o[j]));
             }
             store_vec<VEC>(y + row * hidden + c * VEC, make_out<OUT, VEC>(o, sc));

@@ -121,7 +121,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
         FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
     if rows:
         k, grid, threads, smem = _fwd_launch(rows, hidden, vec_width(x.dtype, hidden), types,
-                                             rms)
+                                             rms, zero_centered_gamma)
         k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
           np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
           amax if scale is None else scale, amax), shared_mem=smem)
@@ -129,10 +129,10 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     return out + (amax,) if fmt else out
 
 
-def _fwd_launch(rows, hidden, vec, types, rms):
+def _fwd_launch(rows, hidden, vec, types, rms, zero_centered):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
-    stream = _stream_launch(rows, hidden, vec, types, rms)
+    stream = _stream_launch(rows, hidden, vec, types, rms, zero_centered)
     if stream:
         return stream
     threads, chunks = _shape(hidden, vec)
@@ -146,13 +146,14 @@ def _fwd_launch(rows, hidden, vec, types, rms):
     return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
 
 
-def _stream_launch(rows, hidden, vec, types, rms):
+def _stream_launch(rows, hidden, vec, types, rms, zero_centered):
     """The launch of norm_fwd_stream as _fwd_launch gives it, or None where the kernel does
     not apply (not Hopper, rows not of 16-byte vectors, too short, too long for 2 slots)."""
     row_bytes = hidden * 16 // vec
     group = ring_group(row_bytes, STREAM_WARP_BYTES["fp8" in types])
     slot = 16 * ring_portion(hidden // vec, group)
-    ptype = "float" if STREAM_GAMMA == "float" else types.split(",")[0]
+    # gamma + 1 (zero-centered) is kept as float: it need not be a value of the input type
+    ptype = "float" if STREAM_GAMMA == "float" or zero_centered else types.split(",")[0]
     # copies of gamma (and beta), and the moments' scratch [2, 16 warps] of float4
     extra = (4 if ptype == "float" else row_bytes // hidden) * hidden * (1 if rms else 2) + 512
     if not (FWD_VARIANT == "stream" and vec > 1 and row_bytes >= STREAM_MIN_ROW_BYTES
