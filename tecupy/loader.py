@@ -162,9 +162,28 @@ def _nvrtc(file, names, options):
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed to compile {path}\noptions: {' '.join(opts)}\n"
                                f"{err}\n{log}") from None
-        return nvrtc.getCUBIN(prog), {n: nvrtc.getLoweredName(prog, n) for n in names}
+        return (whole_elf(nvrtc.getCUBIN(prog)),
+                {n: nvrtc.getLoweredName(prog, n) for n in names})
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def whole_elf(binary):
+    """The cubin padded to the extent its ELF headers give. CuPy 14's nvrtc.getCUBIN returns
+    one byte less than nvrtcGetCUBINSize (read as a string): the last byte of the program
+    header table, the high byte of a small p_align, so zero. The driver loads either, but
+    nvdisasm rejects the short one ("invalid ELF")."""
+    import struct
+    if binary[:4] != b"\x7fELF" or binary[4] != 2:  # not a 64-bit ELF: leave it
+        return binary
+    phoff, shoff = struct.unpack_from("<QQ", binary, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", binary, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        kind, _, _, off, size = struct.unpack_from("<IQQQQ", binary, shoff + i * shentsize + 4)
+        if kind != 8:  # SHT_NOBITS takes no room in the file
+            end = max(end, off + size)
+    return binary + b"\0" * max(0, end - len(binary))
 
 
 _pinned = []  # the NVRTC builtins library, held open for the life of the process

@@ -29,6 +29,21 @@ def test_compile_error_names_file_options_and_log(tmp_path, monkeypatch):
         loader.compile_kernel("cast.cu", "no_such_kernel<int>", "sm_90a")
 
 
+def test_cached_cubin_is_a_whole_elf(tmp_path, monkeypatch):
+    """The cubin on disk spans every header and section its ELF header names (CuPy's
+    getCUBIN drops the last byte; nvdisasm rejects such a file)."""
+    import struct
+    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    name = loader.declared("sm_90a")["delayed_scaling.cu"][0]
+    cubin, _ = loader.compile_kernel("delayed_scaling.cu", name, "sm_90a")
+    data = cubin.read_bytes()
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    assert len(data) >= phoff + phentsize * phnum
+    assert loader.whole_elf(data) == data  # nothing left to pad
+    assert loader.whole_elf(data[:-1]) == data[:-1] + b"\0"
+
+
 def test_include_dirs_found():
     names = [str(d) for d in loader.include_dirs()]
     assert any(n.endswith("cuda") for n in names)
