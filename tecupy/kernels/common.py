@@ -73,7 +73,11 @@ def balanced_grid(units, per_sm):
 # the softmax on an H200; the norm with an FP8 output takes 4096), blocks of min(16, warps per
 # SM) warps: per SM the rings (and `extra` bytes per block) take at most RING_SMEM bytes,
 # with the most warps (of RING_WARPS per SM) that still get 2+ slots each, at most
-# RING_MAX_SLOTS. Fewer than 8 warps per SM leave too few rows in flight (PERFLOG.md).
+# RING_MAX_SLOTS or the caller's max_slots. Fewer than 8 warps per SM leave too few rows in
+# flight. ring_launch also caps the slots at a third of the rows each group streams (at
+# least 2): the first fills are one burst of reads before any output is written, and past
+# a third of the tensor that burst measured slower (H200, rows of 4 KB: +3-6 points of copy
+# with 2 slots instead of 3; PERFLOG.md).
 RING_SMEM = 220 << 10
 RING_WARPS = (32, 16, 8)
 RING_MAX_SLOTS = 8
@@ -94,14 +98,14 @@ def ring_portion(chunks, group, align=1):
     return -(-per // align) * align
 
 
-def ring_plan(slot_bytes, extra=0):
+def ring_plan(slot_bytes, extra=0, max_slots=RING_MAX_SLOTS):
     """(warps per block, blocks per SM, slots per warp, dynamic shared bytes per block) for
     per-warp rings of slots of `slot_bytes`, `extra` bytes after the rings, or None when 2
     slots do not fit."""
     for warps in RING_WARPS:
         per_block = min(16, warps)
         blocks = warps // per_block
-        slots = min(RING_MAX_SLOTS,
+        slots = min(max_slots, RING_MAX_SLOTS,
                     (RING_SMEM // blocks - extra - 1024) // (per_block * slot_bytes))
         if slots >= 2:
             rings = ((8 * per_block * slots + 127) & ~127) + per_block * slots * slot_bytes
@@ -109,13 +113,18 @@ def ring_plan(slot_bytes, extra=0):
     return None
 
 
-def ring_launch(k, rows, slot_bytes, extra=0, group=1):
+def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS):
     """(launch(grid, block, args, shared_mem) appending the slot count, grid, threads,
     shared bytes) for a kernel `k` (loader function) whose groups of `group` warps stream
     rows through WarpRings, or None (see ring_plan)."""
-    plan = ring_plan(slot_bytes, extra)
+    plan = ring_plan(slot_bytes, extra, max_slots)
     if plan is None:
         return None
+    warps, per_sm, slots, _ = plan
+    rows_per_group = -(-rows // (sm_count() * per_sm * (warps // group)))
+    cap = max(2, -(-rows_per_group // 3))
+    if slots > cap:
+        plan = ring_plan(slot_bytes, extra, cap)  # same warps, fewer slots
     warps, per_sm, slots, smem = plan
     opt_in_smem(k, smem)
     per_sm = min(per_sm, resident_blocks(k, 32 * warps, smem))

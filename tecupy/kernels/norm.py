@@ -70,6 +70,9 @@ STREAM_GAMMA = "input"
 # bytes of a row per warp (common.ring_group): an FP8 output does more work per byte and
 # takes 4096 (H200 8192 x 4096: 65% of copy against 61% at 2048; bf16 out 85% against 81%)
 STREAM_WARP_BYTES = {False: RING_WARP_BYTES, True: 4096}
+# at most 2 slots per warp (H200, LayerNorm with an FP8 output at 8192 x 4096: 70 -> 74-75%
+# of copy against 3 slots; bf16 outputs equal or better; PERFLOG.md)
+STREAM_MAX_SLOTS = 2
 loader.declare(FILE, [f"norm_fwd_stream<{t}, {v}, {r}, {o}, {g}, {p}>"
                       for t, v in _RING_VECS.items() for r in _BOOLS for o in _outs(t)
                       for g in RING_GROUPS for p in sorted({"float", t})])
@@ -161,7 +164,7 @@ def _stream_launch(rows, hidden, vec, types, rms, zero_centered):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "")
                         + f", {group}, {ptype}>")
-    return ring_launch(k, rows, slot, extra, group)
+    return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
 
 
 def _outputs(y, mu, rsigma, shape, rms):
