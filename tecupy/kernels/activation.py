@@ -5,7 +5,8 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import CTYPE, FP8TYPE, cbool, grid_1d, on_gpu_low_precision, vec_width
+from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, cbool, grid_1d, on_gpu_low_precision,
+                     vec_width)
 
 FILE = "act.cu"
 ACT_ID = {"gelu": 0, "relu": 1, "swiglu": 2, "geglu": 0}  # gated ones: silu / gelu of a
@@ -87,7 +88,8 @@ def _fwd(name, gated, x, bias, scale, fmt):
     s = amax if scale is None else scale
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        k((grid_1d(rows * n, vec),), (256,), (x, b, y) + shape + (s, amax))
+        blocks = MANY_BLOCKS if gated else 16  # gated: two streams (a and b halves)
+        k((grid_1d(rows * n, vec, 256, blocks),), (256,), (x, b, y) + shape + (s, amax))
     return (y, amax) if fmt else y
 
 
@@ -102,7 +104,7 @@ def _bwd(name, gated, dy, x, bias):
     b = x if bias is None else cupy.ascontiguousarray(bias)
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        k((grid_1d(rows * n, vec),), (256,), (dy, x, b, dx) + shape)
+        k((grid_1d(rows * n, vec, 256, MANY_BLOCKS),), (256,), (dy, x, b, dx) + shape)
     if bias is None:
         return dx, None
     db = dbias(dx.reshape(rows, x.shape[-1])) if rows else cupy.zeros(bias.shape, np.float32)

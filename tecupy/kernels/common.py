@@ -25,6 +25,14 @@ def on_gpu_low_precision(x, *args, **kwargs):
 _sm_counts = {}
 
 
+# Blocks per SM of grid-stride kernels that read two streams (or draw Philox numbers): 8
+# resident blocks of 256 threads, the rest queued, so each block takes fewer iterations and
+# the last ones end together (H200, 8192 x 4096: dropout 86-89 -> 94% of copy, gelu_bwd,
+# swiglu, add, dropout_bwd +2-3 points). Single-input kernels (cast, gelu) keep 16: -2-4
+# points at 64. PERFLOG.md.
+MANY_BLOCKS = 64
+
+
 def grid_1d(n, per_thread=1, threads=256, blocks_per_sm=16):
     """Blocks for a grid-stride loop over n items, `threads` items per block each taking
     `per_thread`: enough to fill the GPU (blocks_per_sm per SM), no more."""
