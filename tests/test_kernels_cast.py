@@ -21,7 +21,9 @@ def assert_same_codes(got, want, fmt):
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16, np.float64])
-@pytest.mark.parametrize("shape", [(1,), (1023,), (257, 129), (4099, 33)])
+# sizes for each path: scalar (odd sizes), one 16-byte vector per step (5 x 24 of 16-bit
+# types), two (37 x 48, and every size a multiple of 16 with a 32-byte aligned base)
+@pytest.mark.parametrize("shape", [(1,), (1023,), (257, 129), (4099, 33), (5, 24), (37, 48)])
 def test_cast_matches_reference(rng, fmt, dtype, shape):
     import cupy
     x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-12, 12, shape)).astype(dtype)
