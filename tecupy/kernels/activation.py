@@ -38,6 +38,13 @@ def _kernel(prefix, name, x, vec, out=None, bias=None):
     return loader.function(FILE, f"{prefix}<{types}, {cbool(bias is not None)}>")
 
 
+def _aligned(bias):
+    """bias, contiguous and 16-byte aligned (the kernels load it by vectors)."""
+    import cupy
+    bias = cupy.ascontiguousarray(bias)
+    return bias if bias.data.ptr % 16 == 0 else bias.copy()
+
+
 def dbias(dx2):
     """Column sums of dx2 [rows, ncols] in float32: per-split partials, then their sum."""
     import cupy
@@ -84,7 +91,7 @@ def _fwd(name, gated, x, bias, scale, fmt):
     vec = vec_width(x.dtype, n)
     k = _kernel("gated_fwd" if gated else "act_fwd", name, x, vec,
                 FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype], bias)
-    b = x if bias is None else cupy.ascontiguousarray(bias)
+    b = x if bias is None else _aligned(bias)
     s = amax if scale is None else scale
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
@@ -101,7 +108,7 @@ def _bwd(name, gated, dy, x, bias):
     dx = cupy.empty_like(x)
     vec = vec_width(x.dtype, n)
     k = _kernel("gated_bwd" if gated else "act_bwd", name, x, vec, bias=bias)
-    b = x if bias is None else cupy.ascontiguousarray(bias)
+    b = x if bias is None else _aligned(bias)
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
         k((grid_1d(rows * n, vec, 256, MANY_BLOCKS),), (256,), (dy, x, b, dx) + shape)
