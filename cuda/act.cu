@@ -2,6 +2,7 @@
 // with an optional bias added to the input (BIAS) and an optional FP8 output (OUT).
 //
 // gelu (tanh): 0.5 x (1 + tanh(k0 (x + k1 x^3))); relu: max(x, 0); silu: x / (1 + e^-x).
+// (16-bit and FP8 results: the same functions through a fast sigmoid, see act() below.)
 // With BIAS, x is replaced by x + bias[col] (bias over the last axis, in float).
 // Plain:  act_fwd:   y[i] = f(x[i]);                  act_bwd:   dx[i] = dy[i] f'(x[i])
 // Gated (x [rows, 2n] -> y [rows, n], a = x[r, c], b = x[r, n + c]):
