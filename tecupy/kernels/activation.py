@@ -95,8 +95,9 @@ def _fwd(name, gated, x, bias, scale, fmt):
     s = amax if scale is None else scale
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        blocks = MANY_BLOCKS if gated else 16  # gated: two streams (a and b halves)
-        k((grid_1d(rows * n, vec, 256, blocks),), (256,), (x, b, y) + shape + (s, amax))
+        # gated: two streams (its a and b halves) take many blocks; plain ones the default
+        grid = grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec)
+        k((grid,), (256,), (x, b, y) + shape + (s, amax))
     return (y, amax) if fmt else y
 
 

@@ -34,8 +34,8 @@ def dropout_fwd(x, p, seed, offset, residual=None):
                               f"{cbool(residual is not None)}>")
     if x.size:
         k((grid_1d(x.size, vec, 256, MANY_BLOCKS),), (256,),
-          (x, res, y, keep, np.int64(x.size), np.float32(p),
-          _factor(p), np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
+          (x, res, y, keep, np.int64(x.size), np.float32(p), _factor(p),
+           np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
     return y, keep.view(np.bool_)
 
 
