@@ -79,11 +79,8 @@ struct RowCol {
 };
 
 template <typename OUT>
-__device__ __forceinline__ void finish_amax(float m, float* amax) {
-    if (Out<OUT>::fp8) {
-        m = block_max(m);
-        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-    }
+__device__ __forceinline__ void finish_amax(float m, float* amax, unsigned* slot) {
+    if (Out<OUT>::fp8) grid_amax(m, amax, slot);
 }
 
 // for (i over this thread's VEC-wide chunks of n items), with pos at (row, column) of i in
@@ -98,7 +95,9 @@ __device__ __forceinline__ void finish_amax(float m, float* amax) {
 template <typename T, int VEC, int ACT, typename OUT, bool BIAS>
 __global__ void act_fwd(const T* __restrict__ x, const T* __restrict__ bias,
                         OUT* __restrict__ y, long long n, int ncols,
-                        const float* __restrict__ scale, float* __restrict__ amax) {
+                        const float* __restrict__ scale, float* __restrict__ amax,
+                        unsigned* __restrict__ slot) {
+    PDL_WAIT();
     const float s = Out<OUT>::fp8 ? scale[0] : 1.f;
     float m = 0.f;
     GRID_STRIDE(i, n, ncols, pos) {
@@ -111,7 +110,8 @@ __global__ void act_fwd(const T* __restrict__ x, const T* __restrict__ bias,
         }
         store_vec<VEC>(y + i, make_out<OUT, VEC>(v, s));
     }
-    finish_amax<OUT>(m, amax);
+    PDL_TRIGGER();
+    finish_amax<OUT>(m, amax, slot);
 }
 
 template <typename T, int VEC, int ACT, bool BIAS>
@@ -134,7 +134,9 @@ __global__ void act_bwd(const T* __restrict__ dy, const T* __restrict__ x,
 template <typename T, int VEC, int ACT, typename OUT, bool BIAS>
 __global__ void gated_fwd(const T* __restrict__ x, const T* __restrict__ bias,
                           OUT* __restrict__ y, long long rows, int n,
-                          const float* __restrict__ scale, float* __restrict__ amax) {
+                          const float* __restrict__ scale, float* __restrict__ amax,
+                          unsigned* __restrict__ slot) {
+    PDL_WAIT();
     const float s = Out<OUT>::fp8 ? scale[0] : 1.f;
     float m = 0.f;
     GRID_STRIDE(i, rows * n, n, pos) {
@@ -151,7 +153,8 @@ __global__ void gated_fwd(const T* __restrict__ x, const T* __restrict__ bias,
         }
         store_vec<VEC>(y + i, make_out<OUT, VEC>(v, s));
     }
-    finish_amax<OUT>(m, amax);
+    PDL_TRIGGER();
+    finish_amax<OUT>(m, amax, slot);
 }
 
 template <typename T, int VEC, int ACT, bool BIAS>

@@ -14,7 +14,8 @@
 template <typename T, typename F8, int VEC>
 __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ scale,
                             unsigned char* __restrict__ q, float* __restrict__ amax,
-                            long long n) {
+                            unsigned* __restrict__ slot, long long n) {
+    PDL_WAIT();
     const float s = scale[0];
     float m = 0.f;
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
@@ -28,8 +29,8 @@ __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ s
         }
         store_vec<VEC>(reinterpret_cast<F8*>(q + i), make_out<F8, VEC>(v, s));
     }
-    m = block_max(m);
-    if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    PDL_TRIGGER();
+    grid_amax(m, amax, slot);
 }
 
 // ---- dequantize --------------------------------------------------------------------------
@@ -108,7 +109,9 @@ template <typename T, typename F8, int G, bool DBIAS, bool RAGGED>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ amax, float* __restrict__ part, int rows, int cols) {
+                     float* __restrict__ amax, unsigned* __restrict__ slot, float* __restrict__ part,
+                     int rows, int cols) {
+    PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
     float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};     // this thread's rows, columns c .. c + 7
@@ -180,6 +183,6 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                           *reinterpret_cast<const Vec<unsigned char, 16>*>(
                               &tt[tt_word<G>(col, 4 * chunk)]));
     }
-    m = block_max(m);
-    if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
+    PDL_TRIGGER();
+    grid_amax(m, amax, slot);
 }

@@ -8,6 +8,20 @@
 constexpr float kFltMax = 3.402823466e+38f;  // FLT_MAX (NVRTC has no <cfloat>)
 #define kInf __int_as_float(0x7f800000)     // +infinity (no <cmath> INFINITY either)
 
+// Programmatic dependent launch (Hopper; the Python side's common.launch): a kernel launched
+// with it may start while the previous kernel in the stream is still finishing, so
+// PDL_WAIT() must come before its first global memory access (it returns once the previous
+// grid has completed and its writes are visible); PDL_TRIGGER() after the main loop lets
+// the next kernel's blocks be scheduled as this grid's blocks finish. Both are no-ops when
+// the kernel was launched without PDL.
+#if __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_TRIGGER()
+#endif
+
 // ---- conversion to and from float ------------------------------------------------------
 template <typename T> __device__ __forceinline__ float to_float(T v) { return (float)v; }
 template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -105,9 +119,22 @@ __device__ __forceinline__ float block_max(float v, float identity = 0.f) {
     return block_reduce(v, identity, MaxOp());
 }
 
-// atomicMax on a non-negative float: the int order of non-negative floats is their order.
-__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
-    atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+// amax[0] = the largest m (every m >= 0) of all threads of the grid, written once, by the
+// last block to get here (every block must call this). The blocks merge into `slot`
+// ({max as bits, blocks done}), which is zero on entry and left zero for the next launch
+// (common.amax_slot), so amax needs no zeroing memset before the kernel: that memset cost
+// 4-15 points of copy bandwidth at 8192 x 4096 (H200; PERFLOG.md).
+__device__ __forceinline__ void grid_amax(float m, float* amax, unsigned* slot) {
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+        if (m > 0.f) atomicMax(slot, __float_as_uint(m));
+        __threadfence();  // this block's max lands before its count
+        const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+        if (atomicAdd(slot + 1, 1u) == blocks - 1) {
+            amax[0] = __uint_as_float(atomicExch(slot, 0u));
+            atomicExch(slot + 1, 0u);
+        }
+    }
 }
 
 // Two sums at once (one pair of barriers instead of two); valid in every thread.

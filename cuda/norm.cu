@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(512)
 norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
          OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
          long long rows, int hidden, float eps, int zero_centered,
-         const float* __restrict__ scale, float* __restrict__ amax) {
+         const float* __restrict__ scale, float* __restrict__ amax,
+         unsigned* __restrict__ slot) {
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
     float m = 0.f;
@@ -112,10 +113,7 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
             rsigma[row] = rs;
         }
     }
-    if (Out<OUT>::fp8) {
-        m = block_max(m);
-        if (threadIdx.x == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-    }
+    if (Out<OUT>::fp8) grid_amax(m, amax, slot);
 }
 
 // One warp per row, four rows per block: the reductions are warp shuffles only (no block
@@ -126,7 +124,8 @@ __global__ void __launch_bounds__(128)
 norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
               OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
               long long rows, int hidden, float eps, int zero_centered,
-              const float* __restrict__ scale, float* __restrict__ amax) {
+              const float* __restrict__ scale, float* __restrict__ amax,
+              unsigned* __restrict__ slot) {
     const int lane = threadIdx.x & 31;
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
@@ -172,10 +171,7 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
             rsigma[row] = rs;
         }
     }
-    if (Out<OUT>::fp8) {
-        m = warp_reduce(m, MaxOp());
-        if (lane == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-    }
+    if (Out<OUT>::fp8) grid_amax(m, amax, slot);
 }
 
 // Hopper: G warps per row (a "group"), rows streamed through per-warp WarpRings by bulk
@@ -197,9 +193,10 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
                 float* __restrict__ rsigma, long long rows, int hidden, float eps,
                 int zero_centered, const float* __restrict__ scale, float* __restrict__ amax,
-                int slots) {
+                unsigned* __restrict__ slot, int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
+    PDL_WAIT();
     using V = Vec<T, VEC>;
     using F = Vec<P, VEC>;  // P = float: gamma + zc as float; P = T: as they are
     // chunks unrolled per loop: an FP8 output runs 16 warps per SM (4 KB of a row per warp),
@@ -297,10 +294,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         }
         if (cnt) ring.next();
     }
-    if (Out<OUT>::fp8) {
-        m = warp_reduce(m, MaxOp());
-        if (lane == 0 && m > 0.f) atomic_max_nonneg(amax, m);
-    }
+    PDL_TRIGGER();
+    if (Out<OUT>::fp8) grid_amax(m, amax, slot);
 #endif
 }
 

@@ -269,6 +269,7 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
                    int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
+    PDL_WAIT();
     using V = Vec<T, VEC>;
     using M = Vec<unsigned char, VEC>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -343,6 +344,7 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
                       msrc + ahead * (HAS_MASK ? sk : 0), mbytes);
         if (cnt) ring.next();
     }
+    PDL_TRIGGER();
 #endif
 }
 

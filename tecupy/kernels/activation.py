@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, cbool, grid_1d, on_gpu_low_precision,
-                     vec_width)
+from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_slot, cbool, grid_1d, launch,
+                     on_gpu_low_precision, vec_width)
 
 FILE = "act.cu"
 ACT_ID = {"gelu": 0, "relu": 1, "swiglu": 2, "geglu": 0}  # gated ones: silu / gelu of a
@@ -85,9 +85,9 @@ def _fwd(name, gated, x, bias, scale, fmt):
     n = x.shape[-1] // 2 if gated else x.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
     y = cupy.empty(x.shape[:-1] + (n,), np.uint8 if fmt else x.dtype)
-    # amax only for an FP8 output (the kernels read scale and amax then only): one kernel
-    # launch less per call otherwise
-    amax = cupy.zeros((1,), np.float32) if fmt else y
+    # amax only for an FP8 output (the kernels read scale, amax and slot then only), written
+    # once by the kernel's last block (grid_amax, so no zeroing memset)
+    amax = (cupy.empty if rows * n else cupy.zeros)((1,), np.float32) if fmt else y
     vec = vec_width(x.dtype, n)
     k = _kernel("gated_fwd" if gated else "act_fwd", name, x, vec,
                 FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype], bias)
@@ -97,7 +97,7 @@ def _fwd(name, gated, x, bias, scale, fmt):
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
         # gated: two streams (its a and b halves) take many blocks; plain ones the default
         grid = grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec)
-        k((grid,), (256,), (x, b, y) + shape + (s, amax))
+        launch(k, (grid,), (256,), (x, b, y) + shape + (s, amax, amax_slot() if fmt else y))
     return (y, amax) if fmt else y
 
 

@@ -5,7 +5,8 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import CTYPE, FP8TYPE, LOW_PRECISION, cbool, grid_1d, on_gpu, vec_width
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_slot, cbool, grid_1d, launch, on_gpu,
+                     vec_width)
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
@@ -26,14 +27,15 @@ def cast_to_fp8(x, scale, fmt):
     import cupy
     x = cupy.ascontiguousarray(x)
     q = cupy.empty(x.shape, np.uint8)
-    amax = cupy.zeros((1,), np.float32)
-    if x.size:
-        vec = vec_width(x.dtype, x.size)
-        if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
-            vec *= 2
-        kernel = loader.function(
-            FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
-        kernel((grid_1d(x.size, vec),), (256,), (x, scale, q, amax, np.int64(x.size)))
+    if not x.size:
+        return q, cupy.zeros((1,), np.float32)
+    amax = cupy.empty((1,), np.float32)  # written once, by the kernel's last block
+    vec = vec_width(x.dtype, x.size)
+    if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
+        vec *= 2
+    kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
+    launch(kernel, (grid_1d(x.size, vec),), (256,),
+           (x, scale, q, amax, amax_slot(), np.int64(x.size)))
     return q, amax
 
 
@@ -71,15 +73,15 @@ def _cast_transpose(x, scale, fmt, dbias_dtype):
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
-    amax = cupy.zeros((1,), np.float32)
+    amax = cupy.empty((1,), np.float32) if x.size else cupy.zeros((1,), np.float32)
     blocks = -(-rows // 128)
     part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
         k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
                                   f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}, "
                                   f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
-        k(((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, part, np.int32(rows),
-          np.int32(cols)))
+        launch(k, ((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, amax_slot(), part,
+                                                        np.int32(rows), np.int32(cols)))
     if dbias_dtype is None:
         return q, qt, amax
     if not x.size:

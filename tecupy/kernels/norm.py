@@ -7,8 +7,8 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
-                     balanced_grid, cbool, hopper, opt_in_smem, resident_blocks, ring_group,
-                     ring_launch, ring_plan, ring_portion, sm_count, vec_width)
+                     amax_slot, balanced_grid, cbool, hopper, opt_in_smem, resident_blocks,
+                     ring_group, ring_launch, ring_plan, ring_portion, sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -116,9 +116,9 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
     x, gamma = cupy.ascontiguousarray(x), cupy.ascontiguousarray(gamma)
     beta = gamma if rms else cupy.ascontiguousarray(beta)
     y = cupy.empty(x.shape, np.uint8 if fmt else x.dtype)
-    # amax only for an FP8 output (the kernels read scale and amax then only): one kernel
-    # launch less per call otherwise
-    amax = cupy.zeros((1,), np.float32) if fmt else y
+    # amax only for an FP8 output (the kernels read scale, amax and slot then only), written
+    # once by the kernel's last block (grid_amax, so no zeroing memset)
+    amax = (cupy.empty if rows else cupy.zeros)((1,), np.float32) if fmt else y
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     types = f"{CTYPE[x.dtype]}, {vec_width(x.dtype, hidden)}, {{}}, {cbool(rms)}, " + (
         FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
@@ -127,7 +127,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
                                              rms, zero_centered_gamma)
         k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
           np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
-          amax if scale is None else scale, amax), shared_mem=smem)
+          amax if scale is None else scale, amax, amax_slot() if fmt else y), shared_mem=smem)
     out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
     return out + (amax,) if fmt else out
 

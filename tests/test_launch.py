@@ -1,0 +1,138 @@
+"""The launch machinery of the memory-bound kernels on the GPU: amax without a zeroing
+memset (grid_amax and its pool of slots, kernels/common.py) and programmatic dependent
+launch (common.launch): results equal plain launches, in streams and in CUDA graphs."""
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy.fp8 import E4M3
+from tecupy.kernels import common
+from tecupy.reference import fp8 as ref
+
+pytestmark = pytest.mark.gpu
+d = tecupy.backends.dispatch
+
+
+def _amax_ops(cupy, rng, rows, cols, big):
+    """(name, fn() -> amax, expected amax) of every kernel that writes a fresh amax."""
+    x = (rng.standard_normal((rows, cols)) * big).astype(np.float32)
+    g = np.ones(cols, np.float32)
+    xd, gd, one = cupy.asarray(x), cupy.asarray(g), cupy.ones((1,), np.float32)
+    c = x - x.mean(-1, keepdims=True)
+    ln = c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-5)
+    rms = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+    gelu = 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+    return [
+        ("cast_to_fp8", lambda: d("cast_to_fp8", xd, one, E4M3)[1], np.abs(x).max()),
+        ("cast_transpose", lambda: d("cast_transpose", xd, one, E4M3)[2], np.abs(x).max()),
+        ("layernorm_fwd_fp8", lambda: d("layernorm_fwd_fp8", xd, gd, 0 * gd, 1e-5, False, one,
+                                        E4M3)[-1], np.abs(ln).max()),
+        ("rmsnorm_fwd_fp8", lambda: d("rmsnorm_fwd_fp8", xd, gd, 1e-5, False, one, E4M3)[-1],
+         np.abs(rms).max()),
+        ("gelu_fwd fp8", lambda: d("gelu_fwd", xd, None, one, E4M3)[1], np.abs(gelu).max()),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(333, 4096), (4099, 48), (7, 24)], ids=str)
+def test_amax_correct_call_after_call(monkeypatch, rng, shape):
+    """Each call's amax is its own input's, through a pool of 3 slots wrapping many times
+    (a slot left non-zero by a kernel would carry its max or its count into a later call)."""
+    import cupy
+    monkeypatch.setattr(common, "AMAX_SLOTS", 3)
+    monkeypatch.setattr(common, "_amax_pools", {})
+    for i in range(4):
+        big = 1000.0 if i % 2 == 0 else 0.001
+        for name, fn, want in _amax_ops(cupy, rng, *shape, big):
+            got = float(fn()[0])
+            assert np.isclose(got, want, rtol=2e-3), f"{name} call {i}: amax {got}, want {want}"
+    buf = common._amax_pools[cupy.cuda.runtime.getDevice()][0]
+    assert int(abs(buf).max()) == 0, "a slot was not left at zero"
+
+
+def test_amax_of_zeros_is_zero_after_a_large_one(rng):
+    import cupy
+    one = cupy.ones((1,), np.float32)
+    d("cast_to_fp8", cupy.asarray(rng.standard_normal(5000).astype(np.float32) * 1e4), one,
+      E4M3)
+    for _ in range(3):
+        assert float(d("cast_to_fp8", cupy.zeros(5000, np.float32), one, E4M3)[1][0]) == 0.0
+
+
+def test_captured_cast_keeps_its_slot(rng):
+    """A cast captured in a CUDA graph: each replay's amax is that of the input's current
+    contents, eager casts in between stay right, and the slot is never handed out again."""
+    import cupy
+    x = cupy.asarray(rng.standard_normal((256, 512)).astype(np.float32))
+    one = cupy.ones((1,), np.float32)
+    d("cast_to_fp8", x, one, E4M3)  # the pool exists before the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        q, amax = d("cast_to_fp8", x, one, E4M3)
+        graph = stream.end_capture()
+    kept = set(common._amax_pools[cupy.cuda.runtime.getDevice()][2])
+    assert kept, "the captured call did not keep its slot"
+    for big in (3.0, 0.5, 70.0):
+        host = (rng.standard_normal((256, 512)) * big).astype(np.float32)
+        x.set(host)
+        graph.launch(stream)
+        stream.synchronize()
+        y = cupy.asarray(rng.standard_normal(999).astype(np.float32) * 9)
+        assert float(d("cast_to_fp8", y, one, E4M3)[1][0]) == float(abs(y).max())
+        assert float(amax[0]) == float(np.abs(host).max())
+        np.testing.assert_array_equal(cupy.asnumpy(q), ref.cast_to_fp8(host, np.ones(1,
+                                      np.float32), E4M3)[0])
+    assert kept <= common._amax_pools[cupy.cuda.runtime.getDevice()][2]
+
+
+def _chain(cupy, x, g, one):
+    """Kernels that each read the one before: the ops PDL launches, back to back."""
+    y = d("gelu_fwd", x)
+    y, _, _ = d("layernorm_fwd", y, g, g, 1e-5, False)
+    y = d("softmax_fwd", y, 0.5, None, False)
+    y, _ = d("rmsnorm_fwd", y, g, 1e-5, False)
+    q, amax = d("cast_to_fp8", y, one, E4M3)
+    q2, qt, amax2 = d("cast_transpose", y, one, E4M3)
+    q3, _, _, amax3 = d("layernorm_fwd_fp8", y, g, g, 1e-5, False, one, E4M3)
+    return [y, q, amax, q2, qt, amax2, q3, amax3]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
+def test_pdl_chain_matches_plain_launches(monkeypatch, rng, graph):
+    """Each kernel of a dependent chain sees its input complete (PDL_WAIT), eagerly and in a
+    captured graph: bit for bit what plain launches give, over many repetitions."""
+    import cupy
+    x = cupy.asarray(rng.standard_normal((2048, 4096)).astype(np.float32)).astype(
+        tecupy.bfloat16)
+    g = cupy.asarray(rng.uniform(0.5, 2, 4096).astype(np.float32)).astype(tecupy.bfloat16)
+    one = cupy.ones((1,), np.float32)
+    monkeypatch.setattr(common, "PDL", False)
+    want = [cupy.asnumpy(a) for a in _chain(cupy, x, g, one)]
+    monkeypatch.setattr(common, "PDL", True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        if graph:
+            _chain(cupy, x, g, one)
+            stream.begin_capture()
+            outs = _chain(cupy, x, g, one)
+            cuda_graph = stream.end_capture()
+        for _ in range(5):
+            if graph:
+                cuda_graph.launch(stream)
+            else:
+                outs = _chain(cupy, x, g, one)
+            stream.synchronize()
+            for i, (a, w) in enumerate(zip(outs, want)):
+                np.testing.assert_array_equal(cupy.asnumpy(a).view(np.uint8),
+                                              w.view(np.uint8), err_msg=f"output {i}")
+
+
+def test_launch_rejects_python_scalars():
+    import cupy
+    if not common.hopper():
+        pytest.skip("PDL launches only on Hopper")
+    from tecupy import loader
+    k = loader.function("cast.cu", "cast_to_fp8<float, __nv_fp8_e4m3, 1>")
+    x = cupy.ones(4, np.float32)
+    with pytest.raises(TypeError, match="NumPy int32/int64/float32/uint32"):
+        common.launch(k, (1,), (256,), (x, x, x, x, x, 4))
