@@ -118,6 +118,7 @@ template <typename T, int VEC, int ACT, bool BIAS>
 __global__ void act_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                         const T* __restrict__ bias, T* __restrict__ dx, long long n,
                         int ncols) {
+    PDL_WAIT();
     GRID_STRIDE(i, n, ncols, pos) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i), d = load_vec<VEC>(dy + i);
         const Vec<T, VEC> b = bias_at<BIAS, T, VEC>(bias, pos.c);
@@ -161,6 +162,7 @@ template <typename T, int VEC, int ACT, bool BIAS>
 __global__ void gated_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                           const T* __restrict__ bias, T* __restrict__ dx, long long rows,
                           int n) {
+    PDL_WAIT();
     GRID_STRIDE(i, rows * n, n, pos) {
         const long long r = pos.r, c = pos.c;
         const Vec<T, VEC> a = load_vec<VEC>(x + r * 2 * n + c);

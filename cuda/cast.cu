@@ -63,7 +63,8 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // the float32 sum of the tile's rows of x, for a second pass over the row blocks.
 // Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
 // element-wise loads, zeros past the edges, q by store_ragged; where rows % 16 != 0: qt by
-// store_ragged); grid (cols / 64, rows / (128 G)) rounded up.
+// store_ragged). A grid-stride loop over the tiles (row-major), with no more blocks than
+// fit on the GPU at once: each block's end costs a round trip (grid_amax), paid once.
 template <int G>
 __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row group in col
     const int chunk = word >> 2, swz = (chunk & ~7) | ((chunk ^ (col >> 3)) & 7);
@@ -109,79 +110,92 @@ template <typename T, typename F8, int G, bool DBIAS, bool RAGGED>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ amax, unsigned* __restrict__ slot, float* __restrict__ part,
-                     int rows, int cols) {
+                     float* __restrict__ amax, unsigned* __restrict__ slot,
+                     float* __restrict__ part, int rows, int cols) {
     PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
-    float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};     // this thread's rows, columns c .. c + 7
     const float s = scale[0];
-    const int r0 = blockIdx.y * 128 * G, c0 = blockIdx.x * 64;
-    const int a = threadIdx.x >> 3, b = threadIdx.x & 7, c = c0 + 8 * b;
+    const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
+    const int a = threadIdx.x >> 3, b = threadIdx.x & 7;
     float m = 0.f;
-    Vec<T, 8> in[G][4];  // every load of the tile issued before any is used
+    // every load of a tile issued before any is used; the next tile's as soon as this
+    // one's are converted, so they are in flight while this tile's transpose is written
+    Vec<T, 8> in[G][4];
+    auto load = [&](int tile) {
+        const int r0 = tile / tiles_x * 128 * G, c = (tile % tiles_x) * 64 + 8 * b;
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + 128 * g + 4 * a + i;
-            if ((RAGGED || r < rows) && c < cols)
-                in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols);
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + 128 * g + 4 * a + i;
+                if ((RAGGED || r < rows) && c < cols)
+                    in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols);
+            }
+    };
+    if (blockIdx.x < tiles) load(blockIdx.x);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int by = tile / tiles_x, r0 = by * 128 * G, c0 = (tile % tiles_x) * 64;
+        const int c = c0 + 8 * b;
+        float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // this thread's rows, columns c .. c + 7
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
+            if (r >= rows || c >= cols) continue;  // (RAGGED: rows past the end are zeros)
+            unsigned pair[4][4];  // pair[i][k]: codes of row i, columns c + 2k, c + 2k + 1
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float f[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    f[j] = to_float(in[g][i].v[j]);
+                    m = fmaxf(m, fabsf(f[j]));
+                    if (DBIAS) cs[j] += f[j];
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    pair[i][k] = fp8x2<F8>(f[2 * k] * s, f[2 * k + 1] * s);
+                if (!RAGGED || (cols % 8 == 0 && r + i < rows))  // (else q from tt below)
+                    *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
+                        make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
+                                   __byte_perm(pair[i][2], pair[i][3], 0x5410));
+            }
+            // word of column c + j: its 4 row bytes (a 4 x 4 byte transpose by byte permutes)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned r01 = __byte_perm(pair[0][k], pair[1][k], 0x5410);
+                const unsigned r23 = __byte_perm(pair[2][k], pair[3][k], 0x5410);
+                tt[tt_word<G>(8 * b + 2 * k, 32 * g + a)] = __byte_perm(r01, r23, 0x6420);
+                tt[tt_word<G>(8 * b + 2 * k + 1, 32 * g + a)] = __byte_perm(r01, r23, 0x7531);
+            }
         }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
-        if (r >= rows || c >= cols) continue;  // (RAGGED: rows past the end are zeros)
-        unsigned pair[4][4];  // pair[i][k]: codes of row i, columns c + 2k, c + 2k + 1
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float f[8];
+        if (tile + gridDim.x < tiles) load(tile + gridDim.x);
+        if (DBIAS) {  // lanes with the same b (columns) differ in a by lane / 8
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                f[j] = to_float(in[g][i].v[j]);
-                m = fmaxf(m, fabsf(f[j]));
-                if (DBIAS) cs[j] += f[j];
+                cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 8);
+                cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 16);
+                if ((threadIdx.x & 31) < 8) colsum[threadIdx.x >> 5][8 * b + j] = cs[j];
             }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) pair[i][k] = fp8x2<F8>(f[2 * k] * s, f[2 * k + 1] * s);
-            if (!RAGGED || (cols % 8 == 0 && r + i < rows))  // (else q from tt below)
-                *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
-                    make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
-                               __byte_perm(pair[i][2], pair[i][3], 0x5410));
         }
-        // word of column c + j: its 4 row bytes (a 4 x 4 byte transpose by byte permutes)
+        __syncthreads();
+        if (DBIAS && threadIdx.x < 64 && c0 + threadIdx.x < cols) {
+            float t = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned r01 = __byte_perm(pair[0][k], pair[1][k], 0x5410);
-            const unsigned r23 = __byte_perm(pair[2][k], pair[3][k], 0x5410);
-            tt[tt_word<G>(8 * b + 2 * k, 32 * g + a)] = __byte_perm(r01, r23, 0x6420);
-            tt[tt_word<G>(8 * b + 2 * k + 1, 32 * g + a)] = __byte_perm(r01, r23, 0x7531);
+            for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
+            part[(long long)by * cols + c0 + threadIdx.x] = t;
         }
-    }
-    if (DBIAS) {  // lanes with the same b (columns) differ in a by lane / 8
+        if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 8);
-            cs[j] += __shfl_xor_sync(0xffffffffu, cs[j], 16);
-            if ((threadIdx.x & 31) < 8) colsum[threadIdx.x >> 5][8 * b + j] = cs[j];
+        for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
+            const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);
+            const int r = r0 + 16 * chunk;
+            if (r < rows && c0 + col < cols)
+                store_vec<16>(qt + (long long)(c0 + col) * rows + r,
+                              *reinterpret_cast<const Vec<unsigned char, 16>*>(
+                                  &tt[tt_word<G>(col, 4 * chunk)]));
         }
-    }
-    __syncthreads();
-    if (DBIAS && threadIdx.x < 64 && c0 + threadIdx.x < cols) {
-        float t = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
-        part[(long long)blockIdx.y * cols + c0 + threadIdx.x] = t;
-    }
-    if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols);
-#pragma unroll
-    for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
-        const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);
-        const int r = r0 + 16 * chunk;
-        if (r < rows && c0 + col < cols)
-            store_vec<16>(qt + (long long)(c0 + col) * rows + r,
-                          *reinterpret_cast<const Vec<unsigned char, 16>*>(
-                              &tt[tt_word<G>(col, 4 * chunk)]));
+        __syncthreads();  // tt and colsum are the next tile's
     }
     PDL_TRIGGER();
     grid_amax(m, amax, slot);

@@ -14,6 +14,7 @@ __global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ resid
                             T* __restrict__ y, unsigned char* __restrict__ keep, long long n,
                             float p, float factor, unsigned long long seed,
                             unsigned long long offset) {
+    PDL_WAIT();
     const uint2 key = make_uint2((unsigned)seed, (unsigned)(seed >> 32));
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
@@ -43,6 +44,7 @@ __global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ resid
 template <typename T, int VEC>
 __global__ void dropout_bwd(const T* __restrict__ dy, const unsigned char* __restrict__ keep,
                             T* __restrict__ dx, long long n, float factor) {
+    PDL_WAIT();
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const Vec<T, VEC> d = load_vec<VEC>(dy + i);
@@ -60,6 +62,7 @@ __global__ void dropout_bwd(const T* __restrict__ dy, const unsigned char* __res
 template <typename T, int VEC>
 __global__ void add(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
                     long long n) {
+    PDL_WAIT();
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const Vec<T, VEC> x = load_vec<VEC>(a + i), z = load_vec<VEC>(b + i);

@@ -134,5 +134,5 @@ def test_launch_rejects_python_scalars():
     from tecupy import loader
     k = loader.function("cast.cu", "cast_to_fp8<float, __nv_fp8_e4m3, 1>")
     x = cupy.ones(4, np.float32)
-    with pytest.raises(TypeError, match="NumPy int32/int64/float32/uint32"):
+    with pytest.raises(TypeError, match="NumPy int32/int64/float32/uint32/uint64"):
         common.launch(k, (1,), (256,), (x, x, x, x, x, 4))

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_slot, cbool, grid_1d, launch,
+from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_grid, amax_slot, cbool, grid_1d, launch,
                      on_gpu_low_precision, vec_width)
 
 FILE = "act.cu"
@@ -95,8 +95,10 @@ def _fwd(name, gated, x, bias, scale, fmt):
     s = amax if scale is None else scale
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        # gated: two streams (its a and b halves) take many blocks; plain ones the default
-        grid = grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec)
+        # gated: two streams (its a and b halves) take many blocks; plain ones the default;
+        # an FP8 output (grid_amax) the resident blocks only
+        grid = (amax_grid(k, rows * n, vec) if fmt else
+                grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec))
         launch(k, (grid,), (256,), (x, b, y) + shape + (s, amax, amax_slot() if fmt else y))
     return (y, amax) if fmt else y
 
@@ -112,7 +114,7 @@ def _bwd(name, gated, dy, x, bias):
     b = x if bias is None else _aligned(bias)
     if rows * n:
         shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        k((grid_1d(rows * n, vec, 256, MANY_BLOCKS),), (256,), (dy, x, b, dx) + shape)
+        launch(k, (grid_1d(rows * n, vec, 256, MANY_BLOCKS),), (256,), (dy, x, b, dx) + shape)
     if bias is None:
         return dx, None
     db = dbias(dx.reshape(rows, x.shape[-1])) if rows else cupy.zeros(bias.shape, np.float32)

@@ -5,8 +5,8 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_slot, cbool, grid_1d, launch, on_gpu,
-                     vec_width)
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_grid, amax_slot, cbool, grid_1d,
+                     launch, on_gpu, resident_blocks, sm_count, vec_width)
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
@@ -34,7 +34,7 @@ def cast_to_fp8(x, scale, fmt):
     if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
         vec *= 2
     kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
-    launch(kernel, (grid_1d(x.size, vec),), (256,),
+    launch(kernel, (amax_grid(kernel, x.size, vec),), (256,),
            (x, scale, q, amax, amax_slot(), np.int64(x.size)))
     return q, amax
 
@@ -80,8 +80,10 @@ def _cast_transpose(x, scale, fmt, dbias_dtype):
         k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
                                   f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}, "
                                   f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
-        launch(k, ((cols + 63) // 64, blocks), (256,), (x, scale, q, qt, amax, amax_slot(), part,
-                                                        np.int32(rows), np.int32(cols)))
+        tiles = blocks * -(-cols // 64)  # a grid-stride over them: at most the resident blocks
+        grid = min(tiles, sm_count() * resident_blocks(k, 256, 0))
+        launch(k, (grid,), (256,), (x, scale, q, qt, amax, amax_slot(), part, np.int32(rows),
+                                    np.int32(cols)))
     if dbias_dtype is None:
         return q, qt, amax
     if not x.size:

@@ -2,6 +2,8 @@
 descriptors."""
 import collections
 import ctypes
+import struct
+import threading
 
 import numpy as np
 
@@ -149,47 +151,82 @@ def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS)
 # 4096: LN fwd 83 -> 84-86% of copy, RMS 84 -> 86%, gelu 89 -> 91%, and +5-12 points on
 # 2048 x 4096 (PERFLOG.md). Only for kernels that begin with PDL_WAIT().
 PDL = True
-_CTYPES = {np.dtype(np.int32): ctypes.c_int, np.dtype(np.int64): ctypes.c_longlong,
-           np.dtype(np.float32): ctypes.c_float, np.dtype(np.uint32): ctypes.c_uint}
-_pdl_attrs = []
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PDL_ATTR = _LaunchAttr(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR.value[0] = 1
+# each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size)
+_ARG_FORMATS = {np.int32: "i4x", np.int64: "q", np.float32: "f4x", np.uint32: "I4x",
+                np.uint64: "Q"}
+_driver_launch = []
+_per_thread = threading.local()  # argument buffers and launch configs, reused per thread
+
+
+def _packer(kinds):
+    """(struct, its buffer, void** into it, launch config) for arguments of types `kinds`."""
+    cache = _per_thread.__dict__.setdefault("packers", {})
+    if kinds not in cache:
+        import cupy
+        fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
+        bad = [t.__name__ for t in kinds if t not in fmts]
+        if bad:
+            raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
+                            "and NumPy int32/int64/float32/uint32/uint64")
+        st = struct.Struct("<" + "".join(fmts[t] for t in kinds))
+        buf = ctypes.create_string_buffer(st.size)
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(kinds))(*range(base, base + 8 * len(kinds), 8))
+        cfg = _LaunchConfig(attrs=ctypes.pointer(_PDL_ATTR), num_attrs=1)
+        cache[kinds] = st, buf, params, cfg
+    return cache[kinds]
 
 
 def launch(k, grid, block, args, shared_mem=0):
     """k(grid, block, args, shared_mem=...) for a loader function k whose kernel begins with
-    PDL_WAIT(): with PDL where the GPU is a Hopper (cuLaunchKernelEx), else CuPy's launch.
-    args: CuPy arrays and NumPy scalars (int32, int64, float32, uint32)."""
+    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. args: CuPy arrays
+    and NumPy scalars (int32, int64, float32, uint32, uint64). cuLaunchKernelEx is called
+    through ctypes with the arguments packed by one struct (through cuda-python it cost
+    ~15 us more per call than CuPy's launch)."""
     if not (PDL and hopper()):
         return k(grid, block, args, shared_mem=shared_mem)
     import cupy
-    from cuda.bindings import driver as cu
-    if not _pdl_attrs:
-        a = cu.CUlaunchAttribute()
-        a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        a.value.programmaticStreamSerializationAllowed = 1
-        _pdl_attrs.append(a)
-    cfg = cu.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (tuple(int(g) for g in grid) + (1, 1))[:3]
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (tuple(int(b) for b in block) + (1, 1))[:3]
-    cfg.sharedMemBytes = int(shared_mem)
-    cfg.hStream = cu.CUstream(cupy.cuda.get_current_stream().ptr)
-    cfg.attrs = _pdl_attrs
-    cfg.numAttrs = 1
-    values, types = [], []
-    for a in args:
-        if isinstance(a, cupy.ndarray):
-            values.append(a.data.ptr)
-            types.append(ctypes.c_void_p)
-        elif isinstance(a, np.generic) and a.dtype in _CTYPES:
-            values.append(a.item())
-            types.append(_CTYPES[a.dtype])
-        else:
-            raise TypeError(f"launch: kernel argument {a!r} of type {type(a).__name__}; "
-                            "accepted: CuPy arrays and NumPy int32/int64/float32/uint32")
-    err, = cu.cuLaunchKernelEx(cfg, cu.CUfunction(k.kernel.ptr), (tuple(values), tuple(types)),
-                               0)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuLaunchKernelEx failed ({err}) for {k.name}: grid {grid}, "
-                           f"block {block}, {shared_mem} shared bytes")
+    if not _driver_launch:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _driver_launch.append(fn)
+    kinds = tuple(map(type, args))
+    st, buf, params, cfg = _packer(kinds)
+    array = cupy.ndarray
+    st.pack_into(buf, 0, *[a.data.ptr if t is array else a for a, t in zip(args, kinds)])
+    g, b = cfg.grid, cfg.block
+    g[0], g[1], g[2] = (tuple(grid) + (1, 1))[:3]
+    b[0], b[1], b[2] = (tuple(block) + (1, 1))[:3]
+    cfg.shared = shared_mem
+    cfg.stream = cupy.cuda.get_current_stream().ptr
+    err = _driver_launch[0](ctypes.byref(cfg), k.kernel.ptr, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
+                           f"{grid}, block {block}, {shared_mem} shared bytes")
+
+
+def amax_grid(k, n, per_thread, threads=256):
+    """Blocks for a grid-stride kernel `k` over n items that ends in grid_amax: no more than
+    fit on the GPU at once, as each block's end waits for a round trip to L2 (the count of
+    grid_amax), best paid once per resident block (H200: cast 89 -> 9x% of copy; PERFLOG.md)."""
+    per_sm = resident_blocks(k, threads, 0)
+    return int(max(1, min(sm_count() * per_sm, -(-n // (threads * per_thread)))))
 
 
 # amax outputs without a zeroing memset: kernels reduce into a zeroed {max, count} slot
@@ -202,7 +239,8 @@ _amax_pools = {}  # device -> [uint32 (AMAX_SLOTS, 2) zeros, next slot, slots ke
 
 
 def amax_slot():
-    """A zero {max, count} pair (uint32 (2,)) for one launch of a grid_amax kernel."""
+    """A zero {max, count} pair of uint32 for one launch of a grid_amax kernel: a CuPy array
+    or, from the pool, its address as a NumPy uint64 (a pointer argument)."""
     import cupy
     dev = cupy.cuda.runtime.getDevice()
     stream = cupy.cuda.get_current_stream()
@@ -222,7 +260,7 @@ def amax_slot():
     pool[1] = i
     if stream.is_capturing():
         kept.add(i)
-    return buf[i]
+    return np.uint64(buf.data.ptr + 8 * i)  # a pointer argument (CuPy indexing costs ~5 us)
 
 
 def vec_width(dtype, n):

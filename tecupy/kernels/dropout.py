@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, LOW_PRECISION, MANY_BLOCKS, cbool, grid_1d,
+from .common import (CTYPE, LOW_PRECISION, MANY_BLOCKS, cbool, grid_1d, launch,
                      on_gpu_low_precision)
 
 FILE = "dropout.cu"
@@ -33,9 +33,9 @@ def dropout_fwd(x, p, seed, offset, residual=None):
     k = loader.function(FILE, f"dropout_fwd<{CTYPE[x.dtype]}, {vec}, "
                               f"{cbool(residual is not None)}>")
     if x.size:
-        k((grid_1d(x.size, vec, 256, MANY_BLOCKS),), (256,),
-          (x, res, y, keep, np.int64(x.size), np.float32(p), _factor(p),
-           np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
+        launch(k, (grid_1d(x.size, vec, 256, MANY_BLOCKS),), (256,),
+               (x, res, y, keep, np.int64(x.size), np.float32(p), _factor(p),
+                np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
     return y, keep.view(np.bool_)
 
 
@@ -47,8 +47,8 @@ def dropout_bwd(dy, keep, p):
     vec = 4 if dy.size % 4 == 0 else 1
     k = loader.function(FILE, f"dropout_bwd<{CTYPE[dy.dtype]}, {vec}>")
     if dy.size:
-        k((grid_1d(dy.size, vec, 256, MANY_BLOCKS),), (256,),
-          (dy, keep, dx, np.int64(dy.size), _factor(p)))
+        launch(k, (grid_1d(dy.size, vec, 256, MANY_BLOCKS),), (256,),
+               (dy, keep, dx, np.int64(dy.size), _factor(p)))
     return dx
 
 
@@ -65,6 +65,6 @@ def add_fwd(a, b):
     y = cupy.empty_like(a)
     vec = next(v for v in (16 // a.itemsize, 4, 1) if a.size % v == 0)
     if a.size:
-        loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}>")(
-            (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,), (a, b, y, np.int64(a.size)))
+        launch(loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}>"),
+               (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,), (a, b, y, np.int64(a.size)))
     return y
