@@ -66,6 +66,7 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
          long long rows, int hidden, float eps, int zero_centered,
          const float* __restrict__ scale, float* __restrict__ amax,
          unsigned* __restrict__ slot) {
+    PDL_WAIT();
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
     float m = 0.f;
@@ -126,6 +127,7 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
               long long rows, int hidden, float eps, int zero_centered,
               const float* __restrict__ scale, float* __restrict__ amax,
               unsigned* __restrict__ slot) {
+    PDL_WAIT();
     const int lane = threadIdx.x & 31;
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
@@ -311,6 +313,7 @@ __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
          float* __restrict__ part, long long rows, int hidden, int zero_centered) {
+    PDL_WAIT();
     static_assert(ROWS == 1 || ROWS == 2, "one reduction takes the sums of at most 2 rows");
     // dgamma/dbeta sums of this block's rows: registers, or (ACC_SMEM) shared memory
     // [2 hidden], which frees registers for more resident rows. Each thread owns its columns;
@@ -410,6 +413,7 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
 template <typename T>
 __global__ void norm_bwd_reduce(const float* __restrict__ part, int nparts, int hidden,
                                 T* __restrict__ dgamma, T* __restrict__ dbeta, int has_beta) {
+    PDL_WAIT();
     __shared__ float acc[8][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     float a = 0.f;
@@ -462,6 +466,7 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
               const float* __restrict__ rsigma, const T* __restrict__ gamma,
               T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
               int zero_centered) {
+    PDL_WAIT();
     extern __shared__ __align__(16) unsigned char ring_bytes[];
     Vec<T, VEC>* ring = reinterpret_cast<Vec<T, VEC>*>(ring_bytes);
     const int tensor_size = CHUNKS * blockDim.x;
@@ -597,6 +602,7 @@ norm_bwd_grp(const T* __restrict__ dy, const T* __restrict__ x, const float* __r
              T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
              int zero_centered) {
 #if __CUDA_ARCH__ >= 900
+    PDL_WAIT();
     constexpr int HEAD = (8 * GROUPS * STAGES + 127) / 128 * 128;  // the mbarriers
     using V = Vec<T, VEC>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -737,6 +743,7 @@ template <typename T>
 __global__ void __launch_bounds__(1024)
 norm_bwd_reduce_vec(const float* __restrict__ part, int nparts, int hidden,
                     T* __restrict__ dgamma, T* __restrict__ dbeta, int has_beta) {
+    PDL_WAIT();
     __shared__ float4 acc[32][32];
     const int c = (blockIdx.x * 32 + threadIdx.x) * 4, width = 2 * hidden;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);

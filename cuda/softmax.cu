@@ -20,6 +20,7 @@ __device__ __forceinline__ bool kept(const unsigned char* mask, long long r, int
 template <typename T, bool HAS_MASK>
 __global__ void softmax_fwd(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                             T* __restrict__ y, int sq, int sk, float scale, int causal) {
+    PDL_WAIT();
     const long long r = blockIdx.x;
     const int i = (int)(r % sq);
     const T* xr = x + r * sk;
@@ -42,6 +43,7 @@ __global__ void softmax_fwd(const T* __restrict__ x, const unsigned char* __rest
 template <typename T>
 __global__ void softmax_bwd(const T* __restrict__ dy, const T* __restrict__ y,
                             T* __restrict__ dx, int sk, float scale) {
+    PDL_WAIT();
     const long long off = (long long)blockIdx.x * sk;
     float dot = 0.f;
     for (int j = threadIdx.x; j < sk; j += blockDim.x)
@@ -71,6 +73,7 @@ template <typename T, int VEC, int CHUNKS, bool HAS_MASK>
 __global__ void __launch_bounds__(128)
 softmax_fwd_warp(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                  T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal) {
+    PDL_WAIT();
     const int lane = threadIdx.x & 31;
     for (long long r = blockIdx.x * 4LL + (threadIdx.x >> 5); r < rows; r += gridDim.x * 4LL) {
         const int qi = (int)(r % sq);
@@ -119,6 +122,7 @@ template <typename T, int VEC, int CHUNKS>
 __global__ void __launch_bounds__(128)
 softmax_bwd_warp(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                  long long rows, int sk, float scale) {
+    PDL_WAIT();
     const int lane = threadIdx.x & 31;
     for (long long r = blockIdx.x * 4LL + (threadIdx.x >> 5); r < rows; r += gridDim.x * 4LL) {
         Vec<T, VEC> d[CHUNKS], p[CHUNKS];
@@ -178,6 +182,7 @@ template <typename T, int VEC, int CHUNKS, bool HAS_MASK>
 __global__ void __launch_bounds__(512)
 softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                   T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal) {
+    PDL_WAIT();
     const float scale2 = scale * 1.4426950408889634f;  // log2(e): exp(a) = exp2(a log2 e)
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const int qi = (int)(r % sq);
@@ -353,6 +358,7 @@ template <typename T, int VEC, int CHUNKS>
 __global__ void __launch_bounds__(512)
 softmax_bwd_block(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                   long long rows, int sk, float scale) {
+    PDL_WAIT();
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         Vec<T, VEC> d[CHUNKS], p[CHUNKS];
         float dot = 0.f;

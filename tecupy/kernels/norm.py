@@ -1,4 +1,5 @@
 """CUDA LayerNorm and RMSNorm, forward and backward: cuda/norm.cu."""
+import functools
 import itertools
 import os
 
@@ -7,8 +8,9 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
-                     amax_slot, balanced_grid, cbool, hopper, opt_in_smem, resident_blocks,
-                     ring_group, ring_launch, ring_plan, ring_portion, sm_count, vec_width)
+                     amax_slot, balanced_grid, cbool, hopper, launch, opt_in_smem,
+                     resident_blocks, ring_group, ring_launch, ring_plan, ring_portion,
+                     sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -144,9 +146,9 @@ def _fwd_launch(rows, hidden, vec, types, rms, zero_centered):
         chunks = next(c for c in WARP_CHUNKS if c >= wchunks)
         k = loader.function(FILE, f"norm_fwd_warp<{types.format(chunks)}>")
         groups = -(-rows // 4)  # 4 rows (warps) per block
-        return k, _grid(groups, 128, FWD_THREADS_PER_SM), 128, 0
+        return functools.partial(launch, k), _grid(groups, 128, FWD_THREADS_PER_SM), 128, 0
     k = loader.function(FILE, f"norm_fwd<{types.format(chunks)}>")
-    return k, _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
+    return functools.partial(launch, k), _grid(rows, threads, FWD_THREADS_PER_SM), threads, 0
 
 
 def _stream_launch(rows, hidden, vec, types, rms, zero_centered):
@@ -182,8 +184,8 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    k((nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
-      np.int32(hidden), np.int32(zero_centered_gamma)), shared_mem=smem)
+    launch(k, (nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
+                                       np.int32(hidden), np.int32(zero_centered_gamma)), smem)
     _bwd_reduce(part, nblocks, hidden, dgamma, dbeta, rms, reduce)
     return (dx, dgamma) if rms else (dx, dgamma, dbeta)
 
@@ -248,10 +250,10 @@ def _bwd_reduce(part, nparts, hidden, dgamma, dbeta, rms, reduce):
     args = (part, np.int32(nparts), np.int32(hidden), dgamma, dbeta, np.int32(not rms))
     if reduce == "vec" and hidden % 2 == 0:
         r = loader.function(FILE, f"norm_bwd_reduce_vec<{t}>")
-        r((-(-2 * hidden // 128),), (32, 32), args)
+        launch(r, (-(-2 * hidden // 128),), (32, 32), args)
     else:
         r = loader.function(FILE, f"norm_bwd_reduce<{t}>")
-        r((-(-2 * hidden // 32),), (32, 8), args)
+        launch(r, (-(-2 * hidden // 32),), (32, 8), args)
 
 
 @backends.register("layernorm_fwd", "cuda", supports=supported)

@@ -5,8 +5,8 @@ import numpy as np
 
 from .. import backends, loader
 from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, grid_1d, hopper,
-                     on_gpu_low_precision, resident_blocks, ring_group, ring_launch, ring_plan,
-                     ring_portion, vec_width)
+                     launch, on_gpu_low_precision, resident_blocks, ring_group, ring_launch,
+                     ring_plan, ring_portion, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -110,17 +110,17 @@ def softmax_fwd(x, scale, mask, causal):
                                           FWD_VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
     if block:
         k, grid, threads = block
-        k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
-          np.float32(scale), np.int32(causal)))
+        launch(k, (grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
+                  np.float32(scale), np.int32(causal)))
     elif rows and sk and warp:
         k = loader.function(FILE, f"softmax_fwd_warp<{CTYPE[x.dtype]}, {warp[0]}, {warp[1]}, "
                                   f"{cbool(mask is not None)}>")
-        k((grid_1d(rows, 1, 4, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
-          np.int32(sk), np.float32(scale), np.int32(causal)))
+        launch(k, (grid_1d(rows, 1, 4, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
+                  np.int32(sk), np.float32(scale), np.int32(causal)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_fwd<{CTYPE[x.dtype]}, {cbool(mask is not None)}>")
-        k((rows,), (128,), (x, m, y, np.int32(sq), np.int32(sk), np.float32(scale),
-          np.int32(causal)))
+        launch(k, (rows,), (128,), (x, m, y, np.int32(sq), np.int32(sk), np.float32(scale),
+                  np.int32(causal)))
     return y
 
 
@@ -136,12 +136,12 @@ def softmax_bwd(dy, y, scale):
                                           BWD_VARIANTS[BWD_VARIANT])
     if block:
         k, grid, threads = block
-        k((grid,), (threads,), (dy, y, dx, np.int64(rows), np.int32(sk), np.float32(scale)))
+        launch(k, (grid,), (threads,), (dy, y, dx, np.int64(rows), np.int32(sk), np.float32(scale)))
     elif rows and sk and warp:
         k = loader.function(FILE, f"softmax_bwd_warp<{CTYPE[y.dtype]}, {warp[0]}, {warp[1]}>")
-        k((grid_1d(rows, 1, 4, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
-          np.float32(scale)))
+        launch(k, (grid_1d(rows, 1, 4, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
+                  np.float32(scale)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_bwd<{CTYPE[y.dtype]}>")
-        k((rows,), (128,), (dy, y, dx, np.int32(sk), np.float32(scale)))
+        launch(k, (rows,), (128,), (dy, y, dx, np.int32(sk), np.float32(scale)))
     return dx
