@@ -172,50 +172,60 @@ _driver_launch = []
 _per_thread = threading.local()  # argument buffers and launch configs, reused per thread
 
 
-def _packer(kinds):
-    """(struct, its buffer, void** into it, launch config) for arguments of types `kinds`."""
-    cache = _per_thread.__dict__.setdefault("packers", {})
-    if kinds not in cache:
-        import cupy
-        fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
-        bad = [t.__name__ for t in kinds if t not in fmts]
-        if bad:
-            raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
-                            "and NumPy int32/int64/float32/uint32/uint64")
-        st = struct.Struct("<" + "".join(fmts[t] for t in kinds))
-        buf = ctypes.create_string_buffer(st.size)
-        base = ctypes.addressof(buf)
-        params = (ctypes.c_void_p * len(kinds))(*range(base, base + 8 * len(kinds), 8))
-        cfg = _LaunchConfig(attrs=ctypes.pointer(_PDL_ATTR), num_attrs=1)
-        cache[kinds] = st, buf, params, cfg
-    return cache[kinds]
+def _launch_state(kinds, grid, block, shared_mem):
+    """(struct packing arguments of types `kinds`, its buffer, void** into the buffer, the
+    launch config with the PDL attribute) for this grid, block and shared size."""
+    import cupy
+    fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
+    bad = [t.__name__ for t in kinds if t not in fmts]
+    if bad:
+        raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
+                        "and NumPy int32/int64/float32/uint32/uint64")
+    st = struct.Struct("<" + "".join(fmts[t] for t in kinds))
+    buf = ctypes.create_string_buffer(st.size)
+    base = ctypes.addressof(buf)
+    params = (ctypes.c_void_p * len(kinds))(*range(base, base + 8 * len(kinds), 8))
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*g), block=(ctypes.c_uint * 3)(*b),
+                        shared=shared_mem, attrs=ctypes.pointer(_PDL_ATTR), num_attrs=1)
+    return st, buf, params, cfg
+
+
+_cufunctions = {}  # loader function -> its CUfunction (RawKernel.kernel costs a lookup)
 
 
 def launch(k, grid, block, args, shared_mem=0):
     """k(grid, block, args, shared_mem=...) for a loader function k whose kernel begins with
-    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. args: CuPy arrays
-    and NumPy scalars (int32, int64, float32, uint32, uint64). cuLaunchKernelEx is called
-    through ctypes with the arguments packed by one struct (through cuda-python it cost
-    ~15 us more per call than CuPy's launch)."""
+    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. grid and block are
+    tuples; args CuPy arrays and NumPy scalars (int32, int64, float32, uint32, uint64).
+    cuLaunchKernelEx is called through ctypes, the arguments packed by one struct into a
+    buffer kept per thread with the config (through cuda-python it cost ~15 us more per
+    call than CuPy's launch; this ~3 us more)."""
     if not (PDL and hopper()):
         return k(grid, block, args, shared_mem=shared_mem)
-    import cupy
-    if not _driver_launch:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _driver_launch.append(fn)
+    from cupy import ndarray
+    from cupy.cuda import get_current_stream
     kinds = tuple(map(type, args))
-    st, buf, params, cfg = _packer(kinds)
-    array = cupy.ndarray
-    st.pack_into(buf, 0, *[a.data.ptr if t is array else a for a, t in zip(args, kinds)])
-    g, b = cfg.grid, cfg.block
-    g[0], g[1], g[2] = (tuple(grid) + (1, 1))[:3]
-    b[0], b[1], b[2] = (tuple(block) + (1, 1))[:3]
-    cfg.shared = shared_mem
-    cfg.stream = cupy.cuda.get_current_stream().ptr
-    err = _driver_launch[0](ctypes.byref(cfg), k.kernel.ptr, params, None)
+    states = _per_thread.__dict__.setdefault("states", {})
+    key = (kinds, grid, block, shared_mem)
+    state = states.get(key)
+    if state is None:
+        if len(states) > 1024:  # many shapes: start over rather than grow
+            states.clear()
+        state = states[key] = _launch_state(kinds, grid, block, shared_mem)
+    st, buf, params, cfg = state
+    st.pack_into(buf, 0, *[a.data.ptr if t is ndarray else a for a, t in zip(args, kinds)])
+    cfg.stream = get_current_stream().ptr
+    f = _cufunctions.get(k)
+    if f is None:
+        if not _driver_launch:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _driver_launch.append(fn)
+        f = _cufunctions[k] = k.kernel.ptr
+    err = _driver_launch[0](ctypes.byref(cfg), f, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
                            f"{grid}, block {block}, {shared_mem} shared bytes")
@@ -224,7 +234,8 @@ def launch(k, grid, block, args, shared_mem=0):
 def amax_grid(k, n, per_thread, threads=256):
     """Blocks for a grid-stride kernel `k` over n items that ends in grid_amax: no more than
     fit on the GPU at once, as each block's end waits for a round trip to L2 (the count of
-    grid_amax), best paid once per resident block (H200: cast 89 -> 9x% of copy; PERFLOG.md)."""
+    grid_amax), best paid once per resident block (H200, cast at 8192 x 4096: 89.6 -> 91.0% of
+    copy against 16 blocks per SM, 64 -> 71% at 2048 x 4096; PERFLOG.md)."""
     per_sm = resident_blocks(k, threads, 0)
     return int(max(1, min(sm_count() * per_sm, -(-n // (threads * per_thread)))))
 
@@ -236,6 +247,7 @@ def amax_grid(k, n, per_thread, threads=256):
 # reused only AMAX_SLOTS eager calls later, long after its last kernel ended.
 AMAX_SLOTS = 1 << 14
 _amax_pools = {}  # device -> [uint32 (AMAX_SLOTS, 2) zeros, next slot, slots kept by graphs]
+_amax_lock = threading.Lock()
 
 
 def amax_slot():
@@ -243,23 +255,24 @@ def amax_slot():
     or, from the pool, its address as a NumPy uint64 (a pointer argument)."""
     import cupy
     dev = cupy.cuda.runtime.getDevice()
-    stream = cupy.cuda.get_current_stream()
-    pool = _amax_pools.get(dev)
-    if pool is None:
-        if stream.is_capturing():  # no pool yet, and no memset may run outside the graph
-            return cupy.zeros(2, np.uint32)
-        pool = _amax_pools[dev] = [cupy.zeros((AMAX_SLOTS, 2), np.uint32), 0, set()]
-        cupy.cuda.Device().synchronize()  # zero before any stream uses a slot
-    buf, i, kept = pool
-    for _ in range(AMAX_SLOTS):
-        i = (i + 1) % AMAX_SLOTS
-        if i not in kept:
-            break
-    else:
-        return cupy.zeros(2, np.uint32)  # every slot kept by graphs: a zeroed pair
-    pool[1] = i
-    if stream.is_capturing():
-        kept.add(i)
+    capturing = cupy.cuda.get_current_stream().is_capturing()
+    with _amax_lock:  # two threads never get one slot
+        pool = _amax_pools.get(dev)
+        if pool is None:
+            if capturing:  # no pool yet, and no memset may run outside the graph
+                return cupy.zeros(2, np.uint32)
+            pool = _amax_pools[dev] = [cupy.zeros((AMAX_SLOTS, 2), np.uint32), 0, set()]
+            cupy.cuda.Device().synchronize()  # zero before any stream uses a slot
+        buf, i, kept = pool
+        for _ in range(AMAX_SLOTS):
+            i = (i + 1) % AMAX_SLOTS
+            if i not in kept:
+                break
+        else:
+            return cupy.zeros(2, np.uint32)  # every slot kept by graphs: a zeroed pair
+        pool[1] = i
+        if capturing:
+            kept.add(i)
     return np.uint64(buf.data.ptr + 8 * i)  # a pointer argument (CuPy indexing costs ~5 us)
 
 
