@@ -1,0 +1,47 @@
+"""The host side of the PDL launch (kernels/common.launch), no GPU needed: the ctypes
+structs match cuda.h, arguments are packed 8 bytes each as the driver reads them, and an
+argument type the kernels do not take is refused by name."""
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+from tecupy.kernels import common
+
+cupy = pytest.importorskip("cupy")
+
+
+def test_launch_structs_match_cuda_h():
+    cfg, attr = common._LaunchConfig, common._LaunchAttr
+    # CUlaunchConfig: 7 unsigned ints, then hStream, attrs, numAttrs (8-byte aligned)
+    assert (cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(cfg) == 56
+    # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    assert (attr.value.offset, ctypes.sizeof(attr)) == (8, 72)
+    assert common._PDL_ATTR.id == 6 and common._PDL_ATTR.value[0] == 1
+
+
+def test_arguments_packed_8_bytes_each():
+    kinds = (cupy.ndarray, np.int32, np.float32, np.int64, np.uint32, np.uint64)
+    st, buf, params, cfg = common._launch_state(kinds, (7, 2), (256,), 1024)
+    st.pack_into(buf, 0, 0x7F0012345678, np.int32(-5), np.float32(1.5), np.int64(-(2**40)),
+                 np.uint32(2**32 - 1), np.uint64(2**63 + 9))
+    raw = buf.raw
+    assert struct.unpack_from("<Q", raw, 0)[0] == 0x7F0012345678
+    assert struct.unpack_from("<i", raw, 8)[0] == -5
+    assert struct.unpack_from("<f", raw, 16)[0] == 1.5
+    assert struct.unpack_from("<q", raw, 24)[0] == -(2**40)
+    assert struct.unpack_from("<I", raw, 32)[0] == 2**32 - 1
+    assert struct.unpack_from("<Q", raw, 40)[0] == 2**63 + 9
+    base = ctypes.addressof(buf)
+    assert [params[i] for i in range(len(kinds))] == [base + 8 * i for i in range(len(kinds))]
+    assert (list(cfg.grid), list(cfg.block), cfg.shared, cfg.num_attrs) == \
+        ([7, 2, 1], [256, 1, 1], 1024, 1)
+
+
+@pytest.mark.parametrize("bad", [int, float, np.float64, np.int16])
+def test_unsupported_argument_type_is_named(bad):
+    with pytest.raises(TypeError, match=f"{bad.__name__}.*accepted: CuPy arrays and NumPy "
+                                        "int32/int64/float32/uint32/uint64"):
+        common._launch_state((cupy.ndarray, bad), (1,), (32,), 0)
