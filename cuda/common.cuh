@@ -123,7 +123,7 @@ __device__ __forceinline__ float block_max(float v, float identity = 0.f) {
 // last block to get here (every block must call this). The blocks merge into `slot`
 // ({max as bits, blocks done}), which is zero on entry and left zero for the next launch
 // (common.amax_slot), so amax needs no zeroing memset before the kernel: that memset cost
-// 4-15 points of copy bandwidth at 8192 x 4096 (H200; PERFLOG.md).
+// 4-7 points of copy bandwidth at 8192 x 4096, 8-15 at 2048 x 4096 (H200; PERFLOG.md).
 __device__ __forceinline__ void grid_amax(float m, float* amax, unsigned* slot) {
     m = block_max(m);
     if (threadIdx.x == 0) {

@@ -85,7 +85,7 @@ def test_captured_cast_keeps_its_slot(rng):
     assert kept <= common._amax_pools[cupy.cuda.runtime.getDevice()][2]
 
 
-def _chain(cupy, x, g, one):
+def _chain(x, g, one):
     """Kernels that each read the one before: the ops PDL launches, back to back."""
     y = d("gelu_fwd", x)
     y, _, _ = d("layernorm_fwd", y, g, g, 1e-5, False)
@@ -107,20 +107,20 @@ def test_pdl_chain_matches_plain_launches(monkeypatch, rng, graph):
     g = cupy.asarray(rng.uniform(0.5, 2, 4096).astype(np.float32)).astype(tecupy.bfloat16)
     one = cupy.ones((1,), np.float32)
     monkeypatch.setattr(common, "PDL", False)
-    want = [cupy.asnumpy(a) for a in _chain(cupy, x, g, one)]
+    want = [cupy.asnumpy(a) for a in _chain(x, g, one)]
     monkeypatch.setattr(common, "PDL", True)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         if graph:
-            _chain(cupy, x, g, one)
+            _chain(x, g, one)
             stream.begin_capture()
-            outs = _chain(cupy, x, g, one)
+            outs = _chain(x, g, one)
             cuda_graph = stream.end_capture()
         for _ in range(5):
             if graph:
                 cuda_graph.launch(stream)
             else:
-                outs = _chain(cupy, x, g, one)
+                outs = _chain(x, g, one)
             stream.synchronize()
             for i, (a, w) in enumerate(zip(outs, want)):
                 np.testing.assert_array_equal(cupy.asnumpy(a).view(np.uint8),

@@ -236,8 +236,7 @@ def amax_grid(k, n, per_thread, threads=256):
     fit on the GPU at once, as each block's end waits for a round trip to L2 (the count of
     grid_amax), best paid once per resident block (H200, cast at 8192 x 4096: 89.6 -> 91.0% of
     copy against 16 blocks per SM, 64 -> 71% at 2048 x 4096; PERFLOG.md)."""
-    per_sm = resident_blocks(k, threads, 0)
-    return int(max(1, min(sm_count() * per_sm, -(-n // (threads * per_thread)))))
+    return grid_1d(n, per_thread, threads, resident_blocks(k, threads, 0))
 
 
 # amax outputs without a zeroing memset: kernels reduce into a zeroed {max, count} slot
