@@ -47,6 +47,10 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 // current slot, reads it, and only then refills it with a later row, so slots - 1 rows per
 // warp are loading while it works: bytes in flight cost shared memory, not registers.
 // Call order per row: at() ... reads ... __syncwarp(); lane 0: fill(cur, ...); next().
+// The kernels fill one slot per warp first and the others once the first row has come: all
+// slots filled at once were one burst of reads (~17 MB at 8192 x 4096), served interleaved,
+// so every warp's first row came only at the burst's end (H200: ~5 us after the start,
+// ~3.5 with one slot first; LN with FP8 out 75 -> 80% of copy: PERFLOG.md).
 struct WarpRing {
     unsigned bar;     // shared address of this warp's first mbarrier
     unsigned offset;  // byte offset of this warp's first slot in smem

@@ -215,9 +215,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
     WarpRing ring(smem, slots, bytes);
     const T* src = x + lo * VEC;  // this warp's portion of row 0
-    if (lane == 0 && cnt > 0)
-        for (int i = 0; i < slots && first + i * step < rows; ++i)
-            ring.fill(smem, i, src + (first + i * step) * hidden, cnt * sizeof(V));
+    if (lane == 0 && cnt > 0 && first < rows)  // one slot; the rest once it has come (WarpRing)
+        ring.fill(smem, 0, src + first * hidden, cnt * sizeof(V));
     F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(warps, slots, bytes));
     float4* scratch = reinterpret_cast<float4*>(gb + (RMS ? n : 2 * n));  // [2][warps]
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
@@ -236,6 +235,9 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     for (long long row = first; row < rows; row += step, parity ^= 1) {
         // v[c] for the chunks c of this warp's portion (a warp with none never waits)
         const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
+        if (row == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
+            for (int i = 1; i < slots && row + i * step < rows; ++i)
+                ring.fill(smem, i, src + (row + i * step) * hidden, cnt * sizeof(V));
         // this warp's moments, shifted by its portion's first chunk (shift_of)
         const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;

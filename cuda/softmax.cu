@@ -290,13 +290,14 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
                                                                             ring.bytes));
     const T* xsrc = x + lo * VEC;
     const unsigned char* msrc = mask + (HAS_MASK ? lo * VEC : 0);
-    if (lane == 0 && cnt > 0)
-        for (int i = 0; i < slots && first + i * step < rows; ++i) {
-            const long long r = first + i * step;
-            ring.fill(smem, i, xsrc + r * sk, xbytes, msrc + r * (HAS_MASK ? sk : 0), mbytes);
-        }
+    auto fill = [&](int i, long long r) {  // lane 0: slot i gets row r (and its mask row)
+        ring.fill(smem, i, xsrc + r * sk, xbytes, msrc + r * (HAS_MASK ? sk : 0), mbytes);
+    };
+    if (lane == 0 && cnt > 0 && first < rows) fill(0, first);  // the rest once it has come
     for (long long r = first; r < rows; r += step) {
         const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
+        if (r == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
+            for (int i = 1; i < slots && r + i * step < rows; ++i) fill(i, r + i * step);
         const V* xs = reinterpret_cast<const V*>(slot) - lo;     // xs[c], ms[c]: chunk c
         const M* ms = reinterpret_cast<const M*>(slot + xslot) - lo;
         const int qi = (int)(r % sq);
@@ -344,9 +345,7 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
         }
         __syncwarp();  // every lane has read the slot: refill it
         const long long ahead = r + slots * step;
-        if (lane == 0 && ahead < rows && cnt > 0)
-            ring.fill(smem, ring.cur, xsrc + ahead * sk, xbytes,
-                      msrc + ahead * (HAS_MASK ? sk : 0), mbytes);
+        if (lane == 0 && ahead < rows && cnt > 0) fill(ring.cur, ahead);
         if (cnt) ring.next();
     }
     PDL_TRIGGER();

@@ -85,6 +85,60 @@ def test_captured_cast_keeps_its_slot(rng):
     assert kept <= common._amax_pools[cupy.cuda.runtime.getDevice()][2]
 
 
+def _ln(x):
+    c = x - x.mean(-1, keepdims=True)
+    return c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_out", "fp8_out"])
+def test_norm_stream_call_after_call(monkeypatch, rng, fp8):
+    """norm_fwd_stream, bf16 and FP8 out, through a pool of 3 amax slots: calls of many sizes
+    (fewer rows than ring groups, a few rows per group, many; one ring slot filled first and
+    the others once the first row has come) each write every row right, eagerly and replayed
+    from a graph that keeps its slot, with eager calls in between."""
+    import cupy
+    if not common.hopper():
+        pytest.skip("norm_fwd_stream runs on Hopper")
+    monkeypatch.setattr(common, "AMAX_SLOTS", 3)
+    monkeypatch.setattr(common, "_amax_pools", {})
+    one = cupy.ones((1,), np.float32)
+
+    def ln(x):
+        g = cupy.ones(x.shape[-1], tecupy.bfloat16)
+        if fp8:
+            return d("layernorm_fwd_fp8", x, g, 0 * g, 1e-5, False, one, E4M3)[0]
+        return d("layernorm_fwd", x, g, 0 * g, 1e-5, False)[0]
+
+    def check(y, host):  # (an unwritten row would hold cupy.empty's leftovers)
+        y = cupy.asnumpy(y)
+        if fp8:
+            y = ref.fp8_dequantize(y, E4M3, np.ones(1, np.float32), np.float32)
+        np.testing.assert_allclose(y.astype(np.float32), _ln(host), rtol=0.07, atol=0.02)
+
+    for rows in (1, 7, 300, 4099, 20000, 3, 1000):
+        host = rng.standard_normal((rows, 4096)).astype(np.float32)
+        x = cupy.asarray(host).astype(tecupy.bfloat16)
+        check(ln(x), x.astype(np.float32).get())
+    x = cupy.asarray(rng.standard_normal((5000, 4096)).astype(np.float32)).astype(
+        tecupy.bfloat16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ln(x)
+        stream.begin_capture()
+        y = ln(x)
+        graph = stream.end_capture()
+        for _ in range(3):
+            x[...] = cupy.asarray(rng.standard_normal((5000, 4096)).astype(np.float32))
+            graph.launch(stream)
+            stream.synchronize()
+            check(y, x.astype(np.float32).get())
+            check(ln(x[:77]), x[:77].astype(np.float32).get())
+    cupy.cuda.Device().synchronize()
+    if fp8:
+        buf = common._amax_pools[cupy.cuda.runtime.getDevice()][0]
+        assert int(abs(buf).max()) == 0, "a slot was not left at zero"
+
+
 def _chain(x, g, one):
     """Kernels that each read the one before: the ops PDL launches, back to back."""
     y = d("gelu_fwd", x)
