@@ -88,6 +88,9 @@ def cases(rows, hidden, rng):
         return cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(BF16)
     g, one = X(hidden), cupy.ones((1,), np.float32)
 
+    def Z():
+        return cupy.zeros((1,), np.float32)
+
     def ln_bwd():
         x = X(rows, hidden)
         _, mu, rs = d("layernorm_fwd", x, g, g, 1e-5, False)
@@ -101,12 +104,16 @@ def cases(rows, hidden, rng):
         x = X(rows, hidden)
         return X(rows, hidden), x, d("rmsnorm_fwd", x, g, 1e-5, False)[1], g, False
     return [
-        ("cast_to_fp8+amax", lambda: (X(rows, hidden), one, E4M3),
-         lambda *a: d("cast_to_fp8", *a), 3 * n, "cast"),
+        # the FP8 outputs max their amax into an amax history row (amax_out), as in the
+        # FP8 flow; "own amax": a fresh amax array per call
+        ("cast_to_fp8+amax", lambda: (X(rows, hidden), one, E4M3, Z()),
+         lambda x, s, f, a: d("cast_to_fp8", x, s, f, amax_out=a), 3 * n, "cast"),
+        ("cast (own amax)", lambda: (X(rows, hidden), one, E4M3),
+         lambda *a: d("cast_to_fp8", *a), 3 * n, None),
         ("layernorm_fwd", lambda: (X(rows, hidden), g, g, 1e-5, False),
          lambda *a: d("layernorm_fwd", *a), 4 * n, "layer_norm"),
-        ("layernorm_fwd_fp8", lambda: (X(rows, hidden), g, g, 1e-5, False, one, E4M3),
-         lambda *a: d("layernorm_fwd_fp8", *a), 3 * n, None),
+        ("layernorm_fwd_fp8", lambda: (X(rows, hidden), g, g, 1e-5, False, one, E4M3, Z()),
+         lambda *a: d("layernorm_fwd_fp8", *a[:-1], amax_out=a[-1]), 3 * n, None),
         ("rmsnorm_fwd", lambda: (X(rows, hidden), g, 1e-5, False),
          lambda *a: d("rmsnorm_fwd", *a), 4 * n, "rms_norm"),
         ("layernorm_bwd", ln_bwd, lambda *a: d("layernorm_bwd", *a), 6 * n, None),
@@ -120,8 +127,8 @@ def cases(rows, hidden, rng):
          6 * n, None),
         ("swiglu_bwd", lambda: (X(rows, hidden), X(rows, 2 * hidden)),
          lambda *a: d("swiglu_bwd", *a), 10 * n, None),
-        ("cast_transpose", lambda: (X(rows, hidden), one, E4M3),
-         lambda *a: d("cast_transpose", *a), 4 * n, None),
+        ("cast_transpose", lambda: (X(rows, hidden), one, E4M3, Z()),
+         lambda x, s, f, a: d("cast_transpose", x, s, f, amax_out=a), 4 * n, None),
         ("dropout+residual", lambda: (X(rows, hidden), 0.1, 7, 0, X(rows, hidden)),
          lambda *a: d("dropout_fwd", *a), 7 * n, None),
         ("dropout_bwd", lambda: (X(rows, hidden), d("dropout_fwd", X(rows, hidden), 0.1, 7,
@@ -222,7 +229,8 @@ def kernels(args):
     for rows, hidden in SIZES:
         for name, make, fn, nbytes, peer in cases(rows, hidden, rng):
             sets = input_sets(make, nbytes)
-            op = {"cast_to_fp8+amax": "cast_to_fp8", "dropout+residual": "dropout_fwd",
+            op = {"cast_to_fp8+amax": "cast_to_fp8", "cast (own amax)": "cast_to_fp8",
+                  "dropout+residual": "dropout_fwd",
                   "layernorm_fwd+bwd": "layernorm_bwd"}.get(name, name)
             kind = backends.chosen(op, *sets[0])
             t0 = time.perf_counter()

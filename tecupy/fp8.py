@@ -84,8 +84,9 @@ def _scale_array(xp, scale):
 
 
 def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
-    """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element) is given,
-    max(amax_out, amax(x)) is written into it (what the cast kernel's atomicMax does).
+    """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element, holding a
+    value >= +0, as an amax history row does) is given, max(amax_out, amax(x)) is written
+    into it (the cast kernels atomicMax into it, with no amax of their own).
     transpose=True (2-D x) also makes the transposed copy in the same pass; with it,
     dbias_dtype (a dtype) returns (FP8Tensor, the column sums of x in that dtype) from the
     same read of x (Transformer Engine's cast_transpose_dbias, for a linear's dy)."""
@@ -100,14 +101,12 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     scale = _scale_array(xp, scale)
     data_t = dbias = None
     if dbias_dtype is not None:
-        data, data_t, amax, dbias = backends.dispatch("cast_transpose_dbias", x, scale, fmt,
-                                                      np.dtype(dbias_dtype))
+        data, data_t, _, dbias = backends.dispatch(
+            "cast_transpose_dbias", x, scale, fmt, np.dtype(dbias_dtype), amax_out=amax_out)
     elif transpose:
-        data, data_t, amax = backends.dispatch("cast_transpose", x, scale, fmt)
+        data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt, amax_out=amax_out)
     else:
-        data, amax = backends.dispatch("cast_to_fp8", x, scale, fmt)
-    if amax_out is not None:
-        xp.maximum(amax_out, amax.reshape(amax_out.shape), out=amax_out)
+        data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out=amax_out)
     # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
     # rewrites the state's scales before backward uses this tensor (TE saves them too).
     t = FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)

@@ -49,6 +49,40 @@ def test_amax_correct_call_after_call(monkeypatch, rng, shape):
     assert int(abs(buf).max()) == 0, "a slot was not left at zero"
 
 
+@pytest.mark.parametrize("shape", [(333, 4096), (4099, 48), (7, 24), (0, 64)], ids=str)
+def test_amax_out_is_maxed_into(rng, shape):
+    """With amax_out (an amax history row: here a view into a 2-D array), every FP8-output
+    kernel maxes its amax into it (atomicMax, no slot) and returns it: above and below what
+    it held, its neighbours untouched, the codes those of the fresh-amax call."""
+    import cupy
+    rows, cols = shape
+    x = cupy.asarray((rng.standard_normal((rows, cols)) * 3).astype(np.float32))
+    g, one = cupy.ones(cols, np.float32), cupy.ones((1,), np.float32)
+    ops = {"cast_to_fp8": (x, one, E4M3), "cast_transpose": (x, one, E4M3),
+           "cast_transpose_dbias": (x, one, E4M3, np.dtype(np.float32)),
+           "layernorm_fwd_fp8": (x, g, 0 * g, 1e-5, False, one, E4M3),
+           "rmsnorm_fwd_fp8": (x, g, 1e-5, False, one, E4M3)}
+    amax_pos = {"cast_transpose_dbias": 2}
+    for name, args in ops.items():
+        fresh = d(name, *args)
+        want = float(fresh[amax_pos.get(name, -1)][0])
+        for held in (0.0, want / 2, want * 2, float("inf")):
+            history = cupy.full((2, 3), -7.0, np.float32)
+            history[0, 1] = held
+            out = d(name, *args, amax_out=history[0, 1:2])
+            assert out[amax_pos.get(name, -1)].data.ptr == history[0, 1:2].data.ptr, name
+            got = float(history[0, 1])
+            assert got == max(held, want), f"{name}: held {held}, amax {want}, got {got}"
+            h = cupy.asnumpy(history)
+            h[0, 1] = -7
+            assert (h == -7).all(), f"{name} wrote outside amax_out"
+            for a, b in zip(fresh, out):
+                if a.size > 1:
+                    np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b), name)
+    with pytest.raises(TypeError, match="amax_out must be a float32 CuPy array"):
+        d("cast_to_fp8", x, one, E4M3, amax_out=cupy.zeros(2, np.float32))
+
+
 def test_amax_of_zeros_is_zero_after_a_large_one(rng):
     import cupy
     one = cupy.ones((1,), np.float32)

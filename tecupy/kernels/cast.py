@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_grid, amax_slot, cbool, grid_1d,
+from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_args, amax_grid, cbool, grid_1d,
                      launch, on_gpu, resident_blocks, sm_count, vec_width)
 
 FILE = "cast.cu"
@@ -23,19 +23,19 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
 
 
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
-def cast_to_fp8(x, scale, fmt):
+def cast_to_fp8(x, scale, fmt, amax_out=None):
     import cupy
     x = cupy.ascontiguousarray(x)
     q = cupy.empty(x.shape, np.uint8)
+    amax, slot = amax_args(amax_out, x.size)
     if not x.size:
-        return q, cupy.zeros((1,), np.float32)
-    amax = cupy.empty((1,), np.float32)  # written once, by the kernel's last block
+        return q, amax
     vec = vec_width(x.dtype, x.size)
     if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
         vec *= 2
     kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
     launch(kernel, (amax_grid(kernel, x.size, vec),), (256,),
-           (x, scale, q, amax, amax_slot(), np.int64(x.size)))
+           (x, scale, q, amax, slot, np.int64(x.size)))
     return q, amax
 
 
@@ -50,30 +50,29 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
     return y
 
 
-def _ct_supported(x, scale, fmt):
+def _ct_supported(x, scale, fmt, *args, **kwargs):
     return is_cupy(x) and x.dtype in LOW_PRECISION and x.ndim == 2
 
 
 @backends.register("cast_transpose", "cuda", supports=_ct_supported)
-def cast_transpose(x, scale, fmt):
-    return _cast_transpose(x, scale, fmt, None)
+def cast_transpose(x, scale, fmt, amax_out=None):
+    return _cast_transpose(x, scale, fmt, None, amax_out)
 
 
-@backends.register("cast_transpose_dbias", "cuda",
-                   supports=lambda x, scale, fmt, dbias_dtype: _ct_supported(x, scale, fmt))
-def cast_transpose_dbias(x, scale, fmt, dbias_dtype):
+@backends.register("cast_transpose_dbias", "cuda", supports=_ct_supported)
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None):
     """cast_transpose, and dbias = the float32 column sums of x in dbias_dtype, from the
     same read of x (per 128-row block partials, then their sum)."""
-    return _cast_transpose(x, scale, fmt, dbias_dtype)
+    return _cast_transpose(x, scale, fmt, dbias_dtype, amax_out)
 
 
-def _cast_transpose(x, scale, fmt, dbias_dtype):
+def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out):
     import cupy
     from .activation import col_sum
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
-    amax = cupy.empty((1,), np.float32) if x.size else cupy.zeros((1,), np.float32)
+    amax, slot = amax_args(amax_out, x.size)
     blocks = -(-rows // 128)
     part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
@@ -82,7 +81,7 @@ def _cast_transpose(x, scale, fmt, dbias_dtype):
                                   f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
         tiles = blocks * -(-cols // 64)  # a grid-stride over them: at most the resident blocks
         grid = min(tiles, sm_count() * resident_blocks(k, 256, 0))
-        launch(k, (grid,), (256,), (x, scale, q, qt, amax, amax_slot(), part, np.int32(rows),
+        launch(k, (grid,), (256,), (x, scale, q, qt, amax, slot, part, np.int32(rows),
                                     np.int32(cols)))
     if dbias_dtype is None:
         return q, qt, amax

@@ -8,7 +8,7 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
-                     amax_slot, balanced_grid, cbool, hopper, launch, opt_in_smem,
+                     amax_args, balanced_grid, cbool, hopper, launch, opt_in_smem,
                      resident_blocks, ring_group, ring_launch, ring_plan, ring_portion,
                      sm_count, vec_width)
 
@@ -110,17 +110,17 @@ def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
-def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
-    """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y."""
+def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, amax_out=None):
+    """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y (maxed into
+    amax_out where given: common.amax_args)."""
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
     x, gamma = cupy.ascontiguousarray(x), cupy.ascontiguousarray(gamma)
     beta = gamma if rms else cupy.ascontiguousarray(beta)
     y = cupy.empty(x.shape, np.uint8 if fmt else x.dtype)
-    # amax only for an FP8 output (the kernels read scale, amax and slot then only), written
-    # once by the kernel's last block (grid_amax, so no zeroing memset)
-    amax = (cupy.empty if rows else cupy.zeros)((1,), np.float32) if fmt else y
+    # amax only for an FP8 output (the kernels read scale, amax and slot then only)
+    amax, slot = amax_args(amax_out, rows) if fmt else (y, y)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     types = f"{CTYPE[x.dtype]}, {vec_width(x.dtype, hidden)}, {{}}, {cbool(rms)}, " + (
         FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
@@ -129,7 +129,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None):
                                              rms, zero_centered_gamma)
         k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
           np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
-          amax if scale is None else scale, amax, amax_slot() if fmt else y), shared_mem=smem)
+          amax if scale is None else scale, amax, slot), shared_mem=smem)
     out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
     return out + (amax,) if fmt else out
 
@@ -262,13 +262,13 @@ def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
 
 
 @backends.register("layernorm_fwd_fp8", "cuda", supports=supported)
-def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt):
-    return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt)
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None):
+    return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt, amax_out)
 
 
 @backends.register("rmsnorm_fwd_fp8", "cuda", supports=supported)
-def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt):
-    return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt)
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None):
+    return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt, amax_out)
 
 
 @backends.register("layernorm_bwd", "cuda", supports=supported)

@@ -48,14 +48,12 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, 
         raise ValueError("RMSNorm takes no bias (got a layernorm bias); pass None")
     x2 = x.reshape(m, k)
     scale, amax_out = state.fwd_slot(gemm, "input")
-    if rms:
-        q, rsigma, amax = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg, scale,
-                                            fmt.fwd)
+    if rms:  # (amax_out: the kernels max into the amax history row)
+        q, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg, scale,
+                                         fmt.fwd, amax_out=amax_out)
     else:
-        q, mu, rsigma, amax = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
-                                                eps, zcg, scale, fmt.fwd)
-    xp = array_module("layernorm_linear", x=x)
-    xp.maximum(amax_out, amax, out=amax_out)
+        q, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
+                                             eps, zcg, scale, fmt.fwd, amax_out=amax_out)
     qx = FP8Tensor(q, fmt.fwd, (1.0 / scale).astype(np.float32))
     qw = state.quantize_fwd(weight, gemm, "weight", transpose=True)
     y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))

@@ -45,25 +45,35 @@ def amax(x):
     return xp.max(xp.where(xp.isnan(a), np.float32(0), a)).reshape(1)
 
 
+def amax_into(amax_out, a):
+    """The amax output of the FP8 casts: `a` itself, or with `amax_out` (float32, one
+    element, >= +0: an amax history row) max(amax_out, a) written into amax_out, which is
+    returned (the kernels' atomicMax into a given amax, Transformer Engine's way)."""
+    if amax_out is None:
+        return a
+    amax_out[...] = xp_of(a).maximum(amax_out, a.reshape(amax_out.shape))
+    return amax_out
+
+
 @backends.register("cast_to_fp8", "reference")
-def cast_to_fp8(x, scale, fmt):
+def cast_to_fp8(x, scale, fmt, amax_out=None):
     """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,))."""
-    return _encode(x.astype(np.float32) * scale[0], fmt), amax(x)
+    return _encode(x.astype(np.float32) * scale[0], fmt), amax_into(amax_out, amax(x))
 
 
 @backends.register("cast_transpose", "reference")
-def cast_transpose(x, scale, fmt):
+def cast_transpose(x, scale, fmt, amax_out=None):
     """x [rows, cols] -> (q, q.T contiguous, amax): both FP8 copies GEMMs need."""
-    q, a = cast_to_fp8(x, scale, fmt)
+    q, a = cast_to_fp8(x, scale, fmt, amax_out)
     return q, xp_of(q).ascontiguousarray(q.T), a
 
 
 @backends.register("cast_transpose_dbias", "reference")
-def cast_transpose_dbias(x, scale, fmt, dbias_dtype):
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None):
     """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
     backward's cast of dy with its linear's bias gradient."""
     from .linear import bias_grad
-    return cast_transpose(x, scale, fmt) + (bias_grad(x, dbias_dtype),)
+    return cast_transpose(x, scale, fmt, amax_out) + (bias_grad(x, dbias_dtype),)
 
 
 @backends.register("fp8_transpose", "reference")

@@ -36,11 +36,12 @@ def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
 
 
 @backends.register("layernorm_fwd_fp8", "reference")
-def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt):
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None):
     """LayerNorm whose output goes straight to FP8: (codes of y * scale, mu, rsigma, amax of
-    y), y cast from float32 without a round trip through x's dtype."""
+    y), y cast from float32 without a round trip through x's dtype; amax_out as in
+    cast_to_fp8."""
     y, mu, rsigma = _layernorm(x, gamma, beta, eps, zero_centered_gamma)
-    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out)
     return q, mu, rsigma, amax
 
 
@@ -72,10 +73,10 @@ def rmsnorm_fwd(x, gamma, eps, zero_centered_gamma):
 
 
 @backends.register("rmsnorm_fwd_fp8", "reference")
-def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt):
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None):
     """RMSNorm with its output cast to FP8 in the same pass: (codes, rsigma, amax)."""
     y, rsigma = _rmsnorm(x, gamma, eps, zero_centered_gamma)
-    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out)
     return q, rsigma, amax
 
 
