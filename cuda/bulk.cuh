@@ -41,12 +41,14 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 
 // A warp's ring of `slots` slots of `bytes` bytes each, inside the block's dynamic shared
-// memory `smem`: first one mbarrier per slot of every warp (padded to 128 bytes), then
-// warp w's slots at [w * slots, (w + 1) * slots). A slot holds one row (of one or two
-// tensors, back to back), filled by bulk copies that lane 0 issues. The warp waits for its
-// current slot, reads it, and only then refills it with a later row, so slots - 1 rows per
-// warp are loading while it works: bytes in flight cost shared memory, not registers.
-// Call order per row: at() ... reads ... __syncwarp(); lane 0: fill(cur, ...); next().
+// memory `smem`: first one mbarrier and one row number per slot of every warp (padded to
+// 128 bytes), then warp w's slots at [w * slots, (w + 1) * slots). A slot holds one row (of
+// one or two tensors, back to back), filled by bulk copies that lane 0 issues. The warp
+// waits for its current slot, reads it, and only then refills it with a later row, so
+// slots - 1 rows per warp are loading while it works: bytes in flight cost shared memory,
+// not registers. Call order per row: row() (the row in the current slot, set by lane 0's
+// mark() at least one __syncwarp() before), at() ... reads ... __syncwarp(); lane 0:
+// mark(cur, row), fill(cur, ...); next(); __syncwarp().
 // The kernels fill one slot per warp first and the others once the first row has come: all
 // slots filled at once were one burst of reads (~17 MB at 8192 x 4096), served interleaved,
 // so every warp's first row came only at the burst's end (H200: ~5 us after the start,
@@ -55,6 +57,7 @@ struct WarpRing {
     unsigned bar;     // shared address of this warp's first mbarrier
     unsigned offset;  // byte offset of this warp's first slot in smem
     unsigned bytes;
+    long long* rows;  // this warp's row number per slot
     int slots, cur = 0;
     unsigned parity = 0;
 
@@ -62,16 +65,20 @@ struct WarpRing {
         : slots(slots_), bytes(bytes_) {
         const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
         bar = smem_addr(smem) + 8 * warp * slots;
-        offset = ((8 * warps * slots + 127) & ~127) + warp * slots * bytes;
+        rows = reinterpret_cast<long long*>(smem + 8 * warps * slots) + warp * slots;
+        offset = header(warps, slots) + warp * slots * bytes;
         if ((threadIdx.x & 31) == 0) {
             for (int i = 0; i < slots; ++i) mbar_init(bar + 8 * i, 1);
             mbar_init_fence();
         }
         __syncwarp();
     }
-    // Shared bytes a block of `warps` warps needs.
+    __host__ __device__ static unsigned header(int warps, int slots) {
+        return (16 * warps * slots + 127) & ~127;
+    }
+    // Shared bytes a block of `warps` warps needs (common.ring_plan has the same formula).
     __host__ __device__ static unsigned smem_bytes(int warps, int slots, unsigned bytes) {
-        return ((8 * warps * slots + 127) & ~127) + warps * slots * bytes;
+        return header(warps, slots) + warps * slots * bytes;
     }
     // Lane 0 only: load n1 bytes from a (and n2 bytes from b after them) into slot i.
     __device__ void fill(unsigned char* smem, int i, const void* a, unsigned n1,
@@ -81,6 +88,8 @@ struct WarpRing {
         bulk_load(dst, a, n1, mb);
         if (n2) bulk_load(dst + n1, b, n2, mb);
     }
+    __device__ void mark(int i, long long row) const { rows[i] = row; }  // lane 0
+    __device__ long long row() const { return rows[cur]; }
     // Wait until the current slot is filled; its bytes.
     __device__ const unsigned char* at(const unsigned char* smem) const {
         mbar_wait(bar + 8 * cur, parity);
@@ -88,6 +97,56 @@ struct WarpRing {
     }
     __device__ void next() {
         if (++cur == slots) cur = 0, parity ^= 1;
+    }
+};
+
+// Rows of a ring kernel: group g = b K + k (block b, k-th of the block's K groups; G =
+// groups) starts with rows g, g + G, ... in its `slots` slots; each refill then takes the
+// row `slots` G further (the fixed split, without counters), or (with counters) the next
+// row of counter k: row G slots + k + K t, t from counter k of the launch
+// (common.ring_counters), so groups on SMs that get more of the memory bandwidth take more
+// rows and all end within about a row of each other (with the fixed split, LN's warps
+// ended between 21 and 38 us at 8192 x 4096: H200 timeline, PERFLOG.md; 16384 x 4096: LN,
+// RMS and softmax +9 points). K counters 128 bytes apart each serve one group per block
+// (one counter for all serialized the takes). Lane 0 of the group's first warp (the taker)
+// takes two refills ahead, so the atomic's latency is hidden behind a row, and shares each
+// take (p0, stored before the group's barrier) with the group's other warps. A group takes
+// twice when it starts and once per row it does, so counter k gets exactly 2 blocks + (rows
+// done by its groups) takes (< 2^32); the group that got the last number, which then has no
+// row left, puts it back to zero for the next launch at its end.
+struct RowTaker {
+    unsigned* counter;  // nullptr: the fixed split
+    unsigned last = 0;  // the launch's last take of this counter
+    unsigned p0 = 0, p1 = 0;  // the taker's takes for its next two refills
+    long long first, step;    // the counter's first row (groups * slots + k); slots * groups
+    int K;
+
+    __device__ RowTaker(unsigned* counters, int k, int K_, long long blocks, long long rows,
+                        int slots, bool taker)
+        : counter(counters ? counters + 32 * k : nullptr), first(blocks * K_ * slots + k),
+          step(blocks * K_ * slots), K(K_) {
+        if (!taker || !counter) return;
+        long long done = 0;  // rows of this counter's groups: their first rows, then its own
+        for (int i = 0; i < slots; ++i)
+            done += min(blocks, ceil_div(rows - k - i * blocks * K, K));
+        done += ceil_div(rows - first, K);
+        last = (unsigned)(2 * blocks + done - 1);
+        p0 = atomicAdd(counter, 1u);
+        p1 = atomicAdd(counter, 1u);
+    }
+    __device__ static long long ceil_div(long long n, long long d) {  // 0 for n <= 0
+        return n > 0 ? (n + d - 1) / d : 0;
+    }
+    // Lane 0 of each warp, refilling the slot of `row`: the row it gets (rows or more:
+    // none). The group's other warps pass the taker's p0 as `published`.
+    __device__ long long next(long long row, bool taker, unsigned published) {
+        if (!counter) return row + step;
+        const unsigned t = taker ? p0 : published;
+        if (taker) p0 = p1, p1 = atomicAdd(counter, 1u);
+        return first + (long long)K * t;
+    }
+    __device__ void finish(bool taker) const {  // the taker's last two takes are unused
+        if (taker && counter && (p0 == last || p1 == last)) atomicExch(counter, 0u);
     }
 };
 

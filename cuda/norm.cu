@@ -186,8 +186,8 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // loads of them per row stalled every warp, and converting them per row cost more
 // instructions than the norm itself (P = float; P = T keeps them as they are: half the
 // shared-memory reads per element, which ncu found saturated, for an unpack each; only
-// without zero-centered gamma, as g + 1 is not a T). Group i
-// of the grid takes rows i, i + groups, ...
+// without zero-centered gamma, as g + 1 is not a T). Rows
+// are handed out as the groups get through them (RowTaker).
 // The launch fixes `slots` and the dynamic shared memory (rings, gamma, beta, scratch).
 template <typename T, int VEC, bool RMS, typename OUT, int G, typename P>
 __global__ void __launch_bounds__(512)
@@ -195,7 +195,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
                 float* __restrict__ rsigma, long long rows, int hidden, float eps,
                 int zero_centered, const float* __restrict__ scale, float* __restrict__ amax,
-                unsigned* __restrict__ slot, int slots) {
+                unsigned* __restrict__ slot, unsigned* __restrict__ counters, int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     PDL_WAIT();
@@ -215,10 +215,15 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
     WarpRing ring(smem, slots, bytes);
     const T* src = x + lo * VEC;  // this warp's portion of row 0
-    if (lane == 0 && cnt > 0 && first < rows)  // one slot; the rest once it has come (WarpRing)
-        ring.fill(smem, 0, src + first * hidden, cnt * sizeof(V));
+    if (lane == 0) {  // one slot filled; the rest once it has come (WarpRing)
+        for (int i = 0; i < slots; ++i) ring.mark(i, min(first + i * step, rows));
+        if (cnt > 0 && first < rows) ring.fill(smem, 0, src + first * hidden, cnt * sizeof(V));
+    }
+    const bool taker = warp % G == 0 && lane == 0;  // later rows: RowTaker
+    RowTaker rt(counters, group, warps / G, gridDim.x, rows, slots, taker);
     F* gb = reinterpret_cast<F*>(smem + WarpRing::smem_bytes(warps, slots, bytes));
     float4* scratch = reinterpret_cast<float4*>(gb + (RMS ? n : 2 * n));  // [2][warps]
+    unsigned* takes = reinterpret_cast<unsigned*>(scratch + 2 * warps);   // [2][warps]
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const V g = load_vec<VEC>(gamma + c * VEC);
         V b;
@@ -232,12 +237,13 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     __syncthreads();
     float m = 0.f;
     int parity = 0;
-    for (long long row = first; row < rows; row += step, parity ^= 1) {
+    for (long long row; (row = ring.row()) < rows; parity ^= 1) {
         // v[c] for the chunks c of this warp's portion (a warp with none never waits)
         const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
         if (row == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
             for (int i = 1; i < slots && row + i * step < rows; ++i)
                 ring.fill(smem, i, src + (row + i * step) * hidden, cnt * sizeof(V));
+        if (G > 1 && taker) takes[parity * warps + warp] = rt.p0;  // (before group_share)
         // this warp's moments, shifted by its portion's first chunk (shift_of)
         const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;
@@ -289,15 +295,20 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
-            if (row + slots * step < rows && cnt > 0)
-                ring.fill(smem, ring.cur, src + (row + slots * step) * hidden, cnt * sizeof(V));
+            const long long ahead =
+                min(rt.next(row, taker, G > 1 ? takes[parity * warps + warp - warp % G] : 0u), rows);
+            ring.mark(ring.cur, ahead);
+            if (ahead < rows && cnt > 0)
+                ring.fill(smem, ring.cur, src + ahead * hidden, cnt * sizeof(V));
             if (warp % G == 0) {
                 if (!RMS) mu[row] = mean;
                 rsigma[row] = rs;
             }
         }
-        if (cnt) ring.next();
+        ring.next();
+        __syncwarp();  // (the mark)
     }
+    rt.finish(taker);
     PDL_TRIGGER();
     if (Out<OUT>::fp8) grid_amax(m, amax, slot);
 #endif

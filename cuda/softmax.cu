@@ -231,9 +231,9 @@ softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mas
 // exp2(x scale2 - max scale2); y = that exp2 / sum. With scale >= 0 (the launch's
 // condition) max(x scale) = max(x) scale, so an entry costs one FMA and one ex2 per
 // exponential (an online (max, sum) took ~19 instructions per entry, PERFLOG.md). Rows of
-// x are 16-byte multiples and, with a mask, sk % 16 == 0. Group i of the grid takes rows
-// i, i + groups, ... The launch fixes `slots` and the dynamic shared memory (rings, then
-// the scratch [2][warps] float4). CAUSAL is a template parameter: without a mask or the
+// x are 16-byte multiples and, with a mask, sk % 16 == 0. Rows are handed out as the groups
+// get through them (RowTaker). The launch fixes `slots` and the dynamic shared memory
+// (rings, then the scratch [2][warps] float4 and the takes [2][warps] uint32). CAUSAL is a template parameter: without a mask or the
 // causal rule no entry pays for the keep test.
 __device__ __forceinline__ float exp2_ftz(float x) {  // one MUFU.EX2; exp2(-inf) = 0
     float y;  // exp2f adds a denormal range fix-up (3 instructions) around it
@@ -271,7 +271,7 @@ template <typename T, int VEC, bool HAS_MASK, int G, bool CAUSAL>
 __global__ void __launch_bounds__(512)
 softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ mask,
                    T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal,
-                   int slots) {
+                   unsigned* __restrict__ counters, int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     PDL_WAIT();
@@ -288,16 +288,24 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
     WarpRing ring(smem, slots, xslot + (HAS_MASK ? part.per * VEC : 0));
     float4* scratch = reinterpret_cast<float4*>(smem + WarpRing::smem_bytes(warps, slots,
                                                                             ring.bytes));
+    unsigned* takes = reinterpret_cast<unsigned*>(scratch + 2 * warps);  // [2][warps]
     const T* xsrc = x + lo * VEC;
     const unsigned char* msrc = mask + (HAS_MASK ? lo * VEC : 0);
     auto fill = [&](int i, long long r) {  // lane 0: slot i gets row r (and its mask row)
         ring.fill(smem, i, xsrc + r * sk, xbytes, msrc + r * (HAS_MASK ? sk : 0), mbytes);
     };
-    if (lane == 0 && cnt > 0 && first < rows) fill(0, first);  // the rest once it has come
-    for (long long r = first; r < rows; r += step) {
+    if (lane == 0) {  // one slot filled; the rest once it has come (WarpRing)
+        for (int i = 0; i < slots; ++i) ring.mark(i, min(first + i * step, rows));
+        if (cnt > 0 && first < rows) fill(0, first);
+    }
+    const bool taker = warp % G == 0 && lane == 0;  // later rows: RowTaker
+    RowTaker rt(counters, warp / G, warps / G, gridDim.x, rows, slots, taker);
+    int parity = 0;
+    for (long long r; (r = ring.row()) < rows; parity ^= 1) {
         const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
         if (r == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
             for (int i = 1; i < slots && r + i * step < rows; ++i) fill(i, r + i * step);
+        if (G > 1 && taker) takes[parity * warps + warp] = rt.p0;  // (before group_reduce)
         const V* xs = reinterpret_cast<const V*>(slot) - lo;     // xs[c], ms[c]: chunk c
         const M* ms = reinterpret_cast<const M*>(slot + xslot) - lo;
         const int qi = (int)(r % sq);
@@ -344,10 +352,16 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
             store_vec<VEC>(y + r * sk + c * VEC, make_out<T, VEC>(o, 1.f));
         }
         __syncwarp();  // every lane has read the slot: refill it
-        const long long ahead = r + slots * step;
-        if (lane == 0 && ahead < rows && cnt > 0) fill(ring.cur, ahead);
-        if (cnt) ring.next();
+        if (lane == 0) {
+            const long long ahead =
+                min(rt.next(r, taker, G > 1 ? takes[parity * warps + warp - warp % G] : 0u), rows);
+            ring.mark(ring.cur, ahead);
+            if (ahead < rows && cnt > 0) fill(ring.cur, ahead);
+        }
+        ring.next();
+        __syncwarp();  // (the mark)
     }
+    rt.finish(taker);
     PDL_TRIGGER();
 #endif
 }

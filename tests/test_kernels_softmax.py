@@ -53,3 +53,30 @@ def test_softmax_scale_sign(rng, scale, causal):
     assert_within_2x_reference(run("softmax_fwd", args, True),
                                run("softmax_fwd", f64(args), False),
                                run("softmax_fwd", args, False), "softmax fwd", atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (2, 9, 4096), (3, 300, 2048), (1000, 64, 64)],
+                         ids=str)
+@pytest.mark.parametrize("masking", ["none", "both"])
+def test_softmax_stream_rows_from_counters(monkeypatch, rng, shape, masking):
+    """softmax_fwd_stream with its rows taken from counters (RowTaker) at every size, through
+    a pool of 3 sets of counters, call after call: every row written once and right, and
+    every counter left at zero."""
+    import cupy
+    from tecupy.kernels import common
+    if not common.hopper():
+        pytest.skip("softmax_fwd_stream runs on Hopper")
+    monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", "stream")
+    monkeypatch.setattr(common, "RING_DYNAMIC_ROWS", 0)
+    monkeypatch.setattr(common, "RING_SLOTS", 3)
+    monkeypatch.setattr(common, "_pools", {})
+    for _ in range(4):
+        x = (rng.standard_normal(shape) * 4).astype(tecupy.bfloat16)
+        mask = rng.random((1,) + shape[1:]) < 0.3 if masking == "both" else None
+        args = [x, 0.7, mask, masking == "both"]
+        assert_within_2x_reference(run("softmax_fwd", args, True),
+                                   run("softmax_fwd", f64(args), False),
+                                   run("softmax_fwd", args, False), "softmax fwd", atol=1e-6)
+    cupy.cuda.Device().synchronize()
+    buf = common._pools["ring", cupy.cuda.runtime.getDevice()][0]
+    assert int(abs(buf).max()) == 0, "a row counter was not left at zero"

@@ -7,6 +7,7 @@ import pytest
 import tecupy
 from tecupy.fp8 import E4M3
 from tecupy.kernels import common
+from tecupy.kernels import norm as norm_kernels
 from tecupy.reference import fp8 as ref
 
 pytestmark = pytest.mark.gpu
@@ -39,13 +40,13 @@ def test_amax_correct_call_after_call(monkeypatch, rng, shape):
     (a slot left non-zero by a kernel would carry its max or its count into a later call)."""
     import cupy
     monkeypatch.setattr(common, "AMAX_SLOTS", 3)
-    monkeypatch.setattr(common, "_amax_pools", {})
+    monkeypatch.setattr(common, "_pools", {})
     for i in range(4):
         big = 1000.0 if i % 2 == 0 else 0.001
         for name, fn, want in _amax_ops(cupy, rng, *shape, big):
             got = float(fn()[0])
             assert np.isclose(got, want, rtol=2e-3), f"{name} call {i}: amax {got}, want {want}"
-    buf = common._amax_pools[cupy.cuda.runtime.getDevice()][0]
+    buf = common._pools["amax", cupy.cuda.runtime.getDevice()][0]
     assert int(abs(buf).max()) == 0, "a slot was not left at zero"
 
 
@@ -104,7 +105,7 @@ def test_captured_cast_keeps_its_slot(rng):
         stream.begin_capture()
         q, amax = d("cast_to_fp8", x, one, E4M3)
         graph = stream.end_capture()
-    kept = set(common._amax_pools[cupy.cuda.runtime.getDevice()][2])
+    kept = set(common._pools["amax", cupy.cuda.runtime.getDevice()][2])
     assert kept, "the captured call did not keep its slot"
     for big in (3.0, 0.5, 70.0):
         host = (rng.standard_normal((256, 512)) * big).astype(np.float32)
@@ -116,7 +117,7 @@ def test_captured_cast_keeps_its_slot(rng):
         assert float(amax[0]) == float(np.abs(host).max())
         np.testing.assert_array_equal(cupy.asnumpy(q), ref.cast_to_fp8(host, np.ones(1,
                                       np.float32), E4M3)[0])
-    assert kept <= common._amax_pools[cupy.cuda.runtime.getDevice()][2]
+    assert kept <= common._pools["amax", cupy.cuda.runtime.getDevice()][2]
 
 
 def _ln(x):
@@ -124,17 +125,24 @@ def _ln(x):
     return c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-5)
 
 
+@pytest.mark.parametrize("counted", [False, True], ids=["fixed_split", "counters"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16_out", "fp8_out"])
-def test_norm_stream_call_after_call(monkeypatch, rng, fp8):
-    """norm_fwd_stream, bf16 and FP8 out, through a pool of 3 amax slots: calls of many sizes
-    (fewer rows than ring groups, a few rows per group, many; one ring slot filled first and
-    the others once the first row has come) each write every row right, eagerly and replayed
-    from a graph that keeps its slot, with eager calls in between."""
+def test_norm_stream_call_after_call(monkeypatch, rng, fp8, counted):
+    """norm_fwd_stream, bf16 and FP8 out, through pools of 3 amax slots and 3 sets of row
+    counters (RowTaker, cuda/bulk.cuh: a launch must leave its counters at zero): calls of
+    many sizes (fewer rows than ring groups, a few rows per group, many) each write every
+    row once and right, eagerly and replayed from a graph that keeps its slots, with eager
+    calls in between."""
     import cupy
     if not common.hopper():
         pytest.skip("norm_fwd_stream runs on Hopper")
     monkeypatch.setattr(common, "AMAX_SLOTS", 3)
-    monkeypatch.setattr(common, "_amax_pools", {})
+    monkeypatch.setattr(common, "RING_SLOTS", 3)
+    monkeypatch.setattr(common, "_pools", {})
+    monkeypatch.setattr(common, "RING_DYNAMIC_ROWS", 0 if counted else 1 << 40)
+    if fp8:  # (FP8 outputs keep the fixed split by default: test the counters too)
+        monkeypatch.setattr(norm_kernels, "ring_launch", lambda *a, **kw: common.ring_launch(
+            *a, **{**kw, "dynamic": counted}))
     one = cupy.ones((1,), np.float32)
 
     def ln(x):
@@ -168,9 +176,9 @@ def test_norm_stream_call_after_call(monkeypatch, rng, fp8):
             check(y, x.astype(np.float32).get())
             check(ln(x[:77]), x[:77].astype(np.float32).get())
     cupy.cuda.Device().synchronize()
-    if fp8:
-        buf = common._amax_pools[cupy.cuda.runtime.getDevice()][0]
-        assert int(abs(buf).max()) == 0, "a slot was not left at zero"
+    for kind in ("amax",) * fp8 + ("ring",) * counted:
+        buf = common._pools[kind, cupy.cuda.runtime.getDevice()][0]
+        assert int(abs(buf).max()) == 0, f"a slot of the {kind} pool was not left at zero"
 
 
 def _chain(x, g, one):

@@ -119,15 +119,25 @@ def ring_plan(slot_bytes, extra=0, max_slots=RING_MAX_SLOTS):
         slots = min(max_slots, RING_MAX_SLOTS,
                     (RING_SMEM // blocks - extra - 1024) // (per_block * slot_bytes))
         if slots >= 2:
-            rings = ((8 * per_block * slots + 127) & ~127) + per_block * slots * slot_bytes
+            rings = ((16 * per_block * slots + 127) & ~127) + per_block * slots * slot_bytes
             return per_block, blocks, slots, rings + extra
     return None
 
 
-def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS):
-    """(launch(grid, block, args, shared_mem) appending the slot count, grid, threads,
-    shared bytes) for a kernel `k` (loader function) whose groups of `group` warps stream
-    rows through WarpRings, or None (see ring_plan)."""
+# Rows handed out by counters (RowTaker, bulk.cuh) where each ring group streams at least
+# RING_DYNAMIC_ROWS rows; below, the fixed split. H200, same run, % of copy: bf16 out at
+# 16384 x 4096 LN 76.8 -> 85.7, RMS 79.0 -> 86.3, softmax 74.8 -> 84.1, at 32768 x 4096 +9
+# to +11; at ~8 rows per group (8192 x 4096) -0.6 / +3.0 / -1.7, at 8192 x 2048 and 2048 x
+# 4096 -7 to -9; LN with FP8 out -4 to -13 at every size (not understood: fixed split there).
+RING_DYNAMIC_ROWS = 12
+
+
+def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS,
+                dynamic=True):
+    """(launch(grid, block, args, shared_mem) appending the row counters (null for the
+    fixed split) and the slot count, grid, threads, shared bytes) for a kernel `k` (loader
+    function) whose groups of `group` warps stream rows through WarpRings, or None (see
+    ring_plan). `dynamic`: the kernel may take rows from counters (RING_DYNAMIC_ROWS)."""
     plan = ring_plan(slot_bytes, extra, max_slots)
     if plan is None:
         return None
@@ -140,8 +150,11 @@ def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS)
     opt_in_smem(k, smem)
     per_sm = min(per_sm, resident_blocks(k, 32 * warps, smem))
 
+    counted = dynamic and rows_per_group >= RING_DYNAMIC_ROWS
+
     def run(grid, block, args, shared_mem):  # (the ring kernels begin with PDL_WAIT)
-        launch(k, grid, block, args + (np.int32(slots),), shared_mem)
+        counters = ring_counters() if counted else np.uint64(0)
+        launch(k, grid, block, args + (counters, np.int32(slots)), shared_mem)
     return run, balanced_grid(-(-rows // (warps // group)), per_sm), 32 * warps, smem
 
 
@@ -240,39 +253,52 @@ def amax_grid(k, n, per_thread, threads=256):
 
 
 # amax outputs without a zeroing memset: kernels reduce into a zeroed {max, count} slot
-# (grid_amax, common.cuh), the grid's last block writes amax and zeroes the slot again.
-# Slots come round-robin from a per-device pool, zeroed once; a call captured into a CUDA
-# graph gets a slot of its own for good (its replays may run at any time), so a slot is
-# reused only AMAX_SLOTS eager calls later, long after its last kernel ended.
+# (grid_amax, common.cuh), the grid's last block writes amax and zeroes the slot again. The
+# ring kernels' row counters (RowTaker, bulk.cuh) come the same way: RING_COUNTERS counters
+# 128 bytes apart per launch, left at zero by the launch. Slots come round-robin from a
+# per-device pool of each kind, zeroed once; a call captured into a CUDA graph gets a slot
+# of its own for good (its replays may run at any time), so a slot is reused only a pool's
+# length of eager calls later, long after its last kernel ended.
 AMAX_SLOTS = 1 << 14
-_amax_pools = {}  # device -> [uint32 (AMAX_SLOTS, 2) zeros, next slot, slots kept by graphs]
-_amax_lock = threading.Lock()
+RING_SLOTS, RING_COUNTERS = 1 << 10, 16
+_pools = {}  # (kind, device) -> [uint32 (slots, words) zeros, next slot, slots kept by graphs]
+_pool_lock = threading.Lock()
 
 
-def amax_slot():
-    """A zero {max, count} pair of uint32 for one launch of a grid_amax kernel: a CuPy array
-    or, from the pool, its address as a NumPy uint64 (a pointer argument)."""
+def _pool_slot(kind, slots, words):
+    """A zero slot of `words` uint32 from the pool of `kind`: its address as a NumPy uint64
+    (a pointer argument), or a fresh CuPy array of zeros."""
     import cupy
     dev = cupy.cuda.runtime.getDevice()
     capturing = cupy.cuda.get_current_stream().is_capturing()
-    with _amax_lock:  # two threads never get one slot
-        pool = _amax_pools.get(dev)
+    with _pool_lock:  # two threads never get one slot
+        pool = _pools.get((kind, dev))
         if pool is None:
             if capturing:  # no pool yet, and no memset may run outside the graph
-                return cupy.zeros(2, np.uint32)
-            pool = _amax_pools[dev] = [cupy.zeros((AMAX_SLOTS, 2), np.uint32), 0, set()]
+                return cupy.zeros(words, np.uint32)
+            pool = _pools[kind, dev] = [cupy.zeros((slots, words), np.uint32), 0, set()]
             cupy.cuda.Device().synchronize()  # zero before any stream uses a slot
         buf, i, kept = pool
-        for _ in range(AMAX_SLOTS):
-            i = (i + 1) % AMAX_SLOTS
+        for _ in range(slots):
+            i = (i + 1) % slots
             if i not in kept:
                 break
         else:
-            return cupy.zeros(2, np.uint32)  # every slot kept by graphs: a zeroed pair
+            return cupy.zeros(words, np.uint32)  # every slot kept by graphs: a zeroed one
         pool[1] = i
         if capturing:
             kept.add(i)
-    return np.uint64(buf.data.ptr + 8 * i)  # a pointer argument (CuPy indexing costs ~5 us)
+    return np.uint64(buf.data.ptr + 4 * words * i)  # (CuPy indexing costs ~5 us)
+
+
+def amax_slot():
+    """A zero {max, count} pair of uint32 for one launch of a grid_amax kernel."""
+    return _pool_slot("amax", AMAX_SLOTS, 2)
+
+
+def ring_counters():
+    """RING_COUNTERS zero uint32 row counters, 128 bytes apart, for one ring launch."""
+    return _pool_slot("ring", RING_SLOTS, 32 * RING_COUNTERS)
 
 
 def amax_args(amax_out, n):

@@ -159,14 +159,17 @@ def _stream_launch(rows, hidden, vec, types, rms, zero_centered):
     slot = 16 * ring_portion(hidden // vec, group)
     # gamma + 1 (zero-centered) is kept as float: it need not be a value of the input type
     ptype = "float" if STREAM_GAMMA == "float" or zero_centered else types.split(",")[0]
-    # copies of gamma (and beta), and the moments' scratch [2, 16 warps] of float4
-    extra = (4 if ptype == "float" else row_bytes // hidden) * hidden * (1 if rms else 2) + 512
+    # copies of gamma (and beta), the moments' scratch [2, 16 warps] of float4 and the row
+    # takes [2, 16 warps] of uint32
+    extra = (4 if ptype == "float" else row_bytes // hidden) * hidden * (1 if rms else 2) + 640
     if not (FWD_VARIANT == "stream" and vec > 1 and row_bytes >= STREAM_MIN_ROW_BYTES
             and hopper() and ring_plan(slot, extra)):
         return None
     k = loader.function(FILE, "norm_fwd_stream<" + types.replace(" {},", "")
                         + f", {group}, {ptype}>")
-    return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
+    # (FP8 outputs keep the fixed split: common.RING_DYNAMIC_ROWS)
+    return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS,
+                       dynamic="fp8" not in types)
 
 
 def _outputs(y, mu, rsigma, shape, rms):

@@ -76,7 +76,7 @@ def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
     group = ring_group(row_bytes, STREAM_WARP_BYTES)
     per = ring_portion(sk // vec, group, 16 // vec)  # the mask's portions stay aligned
     slot = per * (16 + (vec if has_mask else 0))
-    extra = 512  # the group's scratch [2, 16 warps] of float4
+    extra = 640  # the group's scratch [2, 16 warps] of float4 and takes [2, 16] of uint32
     if not (FWD_VARIANT == "stream" and scale >= 0 and vec > 1 and (sk % 16 == 0 or not has_mask)
             and hopper() and ring_plan(slot, extra)):
         return None
