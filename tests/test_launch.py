@@ -53,8 +53,9 @@ def test_amax_correct_call_after_call(monkeypatch, rng, shape):
 @pytest.mark.parametrize("shape", [(333, 4096), (4099, 48), (7, 24), (0, 64)], ids=str)
 def test_amax_out_is_maxed_into(rng, shape):
     """With amax_out (an amax history row: here a view into a 2-D array), every FP8-output
-    kernel maxes its amax into it (atomicMax, no slot) and returns it: above and below what
-    it held, its neighbours untouched, the codes those of the fresh-amax call."""
+    kernel (casts, norms, activations with bias, gated ones) maxes its amax into it
+    (atomicMax, no slot) and returns it: above and below what it held, its neighbours
+    untouched, the codes those of the fresh-amax call."""
     import cupy
     rows, cols = shape
     x = cupy.asarray((rng.standard_normal((rows, cols)) * 3).astype(np.float32))
@@ -62,7 +63,8 @@ def test_amax_out_is_maxed_into(rng, shape):
     ops = {"cast_to_fp8": (x, one, E4M3), "cast_transpose": (x, one, E4M3),
            "cast_transpose_dbias": (x, one, E4M3, np.dtype(np.float32)),
            "layernorm_fwd_fp8": (x, g, 0 * g, 1e-5, False, one, E4M3),
-           "rmsnorm_fwd_fp8": (x, g, 1e-5, False, one, E4M3)}
+           "rmsnorm_fwd_fp8": (x, g, 1e-5, False, one, E4M3),
+           "gelu_fwd": (x, g, one, E4M3), "swiglu_fwd": (x, None, one, E4M3)}
     amax_pos = {"cast_transpose_dbias": 2}
     for name, args in ops.items():
         fresh = d(name, *args)

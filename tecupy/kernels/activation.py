@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_grid, amax_slot, cbool, grid_1d, launch,
+from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_args, amax_grid, cbool, grid_1d, launch,
                      on_gpu_low_precision, vec_width)
 
 FILE = "act.cu"
@@ -79,15 +79,14 @@ def bias_grad(dy2, out_dtype):
     return dbias(dy2).astype(out_dtype, copy=False)
 
 
-def _fwd(name, gated, x, bias, scale, fmt):
+def _fwd(name, gated, x, bias, scale, fmt, amax_out=None):
     import cupy
     x = cupy.ascontiguousarray(x)
     n = x.shape[-1] // 2 if gated else x.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
     y = cupy.empty(x.shape[:-1] + (n,), np.uint8 if fmt else x.dtype)
-    # amax only for an FP8 output (the kernels read scale, amax and slot then only), written
-    # once by the kernel's last block (grid_amax, so no zeroing memset)
-    amax = (cupy.empty if rows * n else cupy.zeros)((1,), np.float32) if fmt else y
+    # amax only for an FP8 output (the kernels read scale, amax and slot then only)
+    amax, slot = amax_args(amax_out, rows * n) if fmt else (y, y)
     vec = vec_width(x.dtype, n)
     k = _kernel("gated_fwd" if gated else "act_fwd", name, x, vec,
                 FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype], bias)
@@ -99,7 +98,7 @@ def _fwd(name, gated, x, bias, scale, fmt):
         # an FP8 output (grid_amax) the resident blocks only
         grid = (amax_grid(k, rows * n, vec) if fmt else
                 grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec))
-        launch(k, (grid,), (256,), (x, b, y) + shape + (s, amax, amax_slot() if fmt else y))
+        launch(k, (grid,), (256,), (x, b, y) + shape + (s, amax, slot))
     return (y, amax) if fmt else y
 
 
@@ -123,7 +122,8 @@ def _bwd(name, gated, dy, x, bias):
 
 def _register(name, gated):
     backends.register(f"{name}_fwd", "cuda", supports=supported)(
-        lambda x, bias=None, scale=None, fmt=None: _fwd(name, gated, x, bias, scale, fmt))
+        lambda x, bias=None, scale=None, fmt=None, amax_out=None:
+        _fwd(name, gated, x, bias, scale, fmt, amax_out))
     backends.register(f"{name}_bwd", "cuda", supports=supported)(
         lambda dy, x, bias=None: _bwd(name, gated, dy, x, bias))
 

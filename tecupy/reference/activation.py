@@ -50,9 +50,12 @@ def _input(x, bias, ct):
     return xf if bias is None else xf + bias.astype(ct)
 
 
-def _output(y, dtype, scale, fmt):
-    """y in `dtype`, or (FP8 codes of y * scale, amax of y) when `fmt` is given."""
-    return y.astype(dtype) if fmt is None else cast_to_fp8(y.astype(np.float32), scale, fmt)
+def _output(y, dtype, scale, fmt, amax_out):
+    """y in `dtype`, or (FP8 codes of y * scale, amax of y) when `fmt` is given (amax_out as
+    in cast_to_fp8)."""
+    if fmt is None:
+        return y.astype(dtype)
+    return cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out)
 
 
 def _dbias(dxf, bias):
@@ -61,9 +64,10 @@ def _dbias(dxf, bias):
 
 def _plain(name, f, df):
     @backends.register(f"{name}_fwd", "reference")
-    def fwd(x, bias=None, scale=None, fmt=None):
+    def fwd(x, bias=None, scale=None, fmt=None, amax_out=None):
         xp = xp_of(x)
-        return _output(f(_input(x, bias, compute_dtype(x.dtype)), xp), x.dtype, scale, fmt)
+        return _output(f(_input(x, bias, compute_dtype(x.dtype)), xp), x.dtype, scale, fmt,
+                       amax_out)
 
     @backends.register(f"{name}_bwd", "reference")
     def bwd(dy, x, bias=None):
@@ -76,10 +80,10 @@ def _plain(name, f, df):
 
 def _gated(name, f, df):
     @backends.register(f"{name}_fwd", "reference")
-    def fwd(x, bias=None, scale=None, fmt=None):
+    def fwd(x, bias=None, scale=None, fmt=None, amax_out=None):
         xp = xp_of(x)
         a, b = xp.split(_input(x, bias, compute_dtype(x.dtype)), 2, axis=-1)
-        return _output(f(a, xp) * b, x.dtype, scale, fmt)
+        return _output(f(a, xp) * b, x.dtype, scale, fmt, amax_out)
 
     @backends.register(f"{name}_bwd", "reference")
     def bwd(dy, x, bias=None):
