@@ -186,9 +186,9 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
 // loads of them per row stalled every warp, and converting them per row cost more
 // instructions than the norm itself (P = float; P = T keeps them as they are: half the
 // shared-memory reads per element, which ncu found saturated, for an unpack each; only
-// without zero-centered gamma, as g + 1 is not a T). Rows
-// are handed out as the groups get through them (RowTaker).
-// The launch fixes `slots` and the dynamic shared memory (rings, gamma, beta, scratch).
+// without zero-centered gamma, as g + 1 is not a T). Each group's later rows come from
+// RowTaker (bulk.cuh). The launch fixes `slots` and the dynamic shared memory (rings,
+// gamma, beta, scratch, takes) and passes the row counters (null: the fixed split).
 template <typename T, int VEC, bool RMS, typename OUT, int G, typename P>
 __global__ void __launch_bounds__(512)
 norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
@@ -295,8 +295,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
-            const long long ahead =
-                min(rt.next(row, taker, G > 1 ? takes[parity * warps + warp - warp % G] : 0u), rows);
+            const unsigned published = G > 1 ? takes[parity * warps + warp - warp % G] : 0u;
+            const long long ahead = min(rt.next(row, taker, published), rows);
             ring.mark(ring.cur, ahead);
             if (ahead < rows && cnt > 0)
                 ring.fill(smem, ring.cur, src + ahead * hidden, cnt * sizeof(V));

@@ -231,9 +231,10 @@ softmax_fwd_block(const T* __restrict__ x, const unsigned char* __restrict__ mas
 // exp2(x scale2 - max scale2); y = that exp2 / sum. With scale >= 0 (the launch's
 // condition) max(x scale) = max(x) scale, so an entry costs one FMA and one ex2 per
 // exponential (an online (max, sum) took ~19 instructions per entry, PERFLOG.md). Rows of
-// x are 16-byte multiples and, with a mask, sk % 16 == 0. Rows are handed out as the groups
-// get through them (RowTaker). The launch fixes `slots` and the dynamic shared memory
-// (rings, then the scratch [2][warps] float4 and the takes [2][warps] uint32). CAUSAL is a template parameter: without a mask or the
+// x are 16-byte multiples and, with a mask, sk % 16 == 0. Each group's later rows come from
+// RowTaker (bulk.cuh). The launch fixes `slots` and the dynamic shared memory (rings, then
+// the scratch [2][warps] float4 and the takes [2][warps] uint32) and passes the row
+// counters (null: the fixed split). CAUSAL is a template parameter: without a mask or the
 // causal rule no entry pays for the keep test.
 __device__ __forceinline__ float exp2_ftz(float x) {  // one MUFU.EX2; exp2(-inf) = 0
     float y;  // exp2f adds a denormal range fix-up (3 instructions) around it
@@ -353,8 +354,8 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
-            const long long ahead =
-                min(rt.next(r, taker, G > 1 ? takes[parity * warps + warp - warp % G] : 0u), rows);
+            const unsigned published = G > 1 ? takes[parity * warps + warp - warp % G] : 0u;
+            const long long ahead = min(rt.next(r, taker, published), rows);
             ring.mark(ring.cur, ahead);
             if (ahead < rows && cnt > 0) fill(ring.cur, ahead);
         }
