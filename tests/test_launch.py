@@ -1,6 +1,7 @@
 """The launch machinery of the memory-bound kernels on the GPU: amax without a zeroing
-memset (grid_amax and its pool of slots, kernels/common.py) and programmatic dependent
-launch (common.launch): results equal plain launches, in streams and in CUDA graphs."""
+memset (grid_amax and its pool of slots, kernels/common.py) or maxed into a given amax_out,
+the ring kernels' row counters (RowTaker) and programmatic dependent launch
+(common.launch): results equal plain launches, in streams and in CUDA graphs."""
 import numpy as np
 import pytest
 
