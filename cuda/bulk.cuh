@@ -101,46 +101,50 @@ struct WarpRing {
 };
 
 // Rows of a ring kernel: group g = b K + k (block b, k-th of the block's K groups; G =
-// groups) starts with rows g, g + G, ... in its `slots` slots; each refill then takes the
-// row `slots` G further (the fixed split, without counters), or (with counters) the next
-// row of counter k: row G slots + k + K t, t from counter k of the launch
-// (common.ring_counters), so groups on SMs that get more of the memory bandwidth take more
-// rows and all end within about a row of each other (with the fixed split, LN's warps
-// ended between 21 and 38 us at 8192 x 4096: H200 timeline, PERFLOG.md; 16384 x 4096: LN,
-// RMS and softmax +9 points). K counters 128 bytes apart each serve one group per block
-// (one counter for all serialized the takes). Lane 0 of the group's first warp (the taker)
-// takes two refills ahead, so the atomic's latency is hidden behind a row, and shares each
-// take (p0, stored before the group's barrier) with the group's other warps. A group takes
-// twice when it starts and once per row it does, so counter k gets exactly 2 blocks + (rows
-// done by its groups) takes (< 2^32); the group that got the last number, which then has no
-// row left, puts it back to zero for the next launch at its end.
+// groups) starts with rows g, g + G, ... in its `slots` slots and refills the first with
+// row g + slots G; every later refill takes the row `slots` G further (the fixed split,
+// without counters) or (with counters) the next row of counter k: row G (slots + 1) + k +
+// K t, t from counter k of the launch (common.ring_counters), so groups on SMs that get more
+// of the memory bandwidth take more rows and all end within about a row of each other
+// (with the fixed split, LN's warps ended between 21 and 38 us at 8192 x 4096: H200
+// timeline, PERFLOG.md; 16384 x 4096: LN, RMS and softmax +9 points). K counters 128 bytes
+// apart each serve one group per block (one counter for all serialized the takes). Lane 0
+// of the group's first warp (the taker) takes twice once its first row has come (taking at
+// the start delayed the first bulk copies), then once per refill, two refills ahead of use,
+// so the atomic's latency is hidden behind a row; it shares each take (p0, stored before
+// the group's barrier) with the group's other warps. A group with rows takes once more
+// than it does rows, so counter k gets an exact count of takes (< 2^32); the group that got
+// the last number, which then has no row left, puts it back to zero at its end.
 struct RowTaker {
     unsigned* counter;  // nullptr: the fixed split
     unsigned last = 0;  // the launch's last take of this counter
     unsigned p0 = 0, p1 = 0;  // the taker's takes for its next two refills
-    long long first, step;    // the counter's first row (groups * slots + k); slots * groups
+    long long first, step;    // the counter's first row, G (slots + 1) + k; G slots
     int K;
 
     __device__ RowTaker(unsigned* counters, int k, int K_, long long blocks, long long rows,
                         int slots, bool taker)
-        : counter(counters ? counters + 32 * k : nullptr), first(blocks * K_ * slots + k),
-          step(blocks * K_ * slots), K(K_) {
+        : counter(counters ? counters + 32 * k : nullptr),
+          first(blocks * K_ * (slots + 1) + k), step(blocks * K_ * slots), K(K_) {
         if (!taker || !counter) return;
-        long long done = 0;  // rows of this counter's groups: their first rows, then its own
-        for (int i = 0; i < slots; ++i)
+        // rows of this counter's groups (their first slots + 1, then its own), plus one take
+        // per group that has a row
+        long long done = ceil_div(rows - first, K);
+        for (int i = 0; i <= slots; ++i)
             done += min(blocks, ceil_div(rows - k - i * blocks * K, K));
-        done += ceil_div(rows - first, K);
-        last = (unsigned)(2 * blocks + done - 1);
-        p0 = atomicAdd(counter, 1u);
-        p1 = atomicAdd(counter, 1u);
+        last = (unsigned)(done + min(blocks, ceil_div(rows - k, K)) - 1);
     }
     __device__ static long long ceil_div(long long n, long long d) {  // 0 for n <= 0
         return n > 0 ? (n + d - 1) / d : 0;
     }
-    // Lane 0 of each warp, refilling the slot of `row`: the row it gets (rows or more:
-    // none). The group's other warps pass the taker's p0 as `published`.
-    __device__ long long next(long long row, bool taker, unsigned published) {
-        if (!counter) return row + step;
+    // The taker, once its first row has come.
+    __device__ void start() {
+        if (counter) p0 = atomicAdd(counter, 1u), p1 = atomicAdd(counter, 1u);
+    }
+    // Lane 0 of each warp, refilling the slot of its `it`-th row `row`: the row it gets
+    // (rows or more: none). The group's other warps pass the taker's p0 as `published`.
+    __device__ long long next(long long row, int it, bool taker, unsigned published) {
+        if (!counter || it == 0) return row + step;
         const unsigned t = taker ? p0 : published;
         if (taker) p0 = p1, p1 = atomicAdd(counter, 1u);
         return first + (long long)K * t;

@@ -237,13 +237,14 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     __syncthreads();
     float m = 0.f;
     int parity = 0;
-    for (long long row; (row = ring.row()) < rows; parity ^= 1) {
+    for (long long row, it = 0; (row = ring.row()) < rows; parity ^= 1, ++it) {
         // v[c] for the chunks c of this warp's portion (a warp with none never waits)
         const V* v = reinterpret_cast<const V*>(cnt ? ring.at(smem) : smem) - lo;
         if (row == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
             for (int i = 1; i < slots && row + i * step < rows; ++i)
                 ring.fill(smem, i, src + (row + i * step) * hidden, cnt * sizeof(V));
-        if (G > 1 && taker) takes[parity * warps + warp] = rt.p0;  // (before group_share)
+        if (it == 0 && taker) rt.start();
+        if (G > 1 && taker && it > 0) takes[parity * warps + warp] = rt.p0;  // (group_share)
         // this warp's moments, shifted by its portion's first chunk (shift_of)
         const float x0 = (RMS || cnt == 0) ? 0.f : shift_of<T, VEC>(v[lo]);
         float sum = 0.f, sq = 0.f;
@@ -296,7 +297,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
             const unsigned published = G > 1 ? takes[parity * warps + warp - warp % G] : 0u;
-            const long long ahead = min(rt.next(row, taker, published), rows);
+            const long long ahead = min(rt.next(row, it, taker, published), rows);
             ring.mark(ring.cur, ahead);
             if (ahead < rows && cnt > 0)
                 ring.fill(smem, ring.cur, src + ahead * hidden, cnt * sizeof(V));

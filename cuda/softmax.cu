@@ -302,11 +302,12 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
     const bool taker = warp % G == 0 && lane == 0;  // later rows: RowTaker
     RowTaker rt(counters, warp / G, warps / G, gridDim.x, rows, slots, taker);
     int parity = 0;
-    for (long long r; (r = ring.row()) < rows; parity ^= 1) {
+    for (long long r, it = 0; (r = ring.row()) < rows; parity ^= 1, ++it) {
         const unsigned char* slot = cnt ? ring.at(smem) : smem;  // none: never waits
         if (r == first && lane == 0 && cnt > 0)  // the other slots (WarpRing)
             for (int i = 1; i < slots && r + i * step < rows; ++i) fill(i, r + i * step);
-        if (G > 1 && taker) takes[parity * warps + warp] = rt.p0;  // (before group_reduce)
+        if (it == 0 && taker) rt.start();
+        if (G > 1 && taker && it > 0) takes[parity * warps + warp] = rt.p0;  // (group_reduce)
         const V* xs = reinterpret_cast<const V*>(slot) - lo;     // xs[c], ms[c]: chunk c
         const M* ms = reinterpret_cast<const M*>(slot + xslot) - lo;
         const int qi = (int)(r % sq);
@@ -355,7 +356,7 @@ softmax_fwd_stream(const T* __restrict__ x, const unsigned char* __restrict__ ma
         __syncwarp();  // every lane has read the slot: refill it
         if (lane == 0) {
             const unsigned published = G > 1 ? takes[parity * warps + warp - warp % G] : 0u;
-            const long long ahead = min(rt.next(r, taker, published), rows);
+            const long long ahead = min(rt.next(r, it, taker, published), rows);
             ring.mark(ring.cur, ahead);
             if (ahead < rows && cnt > 0) fill(ring.cur, ahead);
         }

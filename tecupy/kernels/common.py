@@ -125,10 +125,11 @@ def ring_plan(slot_bytes, extra=0, max_slots=RING_MAX_SLOTS):
 
 
 # Rows handed out by counters (RowTaker, bulk.cuh) where each ring group streams at least
-# RING_DYNAMIC_ROWS rows; below, the fixed split. H200, same run, % of copy: bf16 out at
-# 16384 x 4096 LN 76.8 -> 85.7, RMS 79.0 -> 86.3, softmax 74.8 -> 84.1, at 32768 x 4096 +9
-# to +11; at ~8 rows per group (8192 x 4096) -0.6 / +3.0 / -1.7, at 8192 x 2048 and 2048 x
-# 4096 -7 to -9; LN with FP8 out -4 to -13 at every size (not understood: fixed split there).
+# RING_DYNAMIC_ROWS rows; below, the fixed split. H200, same run, fixed -> counters, % of
+# copy, bf16 out: 12288 x 4096 (12 rows per group) LN 80.1 -> 86.0, RMS 81.5 -> 88.4,
+# softmax 77.4 -> 85.1; 16384 x 4096 +9 to +10; 8192 x 4096 (8 rows) -1 / +1 / +0.5; 8192 x
+# 2048 and 2048 x 4096 -2 to -18. LN with FP8 out -7 to -10 at every size (not understood;
+# PERFLOG.md): the callers with FP8 outputs pass dynamic=False.
 RING_DYNAMIC_ROWS = 12
 
 
@@ -260,7 +261,7 @@ def amax_grid(k, n, per_thread, threads=256):
 # of its own for good (its replays may run at any time), so a slot is reused only a pool's
 # length of eager calls later, long after its last kernel ended.
 AMAX_SLOTS = 1 << 14
-RING_SLOTS, RING_COUNTERS = 1 << 10, 16
+RING_SLOTS, RING_COUNTERS = 1 << 12, 16  # 8 MB, made at the first launch with counters
 _pools = {}  # (kind, device) -> [uint32 (slots, words) zeros, next slot, slots kept by graphs]
 _pool_lock = threading.Lock()
 
