@@ -115,9 +115,7 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     if isinstance(out_dtype, FP8Format):
         if out_scale is None or amax_out is None:
             raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out")
-        codes, a_max = cast_to_fp8(acc.astype(np.float32), out_scale, out_dtype)
-        amax_out[...] = xp.maximum(amax_out, a_max)
-        return codes
+        return cast_to_fp8(acc.astype(np.float32), out_scale, out_dtype, amax_out)[0]
     if accumulate:
         out += acc.astype(out.dtype)
         return out
