@@ -23,6 +23,10 @@ BWD_VARIANTS = {"base": 0, "block2": 2}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
 FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "stream")
 STREAM_WARP_BYTES = 2048  # of a row per warp in softmax_fwd_stream (H200: PERFLOG.md)
+# at most 2 slots per warp (same run, % of copy, 3 -> 2 slots at 8192 x 4096 / 4096 x 8192 /
+# 16384 x 4096: H100 83.3 -> 86.1 / 86.6 -> 88.0 / 96.0 -> 97.2; H200 79.4 -> 79.3 / 78.6 ->
+# 81.5 / 87.8 -> 89.7; PERFLOG.md)
+STREAM_MAX_SLOTS = 2
 BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
@@ -82,7 +86,7 @@ def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
         return None
     k = loader.function(FILE, f"softmax_fwd_stream<{CTYPE[dtype]}, {vec}, "
                               f"{cbool(has_mask)}, {group}, {cbool(causal)}>")
-    return ring_launch(k, rows, slot, extra, group)
+    return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
 
 
 def supported(x, *args):
