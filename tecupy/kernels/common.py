@@ -205,7 +205,7 @@ def _launch_state(kinds, grid, block, shared_mem):
     return st, buf, params, cfg
 
 
-_cufunctions = {}  # loader function -> its CUfunction (RawKernel.kernel costs a lookup)
+_cupy = []  # (ndarray, get_current_stream), imported at the first launch
 
 
 def launch(k, grid, block, args, shared_mem=0):
@@ -213,33 +213,40 @@ def launch(k, grid, block, args, shared_mem=0):
     PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. grid and block are
     tuples; args CuPy arrays and NumPy scalars (int32, int64, float32, uint32, uint64).
     cuLaunchKernelEx is called through ctypes, the arguments packed by one struct into a
-    buffer kept per thread with the config (through cuda-python it cost ~15 us more per
-    call than CuPy's launch; this ~3 us more)."""
+    buffer kept per thread with the config, the kernel's handle and which arguments are
+    arrays: 6.9 us per launch of a 15-argument kernel on an H200 host, CuPy's own launch
+    7.1, this function before those were kept 8.6-8.8, through cuda-python ~15 us more."""
     if not (PDL and hopper()):
         return k(grid, block, args, shared_mem=shared_mem)
-    from cupy import ndarray
-    from cupy.cuda import get_current_stream
+    if not _cupy:
+        from cupy import ndarray
+        from cupy.cuda import get_current_stream
+        _cupy[:] = ndarray, get_current_stream
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _driver_launch.append(fn)
     kinds = tuple(map(type, args))
-    states = _per_thread.__dict__.setdefault("states", {})
-    key = (kinds, grid, block, shared_mem)
+    try:
+        states = _per_thread.states
+    except AttributeError:
+        states = _per_thread.states = {}
+    key = (k, kinds, grid, block, shared_mem)
     state = states.get(key)
     if state is None:
         if len(states) > 1024:  # many shapes: start over rather than grow
             states.clear()
-        state = states[key] = _launch_state(kinds, grid, block, shared_mem)
-    st, buf, params, cfg = state
-    st.pack_into(buf, 0, *[a.data.ptr if t is ndarray else a for a, t in zip(args, kinds)])
-    cfg.stream = get_current_stream().ptr
-    f = _cufunctions.get(k)
-    if f is None:
-        if not _driver_launch:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _driver_launch.append(fn)
-        f = _cufunctions[k] = k.kernel.ptr
-    err = _driver_launch[0](ctypes.byref(cfg), f, params, None)
+        st, buf, params, cfg = _launch_state(kinds, grid, block, shared_mem)
+        arrays = tuple(i for i, t in enumerate(kinds) if t is _cupy[0])
+        state = states[key] = (st, buf, cfg, (params, ctypes.addressof(params)),
+                               ctypes.addressof(cfg), k.kernel.ptr, arrays)
+    st, buf, cfg, (_, params), cfg_ptr, f, arrays = state
+    values = list(args)
+    for i in arrays:
+        values[i] = values[i].data.ptr
+    st.pack_into(buf, 0, *values)
+    cfg.stream = _cupy[1]().ptr
+    err = _driver_launch[0](cfg_ptr, f, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
                            f"{grid}, block {block}, {shared_mem} shared bytes")
