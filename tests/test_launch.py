@@ -1,7 +1,8 @@
 """The launch machinery of the memory-bound kernels on the GPU: amax without a zeroing
 memset (grid_amax and its pool of slots, kernels/common.py) or maxed into a given amax_out,
-the ring kernels' row counters (RowTaker) and programmatic dependent launch
-(common.launch): results equal plain launches, in streams and in CUDA graphs."""
+the ring kernels' row counters (RowTaker), programmatic dependent launch (common.launch)
+and the launch plans kept per shape and setting: results equal plain launches, in streams
+and in CUDA graphs."""
 import numpy as np
 import pytest
 
@@ -182,6 +183,38 @@ def test_norm_stream_call_after_call(monkeypatch, rng, fp8, counted):
     for kind in ("amax",) * fp8 + ("ring",) * counted:
         buf = common._pools[kind, cupy.cuda.runtime.getDevice()][0]
         assert int(abs(buf).max()) == 0, f"a slot of the {kind} pool was not left at zero"
+
+
+def test_launch_plans_follow_the_settings(monkeypatch, rng):
+    """The norm and softmax forwards keep their launch plans per call shape and setting
+    (choosing one costs more Python than the launch): the same call gets the same plan, a
+    setting changed between calls (as tests and tuning scripts change them) a plan of its
+    own, and every call gives the right rows."""
+    import cupy
+    from tecupy.kernels import softmax as softmax_kernels
+    host = rng.standard_normal((300, 4096)).astype(np.float32)
+    x = cupy.asarray(host).astype(tecupy.bfloat16)
+    g = cupy.ones(4096, tecupy.bfloat16)
+    host = x.astype(np.float32).get()
+    e = np.exp(0.5 * (host - host.max(-1, keepdims=True)))
+    types = "__nv_bfloat16, 8, {}, false, __nv_bfloat16"
+    for variant in ("stream", "warp", "stream"):
+        monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant)
+        monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", variant if variant == "stream"
+                            else "block4")
+        plan = norm_kernels._fwd_launch(300, 4096, 8, types, False, False)
+        assert norm_kernels._fwd_launch(300, 4096, 8, types, False, False) is plan
+        warp = getattr(plan[0], "args", [None])[0]
+        assert ("norm_fwd_warp" in getattr(warp, "name", "")) == (
+            variant == "warp" or not common.hopper())
+        stream = softmax_kernels._stream_plan(x.dtype, 4096, 300, False, False, 0.5)
+        assert (stream is not None) == (variant == "stream" and common.hopper())
+        y = d("layernorm_fwd", x, g, 0 * g, 1e-5, False)[0]
+        np.testing.assert_allclose(y.astype(np.float32).get(), _ln(host), rtol=0.02,
+                                   atol=0.02)
+        p = d("softmax_fwd", x, 0.5, None, False)
+        np.testing.assert_allclose(p.astype(np.float32).get(), e / e.sum(-1, keepdims=True),
+                                   rtol=0.02, atol=1e-6)
 
 
 def _chain(x, g, one):

@@ -124,6 +124,12 @@ def ring_plan(slot_bytes, extra=0, max_slots=RING_MAX_SLOTS):
     return None
 
 
+def ring_settings():
+    """The settings above and below that ring_plan and ring_launch read (for the callers'
+    caches of launch plans)."""
+    return RING_SMEM, RING_WARPS, RING_MAX_SLOTS, RING_GROUPS, RING_DYNAMIC_ROWS
+
+
 # Rows handed out by counters (RowTaker, bulk.cuh) where each ring group streams at least
 # RING_DYNAMIC_ROWS rows; below, the fixed split. H200, same run, fixed -> counters, % of
 # copy, bf16 out: 12288 x 4096 (12 rows per group) LN 80.1 -> 86.0, RMS 81.5 -> 88.4,

@@ -10,7 +10,7 @@ from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
                      amax_args, balanced_grid, cbool, hopper, launch, opt_in_smem,
                      resident_blocks, ring_group, ring_launch, ring_plan, ring_portion,
-                     sm_count, vec_width)
+                     ring_settings, sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -134,9 +134,29 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     return out + (amax,) if fmt else out
 
 
+# _fwd_launch's plans per call shape and setting: choosing one costs 6-12 us of Python on
+# the lent machines, a lookup ~1 (an eager LN at 8192 x 4096 was host-bound: PERFLOG.md).
+# The key holds every setting the choice reads, so a changed setting makes a new plan.
+_plans = {}
+
+
 def _fwd_launch(rows, hidden, vec, types, rms, zero_centered):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
+    import cupy
+    key = (rows, hidden, vec, types, rms, zero_centered, cupy.cuda.runtime.getDevice(),
+           FWD_VARIANT, FWD_WARP, STREAM_MIN_ROW_BYTES, STREAM_GAMMA, STREAM_MAX_SLOTS,
+           STREAM_WARP_BYTES["fp8" in types], ring_launch, ring_settings(), CHUNKS,
+           WARP_CHUNKS, THREADS_PER_ROW, MAX_THREADS, FWD_THREADS_PER_SM)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:  # many shapes: start over rather than grow
+            _plans.clear()
+        plan = _plans[key] = _choose_fwd_launch(rows, hidden, vec, types, rms, zero_centered)
+    return plan
+
+
+def _choose_fwd_launch(rows, hidden, vec, types, rms, zero_centered):
     stream = _stream_launch(rows, hidden, vec, types, rms, zero_centered)
     if stream:
         return stream

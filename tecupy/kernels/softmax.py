@@ -6,7 +6,7 @@ import numpy as np
 from .. import backends, loader
 from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, grid_1d, hopper,
                      launch, on_gpu_low_precision, resident_blocks, ring_group, ring_launch,
-                     ring_plan, ring_portion, vec_width)
+                     ring_plan, ring_portion, ring_settings, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -89,6 +89,22 @@ def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
     return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
 
 
+# _stream_launch's plans per call shape and setting (choosing one costs ~5 us of Python, a
+# lookup ~1); the key holds every setting the choice reads.
+_plans = {}
+
+
+def _stream_plan(dtype, sk, rows, has_mask, causal, scale):
+    import cupy
+    key = (dtype, sk, rows, has_mask, causal, scale >= 0, cupy.cuda.runtime.getDevice(),
+           FWD_VARIANT, STREAM_WARP_BYTES, STREAM_MAX_SLOTS, ring_launch, ring_settings())
+    if key not in _plans:
+        if len(_plans) > 4096:  # many shapes: start over rather than grow
+            _plans.clear()
+        _plans[key] = _stream_launch(dtype, sk, rows, has_mask, causal, scale)
+    return _plans[key]
+
+
 def supported(x, *args):
     return on_gpu_low_precision(x) and x.ndim >= 1 and x.shape[-1] < 2**31
 
@@ -103,13 +119,13 @@ def softmax_fwd(x, scale, mask, causal):
     m = x if mask is None else cupy.ascontiguousarray(cupy.broadcast_to(mask, x.shape),
                                                       np.bool_).view(np.uint8)
     y = cupy.empty_like(x)
-    warp = _warp_chunks(x.dtype, sk)
-    stream = rows and sk and _stream_launch(x.dtype, sk, rows, mask is not None, causal, scale)
+    stream = rows and sk and _stream_plan(x.dtype, sk, rows, mask is not None, causal, scale)
     if stream:
         k, grid, threads, smem = stream
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
           np.float32(scale), np.int32(causal)), shared_mem=smem)
         return y
+    warp = _warp_chunks(x.dtype, sk)
     block = rows and sk and _block_launch("softmax_fwd_block", x.dtype, sk, rows,
                                           FWD_VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
     if block:
