@@ -124,6 +124,21 @@ def ring_plan(slot_bytes, extra=0, max_slots=RING_MAX_SLOTS):
     return None
 
 
+def planned(plans, key, choose, *args):
+    """choose(*args), kept in the dict `plans` under `key`: the kernel wrappers' launch plans
+    (which kernel, grid, shared memory), whose choice costs 5-20 us of Python per call on
+    the lent machines, a lookup ~1. `key` must hold the call's shape and every setting
+    choose reads, so that a changed setting (tests and tuning scripts change them) gets a
+    plan of its own."""
+    try:
+        return plans[key]
+    except KeyError:
+        if len(plans) > 4096:  # many shapes: start over rather than grow
+            plans.clear()
+        plan = plans[key] = choose(*args)
+        return plan
+
+
 def ring_settings():
     """The settings above and below that ring_plan and ring_launch read (for the callers'
     caches of launch plans)."""

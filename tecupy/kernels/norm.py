@@ -9,8 +9,8 @@ from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
                      amax_args, balanced_grid, cbool, hopper, launch, opt_in_smem,
-                     resident_blocks, ring_group, ring_launch, ring_plan, ring_portion,
-                     ring_settings, sm_count, vec_width)
+                     planned, resident_blocks, ring_group, ring_launch, ring_plan,
+                     ring_portion, ring_settings, sm_count, vec_width)
 
 FILE = "norm.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread keeps in registers
@@ -134,26 +134,19 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     return out + (amax,) if fmt else out
 
 
-# _fwd_launch's plans per call shape and setting: choosing one costs 6-12 us of Python on
-# the lent machines, a lookup ~1 (an eager LN at 8192 x 4096 was host-bound: PERFLOG.md).
-# The key holds every setting the choice reads, so a changed setting makes a new plan.
-_plans = {}
+_plans = {}  # launch plans (common.planned; an eager LN at 8192 x 4096 was host-bound)
 
 
 def _fwd_launch(rows, hidden, vec, types, rms, zero_centered):
     """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
     the chunks per thread."""
     import cupy
-    key = (rows, hidden, vec, types, rms, zero_centered, cupy.cuda.runtime.getDevice(),
+    key = ("fwd", rows, hidden, vec, types, rms, zero_centered, cupy.cuda.runtime.getDevice(),
            FWD_VARIANT, FWD_WARP, STREAM_MIN_ROW_BYTES, STREAM_GAMMA, STREAM_MAX_SLOTS,
            STREAM_WARP_BYTES["fp8" in types], ring_launch, ring_settings(), CHUNKS,
            WARP_CHUNKS, THREADS_PER_ROW, MAX_THREADS, FWD_THREADS_PER_SM)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) > 4096:  # many shapes: start over rather than grow
-            _plans.clear()
-        plan = _plans[key] = _choose_fwd_launch(rows, hidden, vec, types, rms, zero_centered)
-    return plan
+    return planned(_plans, key, _choose_fwd_launch, rows, hidden, vec, types, rms,
+                   zero_centered)
 
 
 def _choose_fwd_launch(rows, hidden, vec, types, rms, zero_centered):
@@ -217,6 +210,14 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
 
 def _bwd_launch(rows, hidden, dtype, rms):
     """(kernel, blocks, threads, dynamic shared bytes, reduce variant) of the backward."""
+    import cupy
+    key = ("bwd", rows, hidden, dtype, rms, cupy.cuda.runtime.getDevice(), BWD_VARIANT,
+           BWD_VARIANTS[BWD_VARIANT], BWD_GROUPS, BWD_BLOCKS_PER_SM, BWD_SMEM, BWD_ACC_SMEM,
+           MAX_ACC_SMEM, BWD_ROWS, CHUNKS, THREADS_PER_ROW, MAX_THREADS, BWD_THREADS_PER_SM)
+    return planned(_plans, key, _choose_bwd_launch, rows, hidden, dtype, rms)
+
+
+def _choose_bwd_launch(rows, hidden, dtype, rms):
     kind, stages, reduce = BWD_VARIANTS[BWD_VARIANT]
     vec = vec_width(dtype, hidden)
     threads, chunks = _shape(hidden, vec)

@@ -5,8 +5,8 @@ import numpy as np
 
 from .. import backends, loader
 from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, grid_1d, hopper,
-                     launch, on_gpu_low_precision, resident_blocks, ring_group, ring_launch,
-                     ring_plan, ring_portion, ring_settings, vec_width)
+                     launch, on_gpu_low_precision, planned, resident_blocks, ring_group,
+                     ring_launch, ring_plan, ring_portion, ring_settings, vec_width)
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
@@ -89,20 +89,14 @@ def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
     return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
 
 
-# _stream_launch's plans per call shape and setting (choosing one costs ~5 us of Python, a
-# lookup ~1); the key holds every setting the choice reads.
-_plans = {}
+_plans = {}  # launch plans (common.planned)
 
 
 def _stream_plan(dtype, sk, rows, has_mask, causal, scale):
     import cupy
     key = (dtype, sk, rows, has_mask, causal, scale >= 0, cupy.cuda.runtime.getDevice(),
            FWD_VARIANT, STREAM_WARP_BYTES, STREAM_MAX_SLOTS, ring_launch, ring_settings())
-    if key not in _plans:
-        if len(_plans) > 4096:  # many shapes: start over rather than grow
-            _plans.clear()
-        _plans[key] = _stream_launch(dtype, sk, rows, has_mask, causal, scale)
-    return _plans[key]
+    return planned(_plans, key, _stream_launch, dtype, sk, rows, has_mask, causal, scale)
 
 
 def supported(x, *args):
