@@ -80,10 +80,27 @@ def _load_plugins():
             obj()
 
 
+_env_keys = {}
+
+
+def _env(name):
+    """os.environ.get(name, "") for the settings read on every dispatch: through the
+    environment's own mapping, as os.environ.get of an unset name costs ~1 us (a KeyError
+    raised and caught)."""
+    data = getattr(os.environ, "_data", None)  # (CPython's os._Environ)
+    if data is None:
+        return os.environ.get(name, "")
+    key = _env_keys.get(name)
+    if key is None:
+        key = _env_keys[name] = os.environ.encodekey(name)
+    value = data.get(key)
+    return "" if value is None else os.environ.decodevalue(value)
+
+
 def _ordered(op):
     """All implementations of `op` in preference order, cached per environment setting
     (dispatch is on every op's hot path)."""
-    env = (os.environ.get("TECUPY_OP_BACKENDS", ""), os.environ.get("TECUPY_BACKEND", ""))
+    env = (_env("TECUPY_OP_BACKENDS"), _env("TECUPY_BACKEND"))
     key = (op, env, len(_registry.get(op, ())))
     if key not in _order_cache:
         _load_plugins()

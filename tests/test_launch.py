@@ -197,13 +197,12 @@ def test_launch_plans_follow_the_settings(monkeypatch, rng):
     g = cupy.ones(4096, tecupy.bfloat16)
     host = x.astype(np.float32).get()
     e = np.exp(0.5 * (host - host.max(-1, keepdims=True)))
-    types = "__nv_bfloat16, 8, {}, false, __nv_bfloat16"
     for variant in ("stream", "warp", "stream"):
         monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant)
         monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", variant if variant == "stream"
                             else "block4")
-        plan = norm_kernels._fwd_launch(300, 4096, 8, types, False, False)
-        assert norm_kernels._fwd_launch(300, 4096, 8, types, False, False) is plan
+        plan = norm_kernels._fwd_launch(300, 4096, x.dtype, None, False, False)
+        assert norm_kernels._fwd_launch(300, 4096, x.dtype, None, False, False) is plan
         warp = getattr(plan[0], "args", [None])[0]
         assert ("norm_fwd_warp" in getattr(warp, "name", "")) == (
             variant == "warp" or not common.hopper())

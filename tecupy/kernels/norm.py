@@ -122,11 +122,9 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     # amax only for an FP8 output (the kernels read scale, amax and slot then only)
     amax, slot = amax_args(amax_out, rows) if fmt else (y, y)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
-    types = f"{CTYPE[x.dtype]}, {vec_width(x.dtype, hidden)}, {{}}, {cbool(rms)}, " + (
-        FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype])
     if rows:
-        k, grid, threads, smem = _fwd_launch(rows, hidden, vec_width(x.dtype, hidden), types,
-                                             rms, zero_centered_gamma)
+        k, grid, threads, smem = _fwd_launch(rows, hidden, x.dtype, fmt and fmt.name, rms,
+                                             zero_centered_gamma)
         k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
           np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
           amax if scale is None else scale, amax, slot), shared_mem=smem)
@@ -137,19 +135,23 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
 _plans = {}  # launch plans (common.planned; an eager LN at 8192 x 4096 was host-bound)
 
 
-def _fwd_launch(rows, hidden, vec, types, rms, zero_centered):
-    """(kernel, grid, threads, dynamic shared bytes) of the forward; `types` has a {} for
-    the chunks per thread."""
+def _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
+    """(kernel, grid, threads, dynamic shared bytes) of the forward of x (`dtype`) with an
+    output of x's dtype, or of FP8 format `fmt` ("e4m3", "e5m2")."""
     import cupy
-    key = ("fwd", rows, hidden, vec, types, rms, zero_centered, cupy.cuda.runtime.getDevice(),
+    key = ("fwd", rows, hidden, dtype, fmt, rms, zero_centered, cupy.cuda.runtime.getDevice(),
            FWD_VARIANT, FWD_WARP, STREAM_MIN_ROW_BYTES, STREAM_GAMMA, STREAM_MAX_SLOTS,
-           STREAM_WARP_BYTES["fp8" in types], ring_launch, ring_settings(), CHUNKS,
-           WARP_CHUNKS, THREADS_PER_ROW, MAX_THREADS, FWD_THREADS_PER_SM)
-    return planned(_plans, key, _choose_fwd_launch, rows, hidden, vec, types, rms,
+           STREAM_WARP_BYTES[bool(fmt)], ring_launch, ring_settings(), CHUNKS, WARP_CHUNKS,
+           THREADS_PER_ROW, MAX_THREADS, FWD_THREADS_PER_SM)
+    return planned(_plans, key, _choose_fwd_launch, rows, hidden, dtype, fmt, rms,
                    zero_centered)
 
 
-def _choose_fwd_launch(rows, hidden, vec, types, rms, zero_centered):
+def _choose_fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
+    vec = vec_width(dtype, hidden)
+    # the kernels' template arguments, with a {} for the chunks per thread
+    types = f"{CTYPE[dtype]}, {vec}, {{}}, {cbool(rms)}, " + (
+        FP8TYPE[fmt] if fmt else CTYPE[dtype])
     stream = _stream_launch(rows, hidden, vec, types, rms, zero_centered)
     if stream:
         return stream
