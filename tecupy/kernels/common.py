@@ -203,7 +203,6 @@ _PDL_ATTR.value[0] = 1
 # each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size)
 _ARG_FORMATS = {np.int32: "i4x", np.int64: "q", np.float32: "f4x", np.uint32: "I4x",
                 np.uint64: "Q"}
-_driver_launch = []
 _per_thread = threading.local()  # argument buffers and launch configs, reused per thread
 
 
@@ -226,7 +225,7 @@ def _launch_state(kinds, grid, block, shared_mem):
     return st, buf, params, cfg
 
 
-_cupy = []  # (ndarray, get_current_stream), imported at the first launch
+_cupy = []  # (ndarray, get_current_stream, cuLaunchKernelEx), set at the first launch
 
 
 def launch(k, grid, block, args, shared_mem=0):
@@ -242,11 +241,10 @@ def launch(k, grid, block, args, shared_mem=0):
     if not _cupy:
         from cupy import ndarray
         from cupy.cuda import get_current_stream
-        _cupy[:] = ndarray, get_current_stream
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        _driver_launch.append(fn)
+        _cupy[:] = ndarray, get_current_stream, fn
     kinds = tuple(map(type, args))
     try:
         states = _per_thread.states
@@ -267,7 +265,7 @@ def launch(k, grid, block, args, shared_mem=0):
         values[i] = values[i].data.ptr
     st.pack_into(buf, 0, *values)
     cfg.stream = _cupy[1]().ptr
-    err = _driver_launch[0](cfg_ptr, f, params, None)
+    err = _cupy[2](cfg_ptr, f, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
                            f"{grid}, block {block}, {shared_mem} shared bytes")
