@@ -8,12 +8,28 @@ instantiations it needs, and optionally the archs it is for and extra NVRTC opti
 kept on disk (TECUPY_CACHE_DIR, default ~/.cache/tecupy) and loads it with CuPy.
 Compiling needs no GPU, so `python -m tecupy.build --arch sm_90a` fills the cache ahead of
 time on any machine.
+
+The cache cannot lie: an entry is <stem>-<arch>-<key>.cubin plus a .json holding the
+instantiation's name, its lowered name and the cubin's size and sha256; the key covers the
+file, arch, options, NVRTC version, the sources and the versions of every header root
+(CUDA, CCCL, CUTLASS). An entry that fails any check is rebuilt with a warning naming the
+file. Files are written to unique temp names and moved into place (os.replace), and one
+flock per entry lets one process (or thread) build it while the others wait and reuse it.
 """
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import pathlib
+import tempfile
+import warnings
+from importlib import metadata
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no lock, the writes stay atomic
+    fcntl = None
 
 _PKG = pathlib.Path(__file__).resolve().parent
 BASE_OPTIONS = ("-std=c++17",)  # no fast math: denormals and IEEE division as TE
@@ -50,9 +66,17 @@ def source_path(file):
     raise FileNotFoundError(f"tecupy: {file} is in neither {cuda_dir()} nor {templates_dir()}")
 
 
+def toolkits():
+    """CUDA toolkit roots that may exist: CUDA_PATH, CUDA_HOME, /usr/local/cuda."""
+    roots = [pathlib.Path(os.environ[v]) for v in ("CUDA_PATH", "CUDA_HOME")
+             if os.environ.get(v)]
+    return roots + [pathlib.Path("/usr/local/cuda")]
+
+
 def include_dirs():
     """The cuda/ folder, pip CUDA headers (nvidia-cuda-runtime, -cccl, -crt), CUTLASS from
-    nvidia-cutlass, and a CUDA toolkit (CUDA_PATH / CUDA_HOME / /usr/local/cuda)."""
+    nvidia-cutlass, and a CUDA toolkit's include/ and include/cccl (CUDA_PATH / CUDA_HOME /
+    /usr/local/cuda)."""
     dirs = [cuda_dir()]
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations if spec else []):
@@ -63,10 +87,8 @@ def include_dirs():
     if spec and spec.origin:
         src = pathlib.Path(spec.origin).parent / "source"
         dirs += [src / "include", src / "tools" / "util" / "include"]
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            dirs.append(pathlib.Path(os.environ[var]) / "include")
-    dirs.append(pathlib.Path("/usr/local/cuda/include"))
+    for root in toolkits():  # CUDA 13 toolkits keep CCCL (cuda/std, cub, thrust) in cccl/
+        dirs += [root / "include", root / "include" / "cccl"]
     seen, out = set(), []
     for d in dirs:
         if d.is_dir() and d not in seen:
@@ -106,7 +128,45 @@ def _key(file, arch, names, options):
     from cupy.cuda import nvrtc
     h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
     h.update(_sources_digest(source_path(file).parent))
+    h.update(header_stamp(include_dirs()))
     return h.hexdigest()[:20]
+
+
+# Files whose bytes change with the version of a header root: a toolkit's or the pip
+# wheels' CUDA headers, CCCL, CUTLASS/CuTe ("../version.json": a toolkit's full version).
+_VERSION_FILES = ("cuda.h", "cuda_runtime_api.h", "cuda/std/__cccl/version.h",
+                  "cutlass/version.h", "../version.json")
+# pip packages that ship headers: a patch release may leave the version headers alone.
+_HEADER_PACKAGES = ("nvidia-cutlass", "nvidia-cuda-cccl", "nvidia-cuda-runtime",
+                    "nvidia-cuda-crt", "nvidia-cuda-nvrtc")
+_stamps = {}  # tuple of include dirs -> digest (once per process: ~10 ms of hashing)
+
+
+def header_stamp(dirs):
+    """Digest of the versions of the header roots `dirs`: the bytes of each root's version
+    files and the versions of the header packages, so upgrading nvidia-cutlass or a
+    toolkit rebuilds the kernels (the roots' own paths are left out: two environments
+    with the same headers share entries)."""
+    key = tuple(dirs)
+    if key not in _stamps:
+        h = hashlib.sha256()
+        for d in dirs:
+            for name in _VERSION_FILES:
+                if (d / name).is_file():
+                    h.update(name.encode() + (d / name).read_bytes())
+        h.update(repr(_package_versions()).encode())
+        _stamps[key] = h.digest()
+    return _stamps[key]
+
+
+def _package_versions():
+    out = []
+    for name in _HEADER_PACKAGES:
+        try:
+            out.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            out.append((name, None))
+    return out
 
 
 _digest = {}
@@ -128,19 +188,96 @@ def _sources_digest(folder):
 def compile_kernel(file, name, arch, options=()):
     """Compile one declared instantiation `name` of cuda/<file> for `arch` (each kernel is
     its own small program, so a first call compiles only what it runs); returns
-    (cubin path, lowered name). Cached on disk."""
+    (cubin path, lowered name). Cached on disk; a bad entry is rebuilt with a warning."""
     options = BASE_OPTIONS + _file_meta.get(file, (None, ()))[1] + tuple(options) + \
         (f"-arch={arch}",)
     base = cache_dir() / f"{pathlib.Path(file).stem}-{arch}-{_key(file, arch, name, options)}"
-    cubin, meta = base.with_suffix(".cubin"), base.with_suffix(".json")
-    if cubin.exists() and meta.exists():
-        return cubin, json.loads(meta.read_text())[name]
-    binary, lowered = _nvrtc(file, (name,), options)
-    tmp = base.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(binary)
-    meta.write_text(json.dumps(lowered))
-    tmp.replace(cubin)  # atomic: a concurrent reader sees all or nothing
-    return cubin, lowered[name]
+    hit = _cached(base, name)
+    if hit is None:
+        with _entry_lock(base):
+            hit = _cached(base, name, warn=True)  # built by another while we waited?
+            if hit is None:
+                binary, lowered = _nvrtc(file, (name,), options)
+                hit = _store(base, name, binary, lowered[name])
+    return hit
+
+
+def _cached(base, name, warn=False):
+    """(cubin path, lowered name) of a whole entry at `base`, else None; a present but bad
+    entry also warns, naming the file, when `warn` (the caller then rebuilds it)."""
+    cubin = base.with_suffix(".cubin")
+    lowered, why = _check_entry(cubin, base.with_suffix(".json"), name)
+    if lowered is not None:
+        return cubin, lowered
+    if why and warn:
+        warnings.warn(f"tecupy: cache entry {why}; rebuilding it", RuntimeWarning,
+                      stacklevel=3)
+    return None
+
+
+def _check_entry(cubin, meta, name):
+    """(lowered name, None) when `meta` parses, names `name` and gives the size and sha256
+    of `cubin`; else (None, why), why "" when neither file exists (a plain miss)."""
+    if not meta.exists():
+        return None, (f"{cubin} has no metadata {meta.name}" if cubin.exists() else "")
+    if not cubin.exists():
+        return None, f"{meta} has no cubin {cubin.name}"
+    try:
+        info = json.loads(meta.read_text())
+        lowered, size, sha, named = info["lowered"], info["size"], info["sha256"], info["name"]
+    except (OSError, ValueError, KeyError, TypeError) as err:  # truncated, garbage, old
+        return None, f"{meta} is not valid metadata ({type(err).__name__}: {err})"
+    if named != name or not isinstance(lowered, str):
+        return None, f"{meta} is for {named!r}, not {name!r}"
+    try:
+        data = cubin.read_bytes()
+    except OSError as err:
+        return None, f"{cubin} cannot be read ({err})"
+    if len(data) != size:
+        return None, f"{cubin} has {len(data)} bytes, its metadata says {size}"
+    if hashlib.sha256(data).hexdigest() != sha:
+        return None, f"{cubin} does not match the sha256 in its metadata"
+    return lowered, None
+
+
+@contextlib.contextmanager
+def _entry_lock(base):
+    """An exclusive flock on <entry>.lock across processes; also across threads, as each
+    open() is a lock of its own. The .lock file stays: deleting it would let a waiter and
+    a newcomer lock two different files."""
+    if fcntl is None:
+        yield
+        return
+    with open(base.with_suffix(".lock"), "ab") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _store(base, name, binary, lowered):
+    """Write the cubin, then its metadata (a crash between leaves a cubin with no metadata:
+    a miss, never a hit)."""
+    cubin = base.with_suffix(".cubin")
+    _write_atomic(cubin, binary)
+    info = {"name": name, "lowered": lowered, "size": len(binary),
+            "sha256": hashlib.sha256(binary).hexdigest()}
+    _write_atomic(base.with_suffix(".json"), json.dumps(info).encode())
+    return cubin, lowered
+
+
+def _write_atomic(path, data):
+    """A temp file in the same folder, unique per process and thread (mkstemp), moved into
+    place with os.replace: a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        if hasattr(os, "fchmod"):  # mkstemp's 0600 would hide a shared cache from others
+            os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def compile_file(file, arch, options=()):
@@ -204,8 +341,7 @@ def _open_builtins(nvrtc):
     spec = importlib.util.find_spec("nvidia")
     roots = [pathlib.Path(r) / sub for r in (spec.submodule_search_locations if spec else [])
              for sub in (f"cu{major}/lib", "cuda_nvrtc/lib")]
-    roots += [pathlib.Path(os.environ[v]) / "lib64" for v in ("CUDA_PATH", "CUDA_HOME")
-              if os.environ.get(v)] + [pathlib.Path("/usr/local/cuda/lib64")]
+    roots += [t / "lib64" for t in toolkits()]
     for root in roots:
         for lib in sorted(root.glob(f"libnvrtc-builtins.so.{major}*")):
             try:
