@@ -7,11 +7,13 @@ import time
 
 from . import kernels  # noqa: F401  (declares every kernel file)
 from . import loader
+from ._progress import Progress
 
 
-def build(archs, jobs=None):
+def build(archs, jobs=None, progress=None):
     """Compile every declared kernel for each arch, `jobs` NVRTC programs at a time;
-    returns [(file, arch, seconds of compile time summed over its kernels)]."""
+    returns [(file, arch, seconds of compile time summed over its kernels)]. `progress`
+    (a Progress) advances once per kernel."""
     work = [(f, n, a) for a in archs for f, names in sorted(loader.declared(a).items())
             for n in names]
 
@@ -20,19 +22,31 @@ def build(archs, jobs=None):
         loader.compile_kernel(item[0], item[1], item[2])
         return item[0], item[2], time.perf_counter() - t0
     with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count()) as pool:
-        results = list(pool.map(one, work))
+        results = []
+        for result in pool.map(one, work):
+            results.append(result)
+            if progress is not None:
+                progress.advance()
     totals = {}
     for file, arch, secs in results:
         totals[(file, arch)] = totals.get((file, arch), 0.0) + secs
     return [(f, a, s) for (f, a), s in sorted(totals.items())]
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tecupy.build", description=__doc__)
-    p.add_argument("--arch", action="append", help="sm_90a (Hopper), sm_89 (Ada), sm_80, ...")
-    args = p.parse_args()
+    p.add_argument("--arch", action="append",
+                   help="sm_90a (Hopper), sm_89 (Ada), sm_80, ...; repeat for several "
+                        "(default: sm_90a)")
+    args = p.parse_args(argv)
+    archs = args.arch or ["sm_90a"]
+    total = sum(len(n) for a in archs for n in loader.declared(a).values())
+    print(f"compiling {total} kernels for {', '.join(archs)} with NVRTC "
+          f"({os.cpu_count()} threads); cached kernels are not compiled again")
     t0 = time.perf_counter()
-    for file, arch, secs in build(args.arch or ["sm_90a"]):
+    with Progress(total, "kernels") as progress:
+        done = build(archs, progress=progress)
+    for file, arch, secs in done:
         print(f"{file:24s} {arch:8s} {secs:6.2f} s of NVRTC time")
     print(f"total {time.perf_counter() - t0:.1f} s")
     print(f"cache: {loader.cache_dir()}")

@@ -1,5 +1,5 @@
 """Shared fixtures: `xp` runs a test on NumPy and (marked gpu) on CuPy; GPU cases skip
-cleanly where CuPy sees no CUDA device."""
+cleanly where CuPy sees no CUDA device; `aot` tests run only when selected."""
 import numpy as np
 import pytest
 
@@ -9,10 +9,17 @@ HAVE_GPU = gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    """GPU tests skip without a GPU; the ahead-of-time build of every kernel (`aot`, minutes
+    of NVRTC) runs only when selected: `python -m pytest -m aot` (CI does)."""
+    skip_gpu = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    skip_aot = pytest.mark.skip(reason="compiles every kernel for an arch (minutes); "
+                                       "select it with: python -m pytest -m aot")
+    aot_selected = "aot" in (config.option.markexpr or "")
     for item in items:
         if "gpu" in item.keywords and not HAVE_GPU:
-            item.add_marker(skip)
+            item.add_marker(skip_gpu)
+        if "aot" in item.keywords and not aot_selected:
+            item.add_marker(skip_aot)
 
 
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])

@@ -5,6 +5,7 @@ import pytest
 from tecupy import build, loader
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_89"])
 def test_every_kernel_compiles(tmp_path, monkeypatch, arch):
     monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
