@@ -9,7 +9,10 @@ Selection for one call: the implementations that support the inputs, ordered by
   2. TECUPY_BACKEND=<kind> (preferred kind for every op),
   3. priority (cutlass 30 > cuda 20 > reference 0 by default).
 The first one runs; if it raises, the next one is tried with a warning, unless
-TECUPY_STRICT=1, which makes the failure an error. TECUPY_PLUGINS="pkg.mod,other" names
+TECUPY_STRICT=1, which makes the failure an error. A vendor implementation that fails to
+build or load (NVRTC, the driver refusing the module) is remembered for the rest of the
+process: it is warned about once, with the fallback's estimated cost, and skipped after
+(`failures()`, `clear_failures()`). TECUPY_PLUGINS="pkg.mod,other" names
 modules to import (they call `register`); installed packages register through the
 entry-point group ``tecupy.backends`` (each entry point is a module or a callable).
 """
@@ -23,6 +26,17 @@ DEFAULT_PRIORITY = {"cutlass": 30, "cuda": 20, "reference": 0}
 _registry = {}  # op name -> list of Impl
 _plugins_loaded = False
 _order_cache = {}  # (op, env settings, count) -> implementations in preference order
+_failures = {}  # (op, kind) -> (error, its traceback) of a build or load failure
+
+# How much slower the reference is likely to be than the vendor kernel on a GPU, per op
+# family: an estimate, not a measurement. The reference's GEMMs run cuBLAS in float32
+# (no FP8/bf16 tensor cores), attention writes the whole score matrix, the memory-bound
+# ops run several CuPy kernels with float32 temporaries where ours make one pass.
+SLOWDOWN = {"fp8_gemm": 50, "gemm": 15, "attention": 50, "layernorm": 10, "rmsnorm": 10,
+            "softmax": 5, "dropout": 20, "delayed_scaling_update": 20, "cast_to_fp8": 10,
+            "cast_transpose": 10, "cast_transpose_dbias": 10, "fp8_dequantize": 5,
+            "fp8_transpose": 5, "add": 2, "bias_grad": 3}
+DEFAULT_SLOWDOWN = 5  # activations and the rest
 
 
 @dataclasses.dataclass
@@ -32,6 +46,7 @@ class Impl:
     priority: int
     fn: object
     supports: object  # callable(*args, **kwargs) -> bool, or None for "everything"
+    failure: object = None  # the remembered build/load error; fn then only raises it
 
     def accepts(self, args, kwargs):
         return self.supports is None or bool(self.supports(*args, **kwargs))
@@ -44,6 +59,7 @@ def register(op, kind, priority=None, supports=None):
         impls = [i for i in _registry.get(op, []) if i.kind != kind]
         impls.append(Impl(op, kind, prio, fn, supports))
         _registry[op] = impls
+        _failures.pop((op, kind), None)  # a new implementation gets a new chance
         _order_cache.clear()
         return fn
     return deco
@@ -112,13 +128,35 @@ def _ordered(op):
         def rank(i):
             per_op = prefs.index(i.kind) if i.kind in prefs else len(prefs)
             return (per_op, i.kind != kind_pref if kind_pref else False, -i.priority)
-        _order_cache[key] = sorted(_registry[op], key=rank)
+        _order_cache[key] = [_stand_in(i) for i in sorted(_registry[op], key=rank)]
     return _order_cache[key]
 
 
+class _Remembered(Exception):
+    """Raised by the stand-in of an implementation that failed to build or load."""
+
+
+def _stand_in(impl):
+    """`impl`, or where it failed to build or load, a copy whose fn raises _Remembered at
+    once: dispatch's hot path stays as it is and the fallback skips it (no rebuild)."""
+    failure = _failures.get((impl.op, impl.kind))
+    if failure is None:
+        return impl
+
+    def failed(*args, **kwargs):
+        raise _Remembered(*failure)
+    return dataclasses.replace(impl, fn=failed, failure=failure[0])
+
+
+def _strict():
+    return _env("TECUPY_STRICT") not in ("", "0")
+
+
 def candidates(op, *args, **kwargs):
-    """Implementations of `op` that accept these inputs, in the order they would be tried."""
-    return [i for i in _ordered(op) if i.accepts(args, kwargs)]
+    """Implementations of `op` that accept these inputs, in the order they would be tried
+    (without those remembered as failed, unless TECUPY_STRICT=1 makes them errors)."""
+    strict = _strict()
+    return [i for i in _ordered(op) if (strict or i.failure is None) and i.accepts(args, kwargs)]
 
 
 def dispatch(op, *args, **kwargs):
@@ -141,12 +179,23 @@ def _fall_back(op, failed, err, later, args, kwargs):
     """After `failed` raised `err`: the next implementations that accept the inputs, each
     after a warning; re-raises under TECUPY_STRICT=1 or when none is left."""
     rest = [i for i in later if i.accepts(args, kwargs)]
-    strict = os.environ.get("TECUPY_STRICT", "0") not in ("", "0")
+    strict = _strict()
     while True:
+        quiet = isinstance(err, _Remembered)  # warned when it first failed
+        if quiet:  # its first traceback, not one grown by every call since
+            err = err.args[0].with_traceback(err.args[1])
+        # remembered only where falling back is allowed (strict: every call raises)
+        if not (quiet or strict) and isinstance(err, _build_errors()):
+            _remember(op, failed.kind, err)
+            if rest:
+                _warn_build_failure(op, failed.kind, err, rest[0].kind)
+            quiet = True
         if strict or not rest:
             raise err
-        warnings.warn(f"tecupy: {failed.kind} implementation of {op} failed ({err!r}); "
-                      f"falling back to {rest[0].kind}", RuntimeWarning, stacklevel=3)
+        if not quiet:
+            warnings.warn(f"tecupy: {failed.kind} implementation of {op} failed ({err!r}); "
+                          f"falling back to {rest[0].kind} (TECUPY_STRICT=1 makes this an "
+                          "error)", RuntimeWarning, stacklevel=3)
         failed = rest.pop(0)
         try:
             return failed.fn(*args, **kwargs)
@@ -154,6 +203,55 @@ def _fall_back(op, failed, err, later, args, kwargs):
             raise
         except Exception as e:
             err = e
+
+
+_BUILD_ERRORS = []
+
+
+def _build_errors():
+    """The exceptions that mean a kernel failed to build or load: NVRTC (the loader's
+    CompileError, CuPy's CompileException) and the driver (CUDADriverError: a module
+    the GPU cannot load, a launch it refuses). TypeError/ValueError never get here."""
+    if not _BUILD_ERRORS:
+        from .loader import CompileError
+        _BUILD_ERRORS.append(CompileError)
+        try:
+            from cupy.cuda import compiler, driver
+            _BUILD_ERRORS.extend([compiler.CompileException, driver.CUDADriverError])
+        except ImportError:
+            pass
+    return tuple(_BUILD_ERRORS)
+
+
+def _remember(op, kind, err):
+    _failures[(op, kind)] = (err, err.__traceback__)
+    _order_cache.clear()
+
+
+def _warn_build_failure(op, kind, err, fallback):
+    """The one warning for a remembered failure: what failed, the estimated cost, the cure."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    fam = family(op)
+    factor = SLOWDOWN.get(op, SLOWDOWN.get(fam, DEFAULT_SLOWDOWN))
+    warnings.warn(
+        f"tecupy: the {kind} implementation of {op} failed to build or load "
+        f"({type(err).__name__}: {first}); {op} runs on {fallback} for the rest of this "
+        f"process, roughly {factor}x slower on a GPU (an estimate for {fam}). Set "
+        f"TECUPY_STRICT=1 to make this an error; tecupy.backends.failures() has the full "
+        f"error.", RuntimeWarning, stacklevel=4)
+
+
+def failures():
+    """{(op, kind): error} of the implementations that failed to build or load in this
+    process and are skipped since."""
+    return {key: err for key, (err, _) in _failures.items()}
+
+
+def clear_failures():
+    """Forget the remembered failures: the next call tries those implementations again
+    (after a fix, e.g. a header installed or the cache cleared)."""
+    _failures.clear()
+    _order_cache.clear()
 
 
 def registered():
@@ -164,7 +262,7 @@ def registered():
 
 
 def chosen(op, *args, **kwargs):
-    """The kind that would run `op` on these inputs, or None."""
+    """The kind that would run `op` on these inputs (past remembered failures), or None."""
     impls = candidates(op, *args, **kwargs)
     return impls[0].kind if impls else None
 
@@ -174,4 +272,10 @@ def describe():
     lines = [f"{'op':28s} implementations (kind:priority, highest first)"]
     for op, impls in registered().items():
         lines.append(f"{op:28s} " + ", ".join(f"{k}:{p}" for k, p in impls))
+    if _failures:
+        lines.append("failed to build or load in this process (skipped; "
+                     "tecupy.backends.clear_failures() retries):")
+        for (op, kind), err in sorted(failures().items()):
+            first = (str(err).strip().splitlines() or [""])[0][:100]
+            lines.append(f"  {op:26s} {kind}: {type(err).__name__}: {first}")
     return "\n".join(lines)

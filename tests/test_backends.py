@@ -1,13 +1,15 @@
 """Backend registry: priorities, supports(), TECUPY_BACKEND, TECUPY_OP_BACKENDS,
 TECUPY_STRICT fallback, TECUPY_PLUGINS and the listing."""
 import sys
+import traceback
 import types
+import warnings
 
 import numpy as np
 import pytest
 
 import tecupy
-from tecupy import backends
+from tecupy import backends, loader
 
 
 @pytest.fixture
@@ -92,3 +94,134 @@ def test_reference_registers_every_op_and_listing():
     assert "layernorm_fwd" in backends.describe()
     with pytest.raises(KeyError, match="no implementation registered"):
         backends.dispatch("no_such_op")
+
+
+# ---- remembered build/load failures (issue 19, point 6) -------------------------------
+
+@pytest.fixture
+def failing_op(monkeypatch):
+    """A throwaway op "demo3_fwd" whose cuda implementation raises `box[0]` (counting its
+    calls) and whose reference returns "ref"; removed afterwards with its failures."""
+    for var in ("TECUPY_BACKEND", "TECUPY_OP_BACKENDS", "TECUPY_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    calls, box = [], [loader.CompileError("NVRTC failed to compile demo.cu\nlog line")]
+
+    def broken(x):
+        calls.append(x)
+        raise box[0]
+    backends.register("demo3_fwd", "reference")(lambda x: "ref")
+    backends.register("demo3_fwd", "cuda")(broken)
+    yield calls, box
+    backends._registry.pop("demo3_fwd")
+    backends.clear_failures()
+
+
+def _warnings_of(fn, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args)
+    return result, [str(w.message) for w in caught]
+
+
+def test_build_failure_is_remembered_and_explained_once(failing_op):
+    calls, _ = failing_op
+    x = np.ones(3)
+    out, texts = _warnings_of(backends.dispatch, "demo3_fwd", x)
+    assert out == "ref" and len(calls) == 1 and len(texts) == 1
+    text = texts[0]
+    for part in ("cuda implementation of demo3_fwd", "failed to build or load", "CompileError",
+                 "demo.cu", "runs on reference", f"{backends.DEFAULT_SLOWDOWN}x slower",
+                 "estimate", "TECUPY_STRICT=1"):
+        assert part in text, (part, text)
+    for _ in range(3):  # skipped from now on: no second build, no second warning
+        out, texts = _warnings_of(backends.dispatch, "demo3_fwd", x)
+        assert out == "ref" and not texts and len(calls) == 1
+    assert list(backends.failures()) == [("demo3_fwd", "cuda")]
+    assert backends.chosen("demo3_fwd", x) == "reference"
+    assert "demo3_fwd" in backends.describe().split("failed to build or load")[1]
+    backends.clear_failures()  # tried again after a fix
+    assert not backends.failures() and backends.chosen("demo3_fwd", x) == "cuda"
+    _warnings_of(backends.dispatch, "demo3_fwd", x)
+    assert len(calls) == 2
+
+
+def test_slowdown_factor_follows_the_op_family(failing_op, monkeypatch):
+    monkeypatch.setitem(backends.SLOWDOWN, "demo3", 37)
+    _, texts = _warnings_of(backends.dispatch, "demo3_fwd", np.ones(2))
+    assert "roughly 37x slower" in texts[0] and "estimate for demo3" in texts[0]
+    assert backends.SLOWDOWN["fp8_gemm"] >= 20 and backends.SLOWDOWN["attention"] >= 20
+
+
+def test_driver_load_failure_is_remembered(failing_op):
+    from cupy.cuda import driver
+
+    class NoBinary(driver.CUDADriverError):  # the real one needs a driver to be made
+        def __init__(self):
+            RuntimeError.__init__(self, "CUDA_ERROR_NO_BINARY_FOR_GPU: no kernel image")
+    calls, box = failing_op
+    box[0] = NoBinary()
+    _, texts = _warnings_of(backends.dispatch, "demo3_fwd", np.ones(2))
+    _warnings_of(backends.dispatch, "demo3_fwd", np.ones(2))
+    assert len(calls) == 1 and "NO_BINARY_FOR_GPU" in texts[0]
+
+
+def test_strict_raises_at_once_every_time(failing_op, monkeypatch):
+    calls, _ = failing_op
+    monkeypatch.setenv("TECUPY_STRICT", "1")
+    for n in (1, 2):
+        with pytest.raises(loader.CompileError, match="demo.cu"):
+            backends.dispatch("demo3_fwd", np.ones(2))
+        assert len(calls) == n
+    assert not backends.failures()
+
+
+def test_strict_raises_a_remembered_failure(failing_op, monkeypatch):
+    calls, _ = failing_op
+    _warnings_of(backends.dispatch, "demo3_fwd", np.ones(2))
+    monkeypatch.setenv("TECUPY_STRICT", "1")
+    with pytest.raises(loader.CompileError, match="demo.cu"):
+        backends.dispatch("demo3_fwd", np.ones(2))
+    assert len(calls) == 1 and backends.chosen("demo3_fwd", np.ones(2)) == "cuda"
+
+
+@pytest.mark.parametrize("exc", [TypeError("x has dtype int8"), ValueError("bad shape")])
+def test_bad_input_propagates_unchanged(failing_op, exc):
+    calls, box = failing_op
+    box[0] = exc
+    for n in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(type(exc)) as info:
+                backends.dispatch("demo3_fwd", np.ones(2))
+        assert info.value is exc and len(calls) == n
+    assert not backends.failures()
+
+
+def test_other_failures_fall_back_each_call_unremembered(failing_op):
+    calls, box = failing_op
+    box[0] = RuntimeError("out of luck")
+    for n in (1, 2):
+        out, texts = _warnings_of(backends.dispatch, "demo3_fwd", np.ones(2))
+        assert out == "ref" and len(calls) == n and "falling back to reference" in texts[0]
+    assert not backends.failures()
+
+
+def test_remembered_failure_without_fallback_reraises_without_rebuilding(monkeypatch):
+    monkeypatch.delenv("TECUPY_STRICT", raising=False)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise loader.CompileError("no")
+    backends.register("demo4", "cuda")(broken)
+    try:
+        depths = []
+        for _ in range(3):
+            with pytest.raises(loader.CompileError) as info:
+                backends.dispatch("demo4")
+            depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+        assert len(calls) == 1
+        assert depths[1] == depths[2]  # the stored error's traceback does not grow
+    finally:
+        backends._registry.pop("demo4")
+        backends.clear_failures()
