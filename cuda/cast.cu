@@ -1,7 +1,11 @@
 // cast.cu — FP8 cast with amax (also with its transpose), and FP8 dequantize.
 //
 // cast_to_fp8<T, F8>:  q[i] = F8(x[i] * scale[0])   (round to nearest even, __NV_SATFINITE:
-//                      overflow and inf saturate to +-max, NaN stays NaN)
+//                      overflow and inf saturate to +-max; a NaN of either sign gives
+//                      0x7F, the canonical NaN of E4M3 and E5M2: cvt.rn.satfinite on
+//                      sm_89+, and cuda_fp8.hpp's software path canonicalizes NaN to
+//                      0x7FFFFFFF first, so every path of every kernel here agrees, as in
+//                      Transformer Engine's casts, which convert the same way)
 //                      amax[0] = max(amax[0], max_i |x[i]|)   (NaN ignored, as fmaxf)
 //   x [n] of T (float, double, __half, __nv_bfloat16), q [n] uint8, scale/amax [1] float.
 //   Launch: 1-D grid-stride over VEC-wide chunks (16-byte loads; n % VEC == 0 when

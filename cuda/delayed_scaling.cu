@@ -6,14 +6,16 @@
 //   if a != 0: history rolls by -1 (new[i] = old[i + 1], new[L - 1] = old[0]) and row 0 is
 //              zeroed; amax = max over the old history (fmaxf: NaN ignored)
 //   amax = a instead for most_recent; amax = 0 when a == 0
-//   scale = fp8_max / amax / margin_factor when amax is finite and > 0, else unchanged;
+//   scale = (fp8_max * down) / amax when amax is finite and > 0, else unchanged, where
+//   down = 2^-margin (Transformer Engine's scaled_max / amax: with margin >= 1 an amax so
+//   tiny that fp8_max / amax overflows can still give a finite scale);
 //   an infinite scale becomes FLT_MAX; scale_inv = 1 / scale (IEEE division).
 // table: int64 [4 * nmetas] pointers (history, scale, scale_inv, fp8_max per meta), then
 // [nmetas + 1] slot starts. Launch: grid = total slots, blockDim 128 (multiple of 32).
 #include "common.cuh"
 
 __global__ void delayed_scaling_update(const long long* __restrict__ table, int nmetas,
-                                       int length, int most_recent, float margin_factor) {
+                                       int length, int most_recent, float down) {
     const long long* starts = table + 4 * nmetas;
     int m = 0;
     while (starts[m + 1] <= blockIdx.x) ++m;
@@ -41,7 +43,7 @@ __global__ void delayed_scaling_update(const long long* __restrict__ table, int 
     if (most_recent) amax = (last != 0.f) ? last : 0.f;
     if (threadIdx.x == 0) {
         float s = scale[j];
-        if (isfinite(amax) && amax > 0.f) s = (fp8_max[j] / amax) / margin_factor;
+        if (isfinite(amax) && amax > 0.f) s = (fp8_max[j] * down) / amax;
         if (isinf(s)) s = kFltMax;
         scale[j] = s;
         scale_inv[j] = 1.f / s;

@@ -3,20 +3,35 @@
 An FP8State holds, per quantized tensor slot, `scale`, `scale_inv` and `amax_history[L, n]`,
 laid out as Transformer Engine's fp8_meta: forward slots (input, weight, output) per GEMM,
 backward slots (grad_output, grad_input) per GEMM. Casts write this step's amax into row 0
-of the history; forward slots are updated when the outermost autocast exits, backward slots
-when Tape.gradient finishes.
+of the history. Forward slots are updated when the outermost (enabled) autocast exits, for
+the states used while a Tape was recording: Transformer Engine updates forward meta only
+when gradients are enabled (pytorch/quantization.py, autocast_exit); an inference pass
+leaves its amax in row 0, where the next training step's update takes it in. Backward slots
+are updated when Tape.gradient finishes.
 """
 import contextlib
+import contextvars
+import numbers
 
 import numpy as np
 
 from . import backends
 from ._array import xp_of
-from .fp8 import FLT_MAX, quantize
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .fp8 import FLT_MAX, quantize, scaled_max
+from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .tape import recording
 
 FWD_SLOTS = {"input": 0, "weight": 1, "output": 2}
 BWD_SLOTS = {"grad_output": 0, "grad_input": 1}
+META_ARRAYS = ("scale", "scale_inv", "amax_history")  # what a state_dict holds per meta
+
+
+def array_module_named(device):
+    """numpy or cupy from the name an FP8State keeps (a module itself cannot pickle)."""
+    if device == "cupy":
+        import cupy
+        return cupy
+    return np
 
 
 class FP8Meta:
@@ -30,10 +45,16 @@ class FP8Meta:
         self.amax_history = xp.zeros((length, n), np.float32)
 
     def resize(self, xp, length):
+        """Transformer Engine's adjust_amax_history_length: keep the first rows, pad zeros."""
         old = self.amax_history
         self.amax_history = xp.zeros((length, old.shape[1]), np.float32)
         keep = min(length, old.shape[0])
         self.amax_history[:keep] = old[:keep]
+
+    def set_format(self, fmt):
+        """Another FP8 format: scales and history stay (see FP8State.bind)."""
+        self.fmt = fmt
+        self.fp8_max[...] = np.float32(fmt.max)
 
 
 class FP8State:
@@ -42,24 +63,37 @@ class FP8State:
 
     def __init__(self, num_gemms=1):
         self.num_gemms = int(num_gemms)
-        self.recipe = self.fwd = self.bwd = self.xp = None
+        self.recipe = self.fwd = self.bwd = None
+        self.device = self.fp8_format = None  # "numpy" / "cupy", a recipe.Format
 
     def __repr__(self):
         return f"FP8State(num_gemms={self.num_gemms}, recipe={self.recipe!r})"
 
     def bind(self, xp, recipe):
-        if self.fwd is not None and self.xp is not xp:
-            raise TypeError("FP8State: state lives on one device; data moved between numpy "
-                            "and cupy. Make a new FP8State (or module) for the other device.")
-        fmt = recipe.fp8_format
-        if self.fwd is None or self.recipe.fp8_format is not fmt:
-            self.xp = xp
-            self.fwd = FP8Meta(xp, 3 * self.num_gemms, recipe.amax_history_len, fmt.fwd)
-            self.bwd = FP8Meta(xp, 2 * self.num_gemms, recipe.amax_history_len, fmt.bwd)
-        elif self.fwd.amax_history.shape[0] != recipe.amax_history_len:
-            self.fwd.resize(xp, recipe.amax_history_len)
-            self.bwd.resize(xp, recipe.amax_history_len)
-        self.recipe = recipe
+        """Make or adapt the arrays for `recipe`. A recipe with another fp8_format keeps the
+        scales and amax history and changes the format and fp8_max, as Transformer Engine
+        does (module/base.py: set_meta_tensor keeps an existing delayed-scaling state, only
+        adjusting the history length; init_fp8_metadata takes fp8_max from the new recipe)."""
+        fmt, length = recipe.fp8_format, recipe.amax_history_len
+        if self.fwd is None:
+            self._make(xp, fmt, length)
+        else:
+            if self.device != xp.__name__:
+                raise TypeError("FP8State: state lives on one device; data moved between "
+                                f"{self.device} and {xp.__name__}. Make a new FP8State (or "
+                                "module) for the other device.")
+            if self.fp8_format is not fmt:
+                self.fwd.set_format(fmt.fwd)
+                self.bwd.set_format(fmt.bwd)
+            if self.fwd.amax_history.shape[0] != length:
+                self.fwd.resize(xp, length)
+                self.bwd.resize(xp, length)
+        self.recipe, self.fp8_format = recipe, fmt
+
+    def _make(self, xp, fmt, length):
+        self.device, self.fp8_format = xp.__name__, fmt
+        self.fwd = FP8Meta(xp, 3 * self.num_gemms, length, fmt.fwd)
+        self.bwd = FP8Meta(xp, 2 * self.num_gemms, length, fmt.bwd)
 
     def _slot(self, table, gemm, which, per):
         if not 0 <= gemm < self.num_gemms:
@@ -89,6 +123,92 @@ class FP8State:
     def update_backward(self):
         update_states([self], "bwd")
 
+    # ---- save and restore (Module.state_dict) -------------------------------------------
+    def state_dict(self, prefix=""):
+        """{prefix + "fp8_format": "HYBRID" | "E4M3" | None (never used in FP8),
+        prefix + "amax_history_len": int | None, and when used, prefix + "fwd.scale",
+        "fwd.scale_inv", "fwd.amax_history", "bwd.scale", ...: float32 numpy copies}."""
+        from ._array import to_numpy
+        used = self.fwd is not None
+        sd = {prefix + "fp8_format": self.fp8_format.name if used else None,
+              prefix + "amax_history_len": self.fwd.amax_history.shape[0] if used else None}
+        for d in ("fwd", "bwd") if used else ():
+            for name in META_ARRAYS:
+                sd[f"{prefix}{d}.{name}"] = np.array(to_numpy(getattr(getattr(self, d), name)))
+        return sd
+
+    def check_state_dict(self, sd, prefix=""):
+        """(the keys of `sd` this state would load, the errors loading it would meet, each
+        naming the key, what it got and what was expected). Changes nothing."""
+        keys = [prefix + "fp8_format", prefix + "amax_history_len"]
+        errors = [mismatch(k, "missing", "present") for k in keys if k not in sd]
+        if errors:
+            return keys, errors
+        errors = self._check_recipe(sd[keys[0]], sd[keys[1]], keys)
+        if errors or sd[keys[0]] is None:
+            return keys, errors
+        length, n = int(sd[keys[1]]), self.num_gemms
+        for d, per in (("fwd", 3), ("bwd", 2)):
+            for name in META_ARRAYS:
+                key = f"{prefix}{d}.{name}"
+                shape = (length, per * n) if name == "amax_history" else (per * n,)
+                keys.append(key)
+                errors += check_array(sd, key, shape, np.dtype(np.float32))
+        return keys, errors
+
+    def _check_recipe(self, fmt, length, keys):
+        """The saved format and history length: valid, and where this state is made
+        already, its own (another recipe's state is not silently adopted)."""
+        if fmt is None:
+            return [] if length is None else [mismatch(keys[1], repr(length),
+                                                       "None (fp8_format is None)")]
+        if fmt not in ("E4M3", "HYBRID"):
+            return [mismatch(keys[0], repr(fmt), "'E4M3', 'HYBRID' or None")]
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+            return [mismatch(keys[1], repr(length), "an int >= 1")]
+        if self.fwd is None:
+            return []
+        errors = []
+        if fmt != self.fp8_format.name:
+            errors.append(mismatch(keys[0], repr(fmt), repr(self.fp8_format.name)))
+        if length != self.fwd.amax_history.shape[0]:
+            errors.append(mismatch(keys[1], length, self.fwd.amax_history.shape[0]))
+        return errors
+
+    def load_state_dict(self, sd, prefix="", xp=np):
+        """Restore what state_dict gave onto `xp`'s device; check_state_dict first."""
+        fmt = sd[prefix + "fp8_format"]
+        if fmt is None:
+            self.recipe = self.fwd = self.bwd = self.device = self.fp8_format = None
+            return
+        fmt, length = Format[fmt], int(sd[prefix + "amax_history_len"])
+        if (self.fwd is None or self.device != xp.__name__ or self.fp8_format is not fmt
+                or self.fwd.amax_history.shape[0] != length):
+            self._make(xp, fmt, length)  # (a made state of another recipe: check refuses)
+        for d in ("fwd", "bwd"):
+            meta = getattr(self, d)
+            for name in META_ARRAYS:
+                getattr(meta, name)[...] = xp.asarray(sd[f"{prefix}{d}.{name}"])
+
+
+def mismatch(key, got, expected):
+    return f"key {key!r}: got {got}, expected {expected}"
+
+
+def check_array(sd, key, shape, dtype):
+    """[] when sd[key] is an array of `shape` and `dtype`, else [the error]."""
+    if key not in sd:
+        return [mismatch(key, "missing", f"an array of shape {shape}, {dtype}")]
+    a = sd[key]
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        return [mismatch(key, type(a).__name__, f"an array of shape {shape}, {dtype}")]
+    errors = []
+    if tuple(a.shape) != tuple(shape):
+        errors.append(mismatch(key, f"shape {tuple(a.shape)}", f"shape {tuple(shape)}"))
+    if a.dtype != dtype:
+        errors.append(mismatch(key, f"dtype {a.dtype}", f"dtype {dtype}"))
+    return errors
+
 
 def update_states(states, direction):
     """Update the `direction` ("fwd" or "bwd") metas of many states: one launch per group
@@ -96,8 +216,8 @@ def update_states(states, direction):
     groups = {}
     for s in states:
         meta = getattr(s, direction)
-        if meta is not None:
-            key = (id(s.recipe), id(s.xp), meta.amax_history.shape[0])
+        if meta is not None and s.recipe is not None:
+            key = (id(s.recipe), s.device, meta.amax_history.shape[0])
             groups.setdefault(key, (s.recipe, []))[1].append(meta)
     for recipe, metas in groups.values():
         algo = recipe.amax_compute_algo
@@ -108,36 +228,48 @@ def update_states(states, direction):
             backends.dispatch("delayed_scaling_update", metas, algo, recipe.margin)
 
 
+def _custom_result(what, value, xp, n):
+    """A user callable's amax or scale as float32 [n], or a clear error (before any change)."""
+    out = xp.asarray(value, dtype=np.float32)
+    if out.shape != (n,):
+        raise ValueError(f"DelayedScaling: {what} returned shape {tuple(out.shape)}, expected "
+                         f"({n},) (one value per FP8 slot)")
+    return out
+
+
 def _update_custom(meta, recipe):
-    """Transformer Engine's unfused path, used for callables: always rolls the history."""
+    """Transformer Engine's unfused path, used for callables: always rolls the history.
+    Everything is computed before anything is written: a callable that raises (or returns
+    a wrong shape) leaves the state as it was."""
     h = meta.amax_history
-    xp = xp_of(h)
+    xp, n = xp_of(h), h.shape[1]
     algo = recipe.amax_compute_algo
     if callable(algo):
-        amax = xp.asarray(algo(h), dtype=np.float32)
+        amax = _custom_result("amax_compute_algo", algo(h), xp, n)
     elif algo == "max":
         amax = h.max(axis=0)
     else:
         amax = h[0].copy()
-    h[...] = xp.roll(h, -1, axis=0)
-    h[0] = 0
     if recipe.scaling_factor_compute_algo is not None:
-        scale = xp.asarray(recipe.scaling_factor_compute_algo(amax, meta.scale, meta.fp8_max,
-                                                              recipe), dtype=np.float32)
+        scale = _custom_result("scaling_factor_compute_algo", recipe.scaling_factor_compute_algo(
+            amax, meta.scale.copy(), meta.fp8_max, recipe), xp, n)
     else:
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            sf = (meta.fp8_max / amax) / np.float32(2.0 ** recipe.margin)
+            sf = scaled_max(meta.fp8_max, recipe.margin) / amax
         sf = xp.where(amax > 0, sf, meta.scale)
         sf = xp.where(xp.isfinite(amax), sf, meta.scale)
-        scale = xp.where(xp.isinf(sf), np.float32(FLT_MAX), sf)
+        scale = xp.where(xp.isinf(sf), np.float32(FLT_MAX), sf).astype(np.float32)
+    h[...] = xp.roll(h, -1, axis=0)
+    h[0] = 0
     meta.scale[...] = scale
     meta.scale_inv[...] = np.float32(1) / meta.scale
 
 
-# ---- autocast: a small context stack -------------------------------------------------
-
-_stack = []  # (enabled, recipe) per open autocast; states used are noted on the outermost
-_used_states = []
+# ---- autocast: a small context stack, one per thread -----------------------------------
+# A tuple of (enabled, recipe, used) per open autocast; `used` is one list shared by the
+# frames of an outermost autocast: the states to update when it exits. A context variable,
+# so one thread's autocast exit never pops another thread's recipe.
+_stack = contextvars.ContextVar("tecupy_autocast", default=())
 
 
 @contextlib.contextmanager
@@ -148,15 +280,16 @@ def fp8_autocast(enabled=True, fp8_recipe=None):
         raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, "
                         f"got {type(fp8_recipe).__name__}")
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
-    outermost = not _stack
-    _stack.append((bool(enabled), recipe))
+    outer = _stack.get()
+    used = outer[0][2] if outer else []
+    _stack.set(outer + ((bool(enabled), recipe, used),))
     try:
         yield
     finally:
-        _stack.pop()
-        if outermost:
-            states, _used_states[:] = list(_used_states), []
-            update_states(states, "fwd")
+        _stack.set(outer)
+        # TE (autocast_exit): only the outermost exit, and only if that autocast is enabled
+        if not outer and enabled:
+            update_states(used, "fwd")
 
 
 def autocast(enabled=True, recipe=None):
@@ -165,9 +298,10 @@ def autocast(enabled=True, recipe=None):
 
 
 def active_recipe():
-    """The recipe in force, or None when FP8 is off."""
-    if _stack and _stack[-1][0]:
-        return _stack[-1][1]
+    """The recipe in force in this thread, or None when FP8 is off."""
+    stack = _stack.get()
+    if stack and stack[-1][0]:
+        return stack[-1][1]
     return None
 
 
@@ -176,12 +310,15 @@ def fp8_enabled():
 
 
 def use_state(state, xp):
-    """Bind `state` to the recipe in force and note it for the forward update at exit.
+    """Bind `state` to the recipe in force; note it for the forward update at the outermost
+    exit only while a Tape records (TE: forward meta updates only with gradients enabled).
     Returns None when the recipe is current scaling (no state is used)."""
     recipe = active_recipe()
     if state is None or not isinstance(recipe, DelayedScaling):
         return None
     state.bind(xp, recipe)
-    if state not in _used_states:
-        _used_states.append(state)
+    if recording():
+        used = _stack.get()[0][2]
+        if all(s is not state for s in used):
+            used.append(state)
     return state

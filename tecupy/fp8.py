@@ -3,8 +3,10 @@
 CuPy has no float8 dtype, so FP8 data is stored as uint8 with its format and the
 dequantizing factor `scale_inv` beside it: value = decode(data) * scale_inv.
 Cast (Transformer Engine's rule): q = saturate(x * scale) rounded to nearest even,
-computed in float32; overflow and inf saturate to +-max, NaN stays NaN; amax = max|x| of
-the input before scaling, ignoring NaN (as CUDA's fmaxf does).
+computed in float32; overflow and inf saturate to +-max; NaN of either sign becomes 0x7F,
+the canonical NaN code of both formats (CUDA's cuda_fp8.hpp conversion, which Transformer
+Engine's casts use); amax = max|x| of the input before scaling, ignoring NaN (as CUDA's
+fmaxf does).
 """
 import dataclasses
 
@@ -12,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from . import backends
-from ._array import array_module, check_float, xp_of
+from ._array import FLOAT_DTYPES, array_module, check_float, xp_of
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -27,6 +29,9 @@ class FP8Format:
 
     def __repr__(self):
         return f"tecupy.fp8.{self.name.upper()}"
+
+    def __reduce__(self):  # pickle and deepcopy give back the one E4M3 / E5M2 object
+        return as_format, (self.name,)
 
 
 E4M3 = FP8Format("e4m3", 448.0, 3, 7, ml_dtypes.float8_e4m3fn)
@@ -114,7 +119,25 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
 
 
 def dequantize(t, dtype=np.float32):
-    return backends.dispatch("fp8_dequantize", t.data, t.fmt, t.scale_inv, np.dtype(dtype))
+    """decode(t.data) * t.scale_inv in `dtype`, a floating dtype (an integer dtype would
+    truncate the values silently)."""
+    if not isinstance(t, FP8Tensor):
+        raise TypeError(f"dequantize: t must be an FP8Tensor, got {type(t).__name__}")
+    try:  # (None would mean float64 to numpy, and np.dtype("f8") == None is True)
+        dt = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in FLOAT_DTYPES:
+        raise TypeError(f"dequantize: dtype must be a floating dtype (float16, bfloat16, "
+                        f"float32, float64), got {dtype!r}")
+    return backends.dispatch("fp8_dequantize", t.data, t.fmt, t.scale_inv, dt)
+
+
+def scaled_max(fp8_max, margin):
+    """fp8_max * 2**-margin in float32 (exact: margin <= 126 keeps 2**-margin normal), the
+    numerator of Transformer Engine's delayed-scaling scale (delayed_scaling.cu: scaled_max
+    / amax, finite at margin >= 1 for amaxes where fp8_max / amax alone overflows)."""
+    return fp8_max * np.float32(2.0 ** -margin)
 
 
 def amax(x):

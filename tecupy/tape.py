@@ -10,17 +10,23 @@ identified by object identity (the tape keeps them alive, so ids stay unique). A
 outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never saw: use
 tecupy.add / reshape / split, or ask for the gradient of the array that went into the op.
 """
+import contextvars
+
 from ._array import unbroadcast, xp_of
 
-_active = []  # stack of open tapes; every op records into all of them
+# The open tapes of this thread (a tuple, rebuilt on enter/exit): every op records into all
+# of them. A context variable, so each thread (and each asyncio task) has its own: one
+# thread's ops never land on another thread's tape.
+_active = contextvars.ContextVar("tecupy_tapes", default=())
 
 
 class _Node:
-    __slots__ = ("inputs", "outputs", "backward", "fp8_states")
+    __slots__ = ("inputs", "outputs", "backward", "fp8_states", "spent")
 
     def __init__(self, inputs, outputs, backward, fp8_states):
         self.inputs, self.outputs = inputs, outputs
         self.backward, self.fp8_states = backward, fp8_states
+        self.spent = False  # an FP8 node whose backward has run (see Tape.gradient)
 
 
 def _sum(a, b):
@@ -33,15 +39,19 @@ def _sum(a, b):
 
 
 def recording():
-    return bool(_active)
+    """True when a Tape is open in this thread (gradients are being recorded)."""
+    return bool(_active.get())
 
 
 def record(backward, inputs, outputs, fp8_states=()):
-    """Record an op: backward(*output_grads) -> one gradient (or None) per input."""
-    if not _active:
+    """Record an op: backward(*output_grads) -> one gradient (or None) per input.
+    fp8_states: the FP8 states whose backward slots this backward writes (None ignored)."""
+    tapes = _active.get()
+    if not tapes:
         return
-    node = _Node(tuple(inputs), tuple(outputs), backward, tuple(fp8_states))
-    for tape in _active:
+    states = tuple(s for s in fp8_states if s is not None)
+    node = _Node(tuple(inputs), tuple(outputs), backward, states)
+    for tape in tapes:
         tape._nodes.append(node)
 
 
@@ -49,16 +59,25 @@ def _as_list(x):
     return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
 
 
+def _check_arrays(what, items):
+    """Each item an array (anything with shape and dtype), else a TypeError naming it."""
+    for n, a in enumerate(items):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"Tape.gradient: {what}[{n}] must be a numpy or cupy array, got "
+                            f"{type(a).__name__} {a!r:.40}; wrt may be an array, a list/tuple "
+                            "or dict of arrays, or a tecupy.nn module")
+
+
 class Tape:
     def __init__(self):
         self._nodes = []
 
     def __enter__(self):
-        _active.append(self)
+        _active.set(_active.get() + (self,))
         return self
 
     def __exit__(self, *exc):
-        _active.remove(self)
+        _active.set(tuple(t for t in _active.get() if t is not self))
         return False
 
     def _known_ids(self):
@@ -74,17 +93,24 @@ class Tape:
         `wrt` may be one array, a list/tuple (a list comes back), a dict name -> array (a dict
         comes back) or a tecupy.nn module (a dict by parameter name comes back). Arrays that
         are on the tape but do not reach `outputs` get zeros.
+
+        May be called again on the same tape, except through FP8 ops whose backward already
+        ran (see _check_fp8_once): ask for every gradient in one call instead.
         """
-        from .nn.module import Module  # local: nn imports ops, which import this module
-        if isinstance(wrt, Module):
+        if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
             wrt = wrt.named_parameters()
         if isinstance(wrt, dict):
             return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad)))
         outs, _ = _as_list(outputs)
         targets, many = _as_list(wrt)
+        _check_arrays("outputs", outs)
+        _check_arrays("wrt", targets)
+        if output_grad is not None:
+            _check_arrays("output_grad", _as_list(output_grad)[0])
         known = self._known_ids()
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
+        self._check_fp8_once(grads)
         self._backprop(grads)
         result = []
         for t in targets:
@@ -116,6 +142,30 @@ class Tape:
                     "tape: no recorded tecupy op used it. Arrays made by slicing, reshape or "
                     "arithmetic outside tecupy are new arrays; use tecupy.add/reshape/split.")
 
+    def _reached(self, grads):
+        """The nodes a backward from `grads` may run (all inputs of a reached node count as
+        reached, whether or not its backward gives them a gradient)."""
+        live, out = set(grads), []
+        for node in reversed(self._nodes):
+            if any(id(o) in live for o in node.outputs):
+                out.append(node)
+                live.update(id(x) for x in node.inputs if x is not None)
+        return out
+
+    def _check_fp8_once(self, grads):
+        """An FP8 backward records the gradients' amaxes and then updates the backward
+        scales, once per backward, as Transformer Engine does; a second backward through the
+        same FP8 ops would quantize with the new scales and record the amaxes again (a
+        different result, a corrupted history). PyTorch likewise refuses a second backward
+        through a freed graph. Checked before anything runs: nothing is half-applied."""
+        if any(node.fp8_states and node.spent for node in self._reached(grads)):
+            raise RuntimeError(
+                "Tape.gradient: the backward of FP8 ops on this tape already ran (it recorded "
+                "the gradients' amaxes and updated the backward FP8 scales); running it again "
+                "would give different gradients and record the amaxes twice. Ask for every "
+                "gradient in one call, tape.gradient(outputs, [a, b, ...]), or record the "
+                "forward again under a new Tape.")
+
     def _backprop(self, grads):
         states = []
         for node in reversed(self._nodes):
@@ -129,7 +179,9 @@ class Tape:
                     continue
                 g = unbroadcast(g, x.shape)
                 grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
-            states.extend(s for s in node.fp8_states if s not in states)
+            if node.fp8_states:
+                node.spent = True
+                states.extend(s for s in node.fp8_states if all(s is not t for t in states))
         if states:  # Transformer Engine updates backward FP8 state after backward
             from .autocast import update_states
             update_states(states, "bwd")

@@ -18,7 +18,7 @@ def test_forward_state_updates_at_outermost_exit(xp, rng):
     lin = tecupy.nn.Linear(32, 16, device="cpu" if xp is np else "cuda", seed=1)
     x = data(xp, rng, 16, 32)
     r = DelayedScaling(amax_history_len=4)
-    with tecupy.fp8_autocast(fp8_recipe=r):
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
         with tecupy.fp8_autocast(fp8_recipe=r):
             lin(x)
         st = lin.fp8_state
@@ -85,9 +85,10 @@ def test_fp8_matches_emulation_exactly(rng):
     lin = tecupy.nn.Linear(32, 16, device="cpu", seed=4)
     x = data(np, rng, 16, 32)
     r = DelayedScaling(amax_history_len=2)
-    with tecupy.fp8_autocast(fp8_recipe=r):
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
         lin(x)
     sx, sw = lin.fp8_state.fwd.scale[:2].copy()  # the scales the second step casts with
+    assert sx != 1 and sw != 1
     with tecupy.fp8_autocast(fp8_recipe=r):
         y = lin(x)
     qx = tecupy.quantize(x, np.float32(sx), "e4m3").dequantize()
@@ -103,7 +104,7 @@ def test_fp8_layernorm_mlp_close_to_high_precision(xp, rng, activation):
     y_hp = mlp(x)
     r = DelayedScaling(amax_history_len=4)
     for _ in range(2):
-        with tecupy.fp8_autocast(fp8_recipe=r):
+        with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
             y = mlp(x)
     assert mlp.fp8_state.num_gemms == 2
     assert np.all(asnp(mlp.fp8_state.fwd.scale)[[0, 1, 3, 4]] != 1)
@@ -115,7 +116,7 @@ def test_fp8_layernorm_mlp_close_to_high_precision(xp, rng, activation):
 def test_explicit_state_for_functional_calls(rng):
     x, w = data(np, rng, 16, 32), data(np, rng, 16, 32)
     st = tecupy.FP8State(num_gemms=1)
-    with tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=3)):
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=3)):
         tecupy.linear(x, w, fp8_state=st)
     assert st.fwd.amax_history.shape == (3, 3)
     np.testing.assert_allclose(st.fwd.scale[0], 448 / np.abs(x).max(), rtol=1e-6)
@@ -211,3 +212,90 @@ def test_backward_uses_the_scales_of_its_forward(rng):
     qw = tecupy.quantize(lin.weight, 1.0, "e4m3").dequantize()
     qdy = tecupy.quantize(dy, 1.0, "e5m2").dequantize()
     np.testing.assert_allclose(dx, qdy @ qw, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_state_updates_only_while_a_tape_records(xp, rng):
+    """Transformer Engine updates forward FP8 meta at the outermost autocast exit only when
+    gradients are enabled (transformer_engine/pytorch/quantization.py, autocast_exit:
+    `torch.is_grad_enabled()`); the amax an inference pass writes into row 0 stays there and
+    the next training step's update takes it in."""
+    dev = "cpu" if xp is np else "cuda"
+    lin = tecupy.nn.Linear(32, 16, device=dev, seed=7)
+    r = DelayedScaling(amax_history_len=4)
+    x_big, x = data(xp, rng, 16, 32) * 8, data(xp, rng, 16, 32)
+    lin.eval()
+    with tecupy.fp8_autocast(fp8_recipe=r):  # no Tape: inference
+        lin(x_big)
+    st = lin.fp8_state
+    hist = asnp(st.fwd.amax_history)
+    assert np.all(asnp(st.fwd.scale) == 1) and np.all(hist[1:] == 0)
+    assert hist[0, 0] == np.float32(np.abs(asnp(x_big)).max())  # kept, not rolled
+    lin.train()
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+        lin(x)
+    hist = asnp(st.fwd.amax_history)
+    assert np.all(hist[0] == 0)
+    assert hist[-1, 0] == np.float32(np.abs(asnp(x_big)).max())  # the inference amax counts
+    assert asnp(st.fwd.scale)[0] == np.float32(448) / hist[-1, 0]
+
+
+def test_tape_opened_inside_the_autocast_counts(rng):
+    """Whether a state is updated is decided when it is used (a Tape recording then), so a
+    Tape opened inside the autocast and closed before its exit still updates."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=8)
+    with tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=2)):
+        with tecupy.Tape():
+            lin(data(np, rng, 16, 32))
+    assert np.all(lin.fp8_state.fwd.scale[:2] != 1)
+
+
+def test_disabled_outermost_autocast_does_not_update(rng):
+    """TE's autocast_exit updates only when the exiting outermost autocast is enabled."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=9)
+    r = DelayedScaling(amax_history_len=2)
+    with tecupy.Tape(), tecupy.fp8_autocast(enabled=False):
+        with tecupy.fp8_autocast(fp8_recipe=r):
+            lin(data(np, rng, 16, 32))
+    assert np.all(lin.fp8_state.fwd.scale == 1) and np.all(lin.fp8_state.fwd.amax_history[0, :2])
+
+
+def test_nested_autocast_with_another_format_keeps_history(rng):
+    """A recipe with another fp8_format keeps the module's scales and amax history and only
+    changes the format and fp8_max (transformer_engine/pytorch/module/base.py: set_meta_tensor
+    returns early for an existing delayed-scaling state, adjusting the history length;
+    init_fp8_metadata sets fp8_max_fwd/bwd from the new recipe)."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=10)
+    x = data(np, rng, 16, 32)
+    hybrid = DelayedScaling(amax_history_len=4)
+    e4m3 = DelayedScaling(amax_history_len=4, fp8_format=Format.E4M3)
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=hybrid):
+        lin(x)
+    st = lin.fp8_state
+    fwd_meta, hist, scale = st.fwd, st.fwd.amax_history.copy(), st.fwd.scale.copy()
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=hybrid):
+        with tecupy.fp8_autocast(fp8_recipe=e4m3):
+            assert st.fwd is fwd_meta  # not re-created
+            y = lin(x)
+            np.testing.assert_array_equal(st.fwd.amax_history[1:], hist[1:])
+            np.testing.assert_array_equal(st.fwd.scale, scale)  # this step cast with them
+            assert st.bwd.fmt is tecupy.fp8.E4M3 and np.all(st.bwd.fp8_max == 448)
+    np.testing.assert_array_equal(st.fwd.amax_history[1:-1], hist[2:])  # rolled on, kept
+    assert st.fp8_format is Format.E4M3 and st.recipe is e4m3
+    qx = tecupy.quantize(x, np.float32(scale[0]), "e4m3").dequantize()
+    qw = tecupy.quantize(lin.weight, np.float32(scale[1]), "e4m3").dequantize()
+    np.testing.assert_allclose(y, qx @ qw.T + lin.bias, rtol=1e-5, atol=1e-6)
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=hybrid):  # and back
+        lin(x)
+    assert st.bwd.fmt is tecupy.fp8.E5M2 and np.all(st.bwd.fp8_max == 57344)
+
+
+def test_history_length_change_keeps_first_rows(rng):
+    """TE's adjust_amax_history_length (module/base.py): shorter keeps the first rows,
+    longer pads zeros at the end."""
+    st = tecupy.FP8State()
+    st.bind(np, DelayedScaling(amax_history_len=3))
+    st.fwd.amax_history[...] = np.arange(9, dtype=np.float32).reshape(3, 3)
+    st.bind(np, DelayedScaling(amax_history_len=2))
+    np.testing.assert_array_equal(st.fwd.amax_history, [[0, 1, 2], [3, 4, 5]])
+    st.bind(np, DelayedScaling(amax_history_len=4))
+    np.testing.assert_array_equal(st.fwd.amax_history, [[0, 1, 2], [3, 4, 5], [0] * 3, [0] * 3])

@@ -102,3 +102,77 @@ def test_loss_is_an_array_that_chains(rng):
     assert isinstance(loss, np.ndarray) and loss.shape == ()
     g = tape.gradient(total, logits)
     assert g.shape == logits.shape
+
+
+def _fp8_step(lin, x):
+    from tecupy.recipe import DelayedScaling
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+        y = lin(x)
+    return tape, y
+
+
+def test_second_gradient_through_fp8_is_a_clear_error(rng):
+    """An FP8 backward records the gradients' amaxes and updates the backward scales once
+    per backward, as Transformer Engine does (transformer_engine/pytorch/quantization.py:
+    reduce_and_update_fp8_tensors(forward=False) once per backward); a second backward
+    through the same FP8 ops would cast with the new scales and record the amaxes again.
+    PyTorch refuses a second backward through a freed graph; tecupy refuses this one, before
+    anything runs (the state is untouched), and says how to get the gradients."""
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    x, dy = rng.standard_normal((16, 32)).astype(np.float32), \
+        rng.standard_normal((16, 16)).astype(np.float32)
+    tape, y = _fp8_step(lin, x)
+    dx, dw = tape.gradient(y, [x, lin.weight], output_grad=dy)
+    bwd = {k: getattr(lin.fp8_state.bwd, k).copy() for k in ("amax_history", "scale")}
+    with pytest.raises(RuntimeError, match=r"already ran.*one call.*new Tape"):
+        tape.gradient(y, [x], output_grad=dy)
+    for k, v in bwd.items():
+        np.testing.assert_array_equal(getattr(lin.fp8_state.bwd, k), v)
+    # the fix the message names: a fresh Tape gives the same gradients again
+    lin2 = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    tape2, y2 = _fp8_step(lin2, x)
+    dx2, dw2 = tape2.gradient(y2, [x, lin2.weight], output_grad=dy)
+    np.testing.assert_array_equal(dx, dx2)
+    np.testing.assert_array_equal(dw, dw2)
+
+
+def test_nested_tapes_share_the_fp8_backward_once(rng):
+    """The FP8 nodes are shared by nested tapes: the outer tape may not run them again."""
+    from tecupy.recipe import DelayedScaling
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=1)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    with tecupy.Tape() as outer:
+        with tecupy.Tape() as inner, tecupy.fp8_autocast(fp8_recipe=DelayedScaling()):
+            y = lin(x)
+        z = tecupy.relu(y)
+    inner.gradient(y, x)
+    with pytest.raises(RuntimeError, match="already ran"):
+        outer.gradient(z, x)
+
+
+def test_second_gradient_elsewhere_is_fine(rng):
+    """Only a backward through FP8 ops that already ran is refused: high-precision tapes
+    and FP8 ops not reached by the first call may be differentiated again."""
+    x = rng.standard_normal((16, 32))
+    lin = tecupy.nn.Linear(32, 16, device="cpu", params_dtype=np.float64, seed=2)
+    with tecupy.Tape() as tape:
+        y = lin(x)
+    np.testing.assert_array_equal(tape.gradient(y, x), tape.gradient(y, x))
+    a, b = (tecupy.nn.Linear(32, 16, device="cpu", seed=s) for s in (3, 4))
+    x32 = x.astype(np.float32)
+    from tecupy.recipe import DelayedScaling
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling()):
+        ya, yb = a(x32), b(x32)
+    tape.gradient(ya, x32)
+    assert tape.gradient(yb, x32).shape == x32.shape  # b's backward had not run yet
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=tecupy.recipe.Float8CurrentScaling()):
+        y = a(x32)  # current scaling: no state, nothing recorded twice
+    np.testing.assert_array_equal(tape.gradient(y, x32), tape.gradient(y, x32))
+
+
+def test_gradient_wrt_a_string_is_a_clear_error(rng):
+    x = rng.standard_normal(4)
+    with tecupy.Tape() as tape:
+        y = tecupy.relu(x)
+    with pytest.raises((TypeError, ValueError), match="wrt"):
+        tape.gradient(y, "x")

@@ -23,4 +23,4 @@ def delayed_scaling_update(metas, algo, margin):
     k = loader.function(FILE, "delayed_scaling_update")
     k((int(starts[-1]),), (128,), (table, np.int32(len(metas)),
       np.int32(metas[0].amax_history.shape[0]), np.int32(algo == "most_recent"),
-      np.float32(2.0 ** margin)))
+      np.float32(2.0 ** -margin)))  # down: exact, margin <= 126 (recipe.py)

@@ -7,13 +7,14 @@ import numpy as np
 
 from .. import backends
 from .._array import xp_of
-from ..fp8 import FLT_MAX, FP8Format
+from ..fp8 import FLT_MAX, FP8Format, scaled_max
 
 _decode_tables = {}
 
 
 def _encode(v, fmt):
-    """float32 array -> uint8 FP8 codes: saturate to +-max, round to nearest even, NaN kept."""
+    """float32 array -> uint8 FP8 codes: saturate to +-max, round to nearest even, NaN ->
+    the canonical NaN code 0x7F."""
     xp = xp_of(v)
     nan = xp.isnan(v)
     a = xp.where(nan, np.float32(0), xp.minimum(xp.abs(v), np.float32(fmt.max)))
@@ -23,9 +24,11 @@ def _encode(v, fmt):
     normal = rounded - ((127 - fmt.bias) << fmt.mbits)
     subnormal = xp.rint(a * np.float32(2.0 ** (fmt.bias - 1 + fmt.mbits))).astype(np.int64)
     code = xp.where(a < np.float32(2.0 ** (1 - fmt.bias)), subnormal, normal)
-    nan_code = 0x7F if fmt.name == "e4m3" else 0x7E  # ml_dtypes' canonical NaN
-    code = xp.where(nan, nan_code, code) | (xp.signbit(v).astype(np.int64) << 7)
-    return code.astype(np.uint8)
+    code = code | (xp.signbit(v).astype(np.int64) << 7)
+    # NaN of either sign -> 0x7F in both formats: cuda_fp8.hpp canonicalizes a NaN input to
+    # 0x7FFFFFFF before converting (sign dropped, mantissa all ones), as the sm_89+ cvt
+    # does; ml_dtypes would keep the sign (0xFF) and give 0x7E for E5M2
+    return xp.where(nan, 0x7F, code).astype(np.uint8)
 
 
 def _decode_table(xp, fmt):
@@ -132,8 +135,10 @@ def delayed_scaling_update(metas, algo, margin):
     Each meta has amax_history [L, n], scale [n], scale_inv [n], fp8_max [n] (float32).
     Per slot: a = history[0]; if a == 0 nothing changes. Else the history rolls by -1 and
     row 0 is zeroed; amax = max over the old history (NaN ignored, as fmaxf) for "max", or
-    a for "most_recent"; scale = fp8_max / amax / 2**margin when amax is finite and > 0,
-    else the old scale; an infinite scale becomes FLT_MAX; scale_inv = 1 / scale."""
+    a for "most_recent"; scale = (fp8_max * 2**-margin) / amax when amax is finite and > 0,
+    else the old scale (TE's scaled_max / amax: finite at margin >= 1 for amaxes where
+    fp8_max / amax alone overflows); an infinite scale becomes FLT_MAX; scale_inv = 1 / scale.
+    """
     for m in metas:
         xp = xp_of(m.amax_history)
         h = m.amax_history
@@ -147,7 +152,7 @@ def delayed_scaling_update(metas, algo, margin):
         h[...] = xp.where(active[None, :], rolled, h)
         ok = xp.isfinite(amax) & (amax > 0)
         with np.errstate(over="ignore"):  # a tiny amax gives inf, which becomes FLT_MAX
-            new = (m.fp8_max / xp.where(ok, amax, np.float32(1))) / np.float32(2.0 ** margin)
+            new = scaled_max(m.fp8_max, margin) / xp.where(ok, amax, np.float32(1))
         scale = xp.where(ok, new, m.scale)
         scale = xp.where(xp.isinf(scale), np.float32(FLT_MAX), scale).astype(np.float32)
         m.scale[...] = scale
