@@ -35,7 +35,7 @@ def dropout_fwd(x, p, seed, offset, residual=None):
     if x.size:
         launch(k, (grid_1d(x.size, vec, 256, MANY_BLOCKS),), (256,),
                (x, res, y, keep, np.int64(x.size), np.float32(p), _factor(p),
-                np.uint64(seed % 2**64), np.uint64(offset % 2**64)))
+                np.uint64(seed), np.uint64(offset)))  # in [0, 2**64): ops/elementwise.py
     return y, keep.view(np.bool_)
 
 

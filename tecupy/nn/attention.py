@@ -1,7 +1,40 @@
-"""DotProductAttention and MultiheadAttention with Transformer Engine's names and options."""
+"""DotProductAttention and MultiheadAttention with Transformer Engine's names and options.
+
+Constructors check every option (sizes, head counts, dropout, formats, mask types) before
+making parameters; forwards check the inputs' shapes against the module's sizes.
+"""
+from .. import _check
 from ..ops import dot_product_attention, reshape, split
-from .layers import LayerNormLinear, Linear
+from ..ops.attention import QKV_FORMATS
+from ..reference.attention import MASK_TYPES
+from .layers import LayerNormLinear, Linear, check_norm_options
 from .module import Module
+
+
+def check_heads(op, hidden_size, heads, kv_channels, groups):
+    """Sizes of multi-head attention; -> (kv_channels, num_gqa_groups) with their defaults
+    (hidden_size // heads, and heads: plain multi-head attention)."""
+    heads = _check.size(op, "num_attention_heads", heads)
+    if kv_channels is not None:
+        kv_channels = _check.size(op, "kv_channels", kv_channels)
+    elif hidden_size % heads:
+        _check.fail(op, "hidden_size", f"a multiple of num_attention_heads ({heads}), or give "
+                    "kv_channels", hidden_size)
+    else:
+        kv_channels = hidden_size // heads
+    groups = heads if groups is None else _check.size(op, "num_gqa_groups", groups)
+    if heads % groups:
+        _check.fail(op, "num_gqa_groups", f"a divisor of num_attention_heads ({heads})", groups)
+    return kv_channels, groups
+
+
+def check_core_options(op, attention_dropout, qkv_format, attn_mask_type,
+                       names=("qkv_format", "attn_mask_type")):
+    """Core attention's options, under the caller's names for them; -> the dropout as a
+    float in [0, 1)."""
+    _check.choice(op, names[0], qkv_format, QKV_FORMATS)
+    _check.choice(op, names[1], attn_mask_type, MASK_TYPES)
+    return _check.real(op, "attention_dropout", attention_dropout, 0, 1, high_open=True)
 
 
 class DotProductAttention(Module):
@@ -11,17 +44,29 @@ class DotProductAttention(Module):
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None,
                  attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal",
                  softmax_scale=None, params_dtype=None, device=None, seed=None):
-        super().__init__(params_dtype, device, seed)
+        op = "DotProductAttention"
+        kv_channels = _check.size(op, "kv_channels", kv_channels)
+        _, groups = check_heads(op, None, num_attention_heads, kv_channels, num_gqa_groups)
+        p = check_core_options(op, attention_dropout, qkv_format, attn_mask_type)
+        if softmax_scale is not None:
+            softmax_scale = _check.real(op, "softmax_scale", softmax_scale)
+        super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
-        self.num_gqa_groups = num_gqa_groups or num_attention_heads
-        if num_attention_heads % self.num_gqa_groups:
-            raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple "
-                             f"of num_gqa_groups ({self.num_gqa_groups})")
-        self.attention_dropout, self.qkv_format = attention_dropout, qkv_format
+        self.num_gqa_groups = groups
+        self.attention_dropout, self.qkv_format = p, qkv_format
         self.attn_mask_type, self.softmax_scale = attn_mask_type, softmax_scale
+
+    def _check_inputs(self, query, key, value):
+        heads, groups, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        for name, t, h in (("query", query, heads), ("key", key, groups),
+                           ("value", value, groups)):
+            if getattr(t, "ndim", None) != 4 or tuple(t.shape[2:]) != (h, d):
+                _check.fail("DotProductAttention", name, f"an array [*, *, {h}, {d}] "
+                            f"({self.qkv_format}: {h} heads of kv_channels {d})", t)
 
     def forward(self, query, key, value, attn_mask_type=None, seqlens_q=None,
                 seqlens_kv=None):
+        self._check_inputs(query, key, value)
         p = self.attention_dropout if self.training else 0.0
         o = dot_product_attention(query, key, value, attn_mask_type or self.attn_mask_type,
                                   self.qkv_format, self.softmax_scale, p, seqlens_q,
@@ -38,14 +83,19 @@ class MultiheadAttention(Module):
                  num_gqa_groups=None, input_layernorm=False, normalization="LayerNorm",
                  bias=True, zero_centered_gamma=False, qkv_format="sbhd", params_dtype=None,
                  device=None, seed=None):
-        super().__init__(params_dtype, device, seed)
-        if kv_channels is None and hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of "
-                             f"num_attention_heads ({num_attention_heads}), or give kv_channels")
+        op = "MultiheadAttention"
+        hidden_size = _check.size(op, "hidden_size", hidden_size)
+        kv_channels, groups = check_heads(op, hidden_size, num_attention_heads, kv_channels,
+                                          num_gqa_groups)
+        check_core_options(op, attention_dropout, qkv_format, attn_mask_type)
+        check_norm_options(op, layernorm_epsilon, normalization, zero_centered_gamma,
+                           "layernorm_epsilon")
+        for name, v in (("input_layernorm", input_layernorm), ("bias", bias)):
+            _check.flag(op, name, v)
+        super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.hidden_size, self.heads = hidden_size, num_attention_heads
-        self.kv_channels = kv_channels or hidden_size // num_attention_heads
-        self.groups = num_gqa_groups or num_attention_heads
-        self.input_layernorm = input_layernorm
+        self.kv_channels, self.groups = kv_channels, groups
+        self.input_layernorm = bool(input_layernorm)
         qkv_out = (self.heads + 2 * self.groups) * self.kv_channels
         kw = self._child_kwargs
         if input_layernorm:
@@ -61,8 +111,26 @@ class MultiheadAttention(Module):
     def forward(self, hidden_states, attn_mask_type=None, seqlens=None):
         """hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd); seqlens [b] for
         padding masks."""
+        check_hidden_states("MultiheadAttention", hidden_states, self.hidden_size)
+        check_seqlens("MultiheadAttention", "attn_mask_type",
+                      attn_mask_type or self.core_attention.attn_mask_type, seqlens)
         qkv = (self.layernorm_qkv if self.input_layernorm else self.qkv)(hidden_states)
         qkv = reshape(qkv, qkv.shape[:2] + (self.heads + 2 * self.groups, self.kv_channels))
         q, k, v = split(qkv, [self.heads, self.groups, self.groups], axis=2)
         ctx = self.core_attention(q, k, v, attn_mask_type, seqlens, seqlens)
         return self.proj(ctx)
+
+
+def check_hidden_states(op, x, hidden_size):
+    """x is [s, b, hidden_size] (or [b, s, hidden_size]): 3-D, of the layer's width."""
+    _check.last_dim(op, "hidden_states", x, hidden_size, "hidden_size")
+    if x.ndim != 3:
+        _check.fail(op, "hidden_states", f"a 3-D array [s, b, {hidden_size}] or "
+                    f"[b, s, {hidden_size}]", x)
+
+
+def check_seqlens(op, mask_name, mask_type, seqlens):
+    """A padding mask needs seqlens (named as the module names it; the op would ask for
+    seqlens_q). The mask type itself is checked by the op."""
+    if seqlens is None and isinstance(mask_type, str) and "padding" in mask_type:
+        _check.fail(op, "seqlens", f"an int array [batch] with {mask_name}={mask_type!r}", None)

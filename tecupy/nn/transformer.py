@@ -3,10 +3,33 @@
     h   = x + dropout(MultiheadAttention(LayerNorm(x)))
     out = h + dropout(LayerNormMLP(h))
 """
+from .. import _check
 from ..ops import dropout
-from .attention import MultiheadAttention
-from .layers import LayerNormMLP
+from ..ops.activation import ACTIVATIONS
+from ..reference.attention import MASK_TYPES
+from .attention import (MultiheadAttention, check_core_options, check_heads,
+                        check_hidden_states, check_seqlens)
+from .layers import LayerNormMLP, check_norm_options
 from .module import Module
+
+
+def _check_options(hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups,
+                   layernorm_epsilon, hidden_dropout, attention_dropout, self_attn_mask_type,
+                   normalization, activation, bias, zero_centered_gamma, kv_channels,
+                   attn_input_format):
+    """Every option, under TransformerLayer's names for them (the children would name their
+    own: attn_mask_type for self_attn_mask_type)."""
+    op = "TransformerLayer"
+    hidden_size = _check.size(op, "hidden_size", hidden_size)
+    _check.size(op, "ffn_hidden_size", ffn_hidden_size)
+    check_heads(op, hidden_size, num_attention_heads, kv_channels, num_gqa_groups)
+    check_core_options(op, attention_dropout, attn_input_format, self_attn_mask_type,
+                       ("attn_input_format", "self_attn_mask_type"))
+    check_norm_options(op, layernorm_epsilon, normalization, zero_centered_gamma,
+                       "layernorm_epsilon")
+    _check.choice(op, "activation", activation, ACTIVATIONS)
+    _check.flag(op, "bias", bias)
+    return _check.real(op, "hidden_dropout", hidden_dropout, 0, 1)
 
 
 class TransformerLayer(Module):
@@ -15,8 +38,13 @@ class TransformerLayer(Module):
                  self_attn_mask_type="causal", normalization="LayerNorm", activation="gelu",
                  bias=True, zero_centered_gamma=False, kv_channels=None,
                  attn_input_format="sbhd", params_dtype=None, device=None, seed=None):
-        super().__init__(params_dtype, device, seed)
-        self.hidden_dropout = hidden_dropout
+        hidden_dropout = _check_options(
+            hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups,
+            layernorm_epsilon, hidden_dropout, attention_dropout, self_attn_mask_type,
+            normalization, activation, bias, zero_centered_gamma, kv_channels,
+            attn_input_format)
+        super().__init__(params_dtype, device, _check.seed("TransformerLayer", "seed", seed))
+        self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon,
             self_attn_mask_type, num_gqa_groups, input_layernorm=True,
@@ -33,6 +61,12 @@ class TransformerLayer(Module):
 
     def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None):
         """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd')."""
+        check_hidden_states("TransformerLayer", hidden_states, self.hidden_size)
+        if self_attn_mask_type is not None:
+            _check.choice("TransformerLayer", "self_attn_mask_type", self_attn_mask_type,
+                          MASK_TYPES)
+        check_seqlens("TransformerLayer", "self_attn_mask_type", self_attn_mask_type or
+                      self.self_attention.core_attention.attn_mask_type, seqlens)
         attn = self.self_attention(hidden_states, self_attn_mask_type, seqlens)
         h = self._dropout_add(attn, hidden_states)
         return self._dropout_add(self.layernorm_mlp(h), h)

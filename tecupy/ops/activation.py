@@ -3,7 +3,7 @@
 Gated activations take [..., 2n] (first half through the activation, second half the
 gate) and return [..., n], as Transformer Engine's.
 """
-from .. import backends
+from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..tape import record
 
@@ -12,13 +12,14 @@ GATED = ("swiglu", "geglu")
 
 
 def check_activation(name, x, bias):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    _check.choice("activation", "name", name, ACTIVATIONS)
     array_module(name, x=x, bias=bias)
     check_float(name, x=x, bias=bias)
+    if bias is not None and x.ndim < 1:
+        _check.fail(name, "x", "an array of at least 1 dimension when a bias is given", x)
     if name in GATED and (x.ndim < 1 or x.shape[-1] % 2):
-        raise ValueError(f"{name}: last dimension must be even (value and gate halves), "
-                         f"got shape {tuple(x.shape)}")
+        _check.fail(name, "x", "an array [..., 2n] (value and gate halves: an even last "
+                    "dimension)", x)
     check_shape(name, "bias", bias, (x.shape[-1],))
 
 

@@ -6,7 +6,7 @@ Maths and masks: reference/attention.py.
 """
 import numpy as np
 
-from .. import backends
+from .. import _check, backends
 from .._array import array_module, check_float
 from ..reference.attention import MASK_TYPES
 from ..tape import record
@@ -18,32 +18,31 @@ def _to_bshd(t, fmt):
     return t if fmt == "bshd" else t.transpose(1, 0, 2, 3)
 
 
-def _check(q, k, v, mask_type, fmt, seqlens_q, seqlens_kv, p):
+def _check_args(q, k, v, mask_type, fmt, seqlens_q, seqlens_kv):
     op = "dot_product_attention"
     xp = array_module(op, q=q, k=k, v=v, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None:
+            _check.fail(op, name, "an array", None, TypeError)
     check_float(op, q=q, k=k, v=v)
-    if mask_type not in MASK_TYPES:
-        raise ValueError(f"{op}: attn_mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
-    if fmt not in QKV_FORMATS:
-        raise ValueError(f"{op}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+    _check.choice(op, "attn_mask_type", mask_type, MASK_TYPES)
+    _check.choice(op, "qkv_format", fmt, QKV_FORMATS)
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"{op}: q, k, v must be 4-D ({fmt}) with k and v of one shape; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     qb, kb = _to_bshd(q, fmt).shape, _to_bshd(k, fmt).shape
-    if qb[0] != kb[0] or qb[3] != kb[3] or qb[2] % kb[2]:
+    if qb[0] != kb[0] or qb[3] != kb[3] or kb[2] == 0 or qb[2] % kb[2]:
         raise ValueError(f"{op}: q {qb} and k {kb} (as bshd) need the same batch and head dim, "
                          "and q's heads a multiple of k's heads (GQA/MQA)")
-    if not 0 <= p < 1:
-        raise ValueError(f"{op}: attention_dropout must be in [0, 1), got {p}")
     if "padding" in mask_type:
-        return _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv)
+        return _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv, mask_type)
     return None, None
 
 
-def _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv):
+def _check_seqlens(xp, qb, kb, seqlens_q, seqlens_kv, mask_type):
     op = "dot_product_attention"
     if seqlens_q is None:
-        raise ValueError(f"{op}: padding masks need seqlens_q (an int array [batch])")
+        _check.fail(op, "seqlens_q", f"an int array [batch] with {mask_type!r}", None)
     seqlens_kv = seqlens_q if seqlens_kv is None else seqlens_kv
     out = []
     for name, lens, s in (("seqlens_q", seqlens_q, qb[1]), ("seqlens_kv", seqlens_kv, kb[1])):
@@ -62,10 +61,14 @@ def dot_product_attention(q, k, v, attn_mask_type="causal", qkv_format="bshd",
     """Attention over q [b, sq, h, d], k and v [b, skv, hk, d] (or sbhd); returns o shaped
     as q. attn_mask_type: no_mask, causal (top-left), padding, padding_causal; padding
     takes per-sequence lengths seqlens_q / seqlens_kv (int arrays [b]; kv defaults to q).
-    softmax_scale defaults to 1/sqrt(d). attention_dropout uses Philox with dropout_seed."""
-    p = float(attention_dropout)
-    lq, lkv = _check(q, k, v, attn_mask_type, qkv_format, seqlens_q, seqlens_kv, p)
-    scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    softmax_scale defaults to 1/sqrt(d). attention_dropout (in [0, 1)) uses Philox with
+    dropout_seed (an int in [0, 2**64); drawn at random when None)."""
+    op = "dot_product_attention"
+    p = _check.real(op, "attention_dropout", attention_dropout, 0, 1, high_open=True)
+    dropout_seed = _check.seed(op, "dropout_seed", dropout_seed)
+    lq, lkv = _check_args(q, k, v, attn_mask_type, qkv_format, seqlens_q, seqlens_kv)
+    scale = (1 / np.sqrt(q.shape[-1]) if softmax_scale is None
+             else _check.real(op, "softmax_scale", softmax_scale))
     if p > 0 and dropout_seed is None:
         dropout_seed = int(np.random.default_rng().integers(0, 2**63))
     qb, kb, vb = (_to_bshd(t, qkv_format) for t in (q, k, v))

@@ -6,37 +6,51 @@ two (fc1, fc2) for layernorm_mlp.
 """
 import numpy as np
 
-from .. import backends
+from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..autocast import active_recipe, use_state
 from ..fp8 import FP8Tensor
 from ..tape import record
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from .linear import check_fp8_dims, fp8_gemm, fp8_linear_backward, linear
+from .linear import check_fp8_dims, check_fp8_state, fp8_gemm, fp8_linear_backward, linear
 from .normalization import NORMALIZATIONS, normalize
 
 
-def _norm_then_linear(x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
+def _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization,
+                return_layernorm_output, **linear_arrays):
+    """The norm's arguments, named as the caller named them (ln_weight, not layernorm's
+    weight); -> (xp, eps, zero_centered_gamma, return_layernorm_output)."""
+    _check.choice(op, "normalization", normalization, NORMALIZATIONS)
+    xp = array_module(op, x=x, ln_weight=ln_weight, ln_bias=ln_bias, **linear_arrays)
+    for name, a in dict(x=x, ln_weight=ln_weight, **linear_arrays).items():
+        if a is None and not name.endswith("bias"):
+            _check.fail(op, name, "an array", None, TypeError)
+    if normalization == "LayerNorm" and ln_bias is None:
+        _check.fail(op, "ln_bias", "an array [hidden] for LayerNorm (None for RMSNorm)", None,
+                    TypeError)
+    if normalization == "RMSNorm" and ln_bias is not None:
+        _check.fail(op, "ln_bias", "None for RMSNorm (it has no bias)", ln_bias)
+    check_float(op, x=x, ln_weight=ln_weight, ln_bias=ln_bias, **linear_arrays)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        _check.fail(op, "x", "an array [..., hidden] with hidden >= 1", x)
+    for name, a in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        check_shape(op, name, a, (x.shape[-1],))
+    return (xp, _check.real(op, "eps", eps, low=0, low_open=True),
+            _check.flag(op, "zero_centered_gamma", zero_centered_gamma),
+            _check.flag(op, "return_layernorm_output", return_layernorm_output))
+
+
+def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
                       normalization, fp8_state, gemm=0):
     """linear(norm(x)); under delayed-scaling FP8 with a state, the norm writes its output
-    straight to FP8 (one pass, no high-precision copy) and this records one node for both."""
+    straight to FP8 (one pass, no high-precision copy) and this records one node for both.
+    (Arguments checked by the caller.)"""
     recipe = active_recipe()
-    if recipe is None or fp8_state is None or normalization not in NORMALIZATIONS:
+    state = None if recipe is None or fp8_state is None else use_state(fp8_state, xp)
+    if state is None:  # high precision, or current scaling (the cast needs the amax first)
         ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
         return linear(ln_out, weight, bias, fp8_state=fp8_state, gemm_index=gemm)
-    xp = array_module("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias,
-                      weight=weight, bias=bias)
-    check_float("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias, weight=weight,
-                bias=bias)
-    for name, a in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
-        check_shape("layernorm_linear", name, a, (x.shape[-1],))
-    check_shape("layernorm_linear", "weight", weight, (None, x.shape[-1]))
-    check_shape("layernorm_linear", "bias", bias, (weight.shape[0],))
-    state = use_state(fp8_state, xp)
-    if state is None:  # current scaling: the cast needs the output's amax first
-        ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-        return linear(ln_out, weight, bias, fp8_state=fp8_state, gemm_index=gemm)
-    return _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, bool(zero_centered_gamma),
+    return _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
                             normalization == "RMSNorm", state, recipe.fp8_format, gemm)
 
 
@@ -44,8 +58,6 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, 
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("layernorm_linear", m, n, k)
-    if rms and ln_bias is not None:
-        raise ValueError("RMSNorm takes no bias (got a layernorm bias); pass None")
     x2 = x.reshape(m, k)
     scale, amax_out = state.fwd_slot(gemm, "input")
     if rms:  # (amax_out: the kernels max into the amax history row)
@@ -77,11 +89,35 @@ def layernorm_linear(x, ln_weight, ln_bias, weight, bias=None, eps=1e-5,
                      return_layernorm_output=False, fp8_state=None):
     """linear(norm(x), weight, bias); norm is LayerNorm or RMSNorm (ln_bias None). Under
     FP8 delayed scaling with `fp8_state`, the norm casts its output to FP8 in its own pass."""
-    if not return_layernorm_output:
-        return _norm_then_linear(x, ln_weight, ln_bias, weight, bias, eps,
-                                 zero_centered_gamma, normalization, fp8_state)
-    ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
+    op = "layernorm_linear"
+    xp, eps, zcg, ret = _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma,
+                                    normalization, return_layernorm_output, weight=weight,
+                                    bias=bias)
+    check_shape(op, "weight", weight, (None, x.shape[-1]))
+    check_shape(op, "bias", bias, (weight.shape[0],))
+    check_fp8_state(op, fp8_state, 0)
+    if not ret:
+        return _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zcg,
+                                 normalization, fp8_state)
+    ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
     return linear(ln_out, weight, bias, fp8_state=fp8_state), ln_out
+
+
+def _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_state):
+    op = "layernorm_mlp"
+    check_shape(op, "fc1_weight", fc1_weight, (None, x.shape[-1]))
+    gated = activation in GATED
+    if gated and fc1_weight.shape[0] % 2:
+        _check.fail(op, "fc1_weight", f"[2 * ffn, hidden] for {activation} (an even number "
+                    "of rows: value and gate halves)", fc1_weight)
+    check_shape(op, "fc1_bias", fc1_bias, (fc1_weight.shape[0],))
+    ffn = fc1_weight.shape[0] // (2 if gated else 1)
+    if fc2_weight.ndim != 2 or fc2_weight.shape[1] != ffn:
+        raise ValueError(f"{op}: fc2_weight must be [hidden, {ffn}] for fc1_weight "
+                         f"{tuple(fc1_weight.shape)} and {activation}, "
+                         f"got {tuple(fc2_weight.shape)}")
+    check_shape(op, "fc2_bias", fc2_bias, (fc2_weight.shape[0],))
+    check_fp8_state(op, fp8_state, 0, num_gemms=2)
 
 
 def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
@@ -89,31 +125,26 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
                   activation="gelu", return_layernorm_output=False, fp8_state=None):
     """fc2(act(fc1(norm(x)))). fc1_weight [ffn, hidden] ([2*ffn, hidden] for the gated
     swiglu/geglu), fc2_weight [hidden, ffn]."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"layernorm_mlp: activation must be one of {ACTIVATIONS}, "
-                         f"got {activation!r}")
-    ffn = fc1_weight.shape[0] // (2 if activation in GATED else 1)
-    if fc2_weight.ndim != 2 or fc2_weight.shape[1] != ffn:
-        raise ValueError(f"layernorm_mlp: fc2_weight must be [hidden, {ffn}] for fc1_weight "
-                         f"{tuple(fc1_weight.shape)} and {activation}, "
-                         f"got {tuple(fc2_weight.shape)}")
-    if fp8_state is not None and fp8_state.num_gemms < 2:
-        raise ValueError("layernorm_mlp: fp8_state must hold 2 GEMMs (FP8State(num_gemms=2))")
+    _check.choice("layernorm_mlp", "activation", activation, ACTIVATIONS)
+    xp, eps, zcg, ret = _check_norm(
+        "layernorm_mlp", x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization,
+        return_layernorm_output, fc1_weight=fc1_weight, fc1_bias=fc1_bias,
+        fc2_weight=fc2_weight, fc2_bias=fc2_bias)
+    _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_state)
     # fc1's bias is added inside the activation's pass, not by the GEMM
-    if return_layernorm_output:
-        ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
+    if ret:
+        ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
         h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0)
     else:
-        h = _norm_then_linear(x, ln_weight, ln_bias, fc1_weight, None, eps,
-                              zero_centered_gamma, normalization, fp8_state, gemm=0)
-    y = _act_then_linear(h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state)
-    return (y, ln_out) if return_layernorm_output else y
+        h = _norm_then_linear(xp, x, ln_weight, ln_bias, fc1_weight, None, eps, zcg,
+                              normalization, fp8_state, gemm=0)
+    y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state)
+    return (y, ln_out) if ret else y
 
 
-def _act_then_linear(h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
+def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
     """linear(act(h + fc1_bias)); under delayed-scaling FP8 with a state, the activation
     writes its output straight to FP8 for fc2 and this records one node for both."""
-    xp = array_module("layernorm_mlp", h=h, fc2_weight=fc2_weight)
     state = use_state(fp8_state, xp) if active_recipe() is not None else None
     if state is None:
         a = apply_activation(h, activation, bias=fc1_bias)

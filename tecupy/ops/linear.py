@@ -7,9 +7,9 @@ transposed FP8 copies, dbias = sum(dy) in high precision. Scales come from the c
 FP8State (delayed scaling) or, with no state or under Float8CurrentScaling, from each
 tensor's own amax.
 """
-from .. import backends
+from .. import _check, backends
 from .._array import array_module, check_float, check_shape
-from ..autocast import active_recipe, use_state
+from ..autocast import FP8State, active_recipe, use_state
 from ..fp8 import quantize_current
 from ..tape import record, recording
 
@@ -34,14 +34,30 @@ def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False):
                              split_accumulator=split_accumulator)
 
 
-def _check(op, x, weight, bias):
+def _check_args(op, x, weight, bias):
     xp = array_module(op, x=x, weight=weight, bias=bias)
+    for name, a in (("x", x), ("weight", weight)):
+        if a is None:
+            _check.fail(op, name, "an array", None, TypeError)
     check_float(op, x=x, weight=weight, bias=bias)
     if x.ndim < 1:
-        raise ValueError(f"{op}: x must have at least 1 dimension")
+        _check.fail(op, "x", "an array [..., in_features] of at least 1 dimension", x)
     check_shape(op, "weight", weight, (None, x.shape[-1]))
     check_shape(op, "bias", bias, (weight.shape[0],))
     return xp
+
+
+def check_fp8_state(op, fp8_state, gemm_index, num_gemms=1):
+    """fp8_state is None or an FP8State of at least `num_gemms` GEMMs; gemm_index one of
+    them (an IndexError deep in the state otherwise)."""
+    if fp8_state is None:
+        return
+    if not isinstance(fp8_state, FP8State):
+        _check.fail(op, "fp8_state", "None or a tecupy.FP8State", fp8_state, TypeError)
+    if fp8_state.num_gemms < num_gemms:
+        _check.fail(op, "fp8_state", f"an FP8State of at least {num_gemms} GEMMs "
+                    f"(FP8State(num_gemms={num_gemms}))", fp8_state)
+    _check.integer(op, "gemm_index", gemm_index, 0, fp8_state.num_gemms)
 
 
 def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
@@ -49,7 +65,8 @@ def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
 
     Under fp8_autocast the GEMMs run in FP8 with scales from `fp8_state` (an FP8State;
     `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling."""
-    xp = _check("linear", x, weight, bias)
+    xp = _check_args("linear", x, weight, bias)
+    check_fp8_state("linear", fp8_state, gemm_index)
     recipe = active_recipe()
     if recipe is None:
         return _linear_hp(x, weight, bias)

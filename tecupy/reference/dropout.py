@@ -3,7 +3,10 @@
 Element i of a tensor draws word (i % 4) of philox(counter=(i // 4, offset), key=seed);
 u = (word >> 8) * 2**-24 is uniform in [0, 1); the element is kept when u >= p and scaled
 by 1 / (1 - p). The same (seed, offset) gives the same mask on NumPy, CuPy and the CUDA
-kernel. The residual add of a transformer block is fused in (y = dropout(x) + residual).
+kernel. seed and offset are ints in [0, 2**64): Philox takes 64-bit keys and counters, and
+a wider value would silently wrap to another seed's mask (ops/elementwise.py checks them at
+the public boundary; uniform() refuses them too). The residual add of a transformer block
+is fused in (y = dropout(x) + residual).
 Arithmetic is on uint64 holding 32-bit values, so it runs on any array module.
 """
 import numpy as np
@@ -32,8 +35,12 @@ def philox4x32(xp, counter, offset, seed):
 
 def uniform(xp, n, seed, offset):
     """n floats in [0, 1) from Philox, in float32."""
+    seed, offset = int(seed), int(offset)
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**64):
+        raise ValueError(f"dropout: seed and offset must be ints in [0, 2**64), got seed={seed}, "
+                         f"offset={offset}")
     counter = xp.arange((n + 3) // 4, dtype=np.uint64)
-    words = xp.stack(philox4x32(xp, counter, int(offset), int(seed)), axis=-1).reshape(-1)[:n]
+    words = xp.stack(philox4x32(xp, counter, offset, seed), axis=-1).reshape(-1)[:n]
     return (words >> 8).astype(np.float32) * np.float32(2.0 ** -24)
 
 
