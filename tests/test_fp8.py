@@ -12,9 +12,10 @@ FORMATS = [E4M3, E5M2]
 
 
 def expected_codes(x32, fmt):
-    """ml_dtypes does not saturate (500 -> NaN in e4m3fn): clip first, then convert."""
+    """ml_dtypes does not saturate (500 -> NaN in e4m3fn): clip first, then convert; NaN is
+    the canonical code 0x7F (ml_dtypes keeps the sign and gives 0x7E for E5M2)."""
     clipped = np.where(np.isnan(x32), x32, np.clip(x32, -fmt.max, fmt.max))
-    return clipped.astype(fmt.ml_dtype).view(np.uint8)
+    return np.where(np.isnan(x32), np.uint8(0x7F), clipped.astype(fmt.ml_dtype).view(np.uint8))
 
 
 def special_values(fmt):
@@ -149,3 +150,43 @@ def test_quantize_with_dbias_returns_the_column_sums(xp, rng, dtype):
     np.testing.assert_allclose(asnp(db).astype(np.float64), want, rtol=1e-2, atol=1e-3)
     with pytest.raises(ValueError, match="transpose=True"):
         tecupy.quantize(x, 2.0, E5M2, dbias_dtype=dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_nan_casts_to_the_canonical_code(xp, rng, fmt):
+    """+NaN and -NaN (any payload) give 0x7F in both formats, as CUDA's conversion does
+    (cuda_fp8.hpp, __nv_cvt_float_to_fp8: a NaN input is made 0x7FFFFFFF first; the
+    conversion of that gives 0x7F for E4M3 and 0x7E | mantissa = 0x7F for E5M2), which
+    Transformer Engine's casts use (static_cast to __nv_fp8_e4m3 / __nv_fp8_e5m2)."""
+    payloads = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF,
+                         0xFFFFFFFF], np.uint32).view(np.float32)
+    x = np.concatenate([payloads, rng.standard_normal(10).astype(np.float32)])
+    q = asnp(tecupy.quantize(xp.asarray(x), 2.0, fmt).data)
+    np.testing.assert_array_equal(q[:6], 0x7F)
+    np.testing.assert_array_equal(q[6:], expected_codes(x[6:] * 2, fmt))
+    assert np.isnan(asnp(tecupy.FP8Tensor(xp.asarray(q), fmt, xp.ones(1, np.float32))
+                         .dequantize())[:6]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_, "int64", None, "nonsense"])
+def test_dequantize_refuses_non_floating_dtypes(dtype):
+    """An integer dtype would truncate silently (the issue: dequantize(dtype=int32))."""
+    t = tecupy.quantize(np.array([1.5, -2.25], np.float32), 1.0, E4M3)
+    with pytest.raises(TypeError, match="dequantize: dtype must be a floating dtype"):
+        t.dequantize(dtype)
+    with pytest.raises(TypeError, match="FP8Tensor"):
+        tecupy.dequantize(np.zeros(2, np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16, np.float32, np.float64])
+def test_dequantize_floating_dtypes(dtype):
+    t = tecupy.quantize(np.array([1.5, -2.25], np.float32), 1.0, E4M3)
+    y = tecupy.dequantize(t, dtype)
+    assert y.dtype == np.dtype(dtype) and np.all(y.astype(np.float32) == [1.5, -2.25])
+
+
+def test_formats_pickle_to_themselves():
+    import copy
+    import pickle
+    for fmt in FORMATS:
+        assert pickle.loads(pickle.dumps(fmt)) is fmt and copy.deepcopy(fmt) is fmt

@@ -49,3 +49,27 @@ def test_update_matches_reference_bit_for_bit(rng, algo, length, margin):
         for name in ("amax_history", "scale", "scale_inv"):
             np.testing.assert_array_equal(getattr(m, name).get(), getattr(h, name),
                                           err_msg=name)
+
+
+@pytest.mark.parametrize("margin", [1, 3])
+def test_update_tiny_amax_with_margin_is_finite(margin):
+    """scale = (fp8_max * 2^-margin) / amax, TE's scaled_max / amax
+    (transformer_engine/common/recipe/delayed_scaling.cu): finite for amaxes where
+    fp8_max / amax alone overflows float32 (the old (fp8_max / amax) / 2^margin gave
+    FLT_MAX there)."""
+    import cupy
+    flt_max = np.float32(np.finfo(np.float32).max)
+    for fmt in (E4M3, E5M2):
+        lo = np.float32(fmt.max * 2.0 ** -margin) / flt_max
+        hi = np.float32(fmt.max) / flt_max
+        amax = np.linspace(lo, hi, 258, dtype=np.float32)[1:-1]
+        m = FP8Meta(cupy, amax.size, 2, fmt)
+        m.amax_history[0] = cupy.asarray(amax)
+        host = to_numpy_meta(m)
+        backends.dispatch("delayed_scaling_update", [m], "max", margin)
+        ref_update([host], "max", margin)
+        want = np.float32(fmt.max) * np.float32(2.0 ** -margin) / amax
+        assert np.all(np.isfinite(want)) and np.all(want < flt_max)
+        np.testing.assert_array_equal(m.scale.get(), want)
+        np.testing.assert_array_equal(host.scale, want)
+        np.testing.assert_array_equal(m.scale_inv.get(), host.scale_inv)

@@ -61,7 +61,9 @@ def amax_into(amax_out, a):
 @backends.register("cast_to_fp8", "reference")
 def cast_to_fp8(x, scale, fmt, amax_out=None):
     """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,))."""
-    return _encode(x.astype(np.float32) * scale[0], fmt), amax_into(amax_out, amax(x))
+    with np.errstate(invalid="ignore"):  # a signalling NaN in x: NaN out, as on the GPU
+        v = x.astype(np.float32) * scale[0]
+    return _encode(v, fmt), amax_into(amax_out, amax(x))
 
 
 @backends.register("cast_transpose", "reference")
