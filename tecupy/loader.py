@@ -185,12 +185,24 @@ def _sources_digest(folder):
     return _digest[folder][1]
 
 
+def nvrtc_options(file, arch, options=()):
+    """The NVRTC options of a kernel of `file` for `arch` (without the include paths)."""
+    return BASE_OPTIONS + _file_meta.get(file, (None, ()))[1] + tuple(options) + \
+        (f"-arch={arch}",)
+
+
+def compile_uncached(file, name, arch, options=()):
+    """(cubin bytes, lowered name) straight from NVRTC, past the cache: proof that NVRTC
+    and the headers work here (python -m tecupy --check)."""
+    binary, lowered = _nvrtc(file, (name,), nvrtc_options(file, arch, options))
+    return binary, lowered[name]
+
+
 def compile_kernel(file, name, arch, options=()):
     """Compile one declared instantiation `name` of cuda/<file> for `arch` (each kernel is
     its own small program, so a first call compiles only what it runs); returns
     (cubin path, lowered name). Cached on disk; a bad entry is rebuilt with a warning."""
-    options = BASE_OPTIONS + _file_meta.get(file, (None, ()))[1] + tuple(options) + \
-        (f"-arch={arch}",)
+    options = nvrtc_options(file, arch, options)
     base = cache_dir() / f"{pathlib.Path(file).stem}-{arch}-{_key(file, arch, name, options)}"
     hit = _cached(base, name)
     if hit is None:
