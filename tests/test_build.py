@@ -7,20 +7,31 @@ from tecupy import build, loader
 
 @pytest.mark.aot
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_89"])
-def test_every_kernel_compiles(tmp_path, monkeypatch, arch):
-    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
-    done = build.build([arch])
-    files = {f for f, _, _ in done}
+def test_every_kernel_compiles(arch):
+    """Every declared instantiation of every kernel file compiles (one program per file)."""
+    done = build.check_all([arch])
+    files = {f for f, _, _, _ in done}
     want = {p.name for p in loader.cuda_dir().glob("*.cu")}
     if arch == "sm_90a":  # the wgmma/TMA GEMM templates and attention are Hopper-only
         want |= {p.name for p in loader.templates_dir().glob("*.cu")}
     else:
         want -= {"attention_sm90.cu"}
     assert files == want, "every kernel source must be declared by a module in tecupy/kernels"
-    n_kernels = sum(len(names) for names in loader.declared(arch).values())
-    assert len(list(tmp_path.glob(f"*-{arch}-*.cubin"))) == n_kernels  # one per kernel
+    assert sum(n for _, _, _, n in done) == sum(map(len, loader.declared(arch).values()))
+
+
+def test_build_fills_the_cache_once(tmp_path, monkeypatch):
+    """A cubin per kernel; a second build takes everything from the cache (two small files:
+    the aot test above covers every kernel)."""
+    monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
+    files = ("delayed_scaling.cu", "transpose.cu")
+    some = {f: n for f, n in loader.declared("sm_90a").items() if f in files}
+    monkeypatch.setattr(loader, "declared", lambda arch=None: some)
+    done = build.build(["sm_90a"])
+    assert {f for f, _, _ in done} == set(files)
+    assert len(list(tmp_path.glob("*-sm_90a-*.cubin"))) == sum(map(len, some.values()))
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.cubin")}
-    build.build([arch])  # second time: everything comes from the cache, nothing is rewritten
+    build.build(["sm_90a"])  # second time: nothing is rewritten
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.cubin")} == stamps
 
 
