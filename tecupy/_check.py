@@ -28,10 +28,13 @@ def fail(op, name, accepted, value, exc=ValueError):
 
 
 def is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    """A Python or NumPy int, not a bool (the ABC check is slow: plain ints skip it)."""
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, (bool, np.bool_)))
 
 
 def _bounds(kind, low, high, low_open=False, high_open=True):
+    high = "2**64" if high == SEED_LIMIT else high
     if low is not None and high is not None:
         return f"{kind} in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
     if low is not None:
@@ -58,8 +61,8 @@ def size(op, name, value):
 def seed(op, name, value):
     """None (drawn at random) or an int in [0, 2**64): Philox takes 64-bit keys, and a seed
     outside that range would silently give the mask of another seed."""
-    if value is None:
-        return None
+    if value is None or (type(value) is int and 0 <= value < SEED_LIMIT):
+        return value
     if not is_int(value) or not 0 <= value < SEED_LIMIT:
         fail(op, name, "None or an int in [0, 2**64)", value,
              ValueError if is_int(value) else TypeError)
@@ -69,13 +72,14 @@ def seed(op, name, value):
 def real(op, name, value, low=None, high=None, low_open=False, high_open=False):
     """A finite real number (not a bool) within the bounds; returns float. NaN and inf are
     refused: they pass no comparison and would poison every result."""
-    accepted = _bounds("a finite number", low, high, low_open, high_open)
-    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
-        fail(op, name, accepted, value, TypeError)
+    if type(value) not in (float, int) and (not isinstance(value, numbers.Real)
+                                            or isinstance(value, (bool, np.bool_))):
+        fail(op, name, _bounds("a finite number", low, high, low_open, high_open), value,
+             TypeError)
     v = float(value)
     if (not math.isfinite(v) or (low is not None and (v <= low if low_open else v < low))
             or (high is not None and (v >= high if high_open else v > high))):
-        fail(op, name, accepted, value)
+        fail(op, name, _bounds("a finite number", low, high, low_open, high_open), value)
     return v
 
 

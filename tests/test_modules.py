@@ -363,3 +363,30 @@ def test_seed_reproducible(xp, rng):
                               asnp(pc["layernorm_mlp.fc1_weight"]))
     x = randn(xp, rng, S, B, 12)
     np.testing.assert_array_equal(asnp(a(x)), asnp(b(x)))  # same dropout seeds too
+
+
+def test_constructors_take_numpy_scalars_and_edge_values(rng):
+    """The option checks (tests/test_bad_inputs.py has the refusals) accept NumPy ints and
+    floats and the edges of each range, and store the checked values."""
+    kw = dict(params_dtype=np.float64, device="cpu")
+    layer = nn.TransformerLayer(np.int64(12), np.int32(7), np.int64(4), num_gqa_groups=2,
+                                layernorm_epsilon=np.float32(1e-6), hidden_dropout=1.0,
+                                attention_dropout=0.0, kv_channels=np.int64(5),
+                                seed=2**64 - 1, **kw)
+    assert layer.hidden_dropout == 1.0
+    core = layer.self_attention.core_attention
+    assert (core.num_attention_heads, core.kv_channels, core.num_gqa_groups) == (4, 5, 2)
+    assert nn.LayerNorm(np.int16(3), eps=np.float64(1e-3), **kw).eps == 1e-3
+    dpa = nn.DotProductAttention(4, 8, num_gqa_groups=np.int64(1), softmax_scale=-0.5,
+                                 attention_dropout=np.float32(0.25), **kw)
+    assert dpa.num_gqa_groups == 1 and dpa.attention_dropout == 0.25
+    x = randn(np, rng, S, B, 12)
+    assert layer.eval()(x).shape == x.shape
+
+
+def test_padding_masks_take_seqlens_through_the_modules(rng):
+    m = nn.TransformerLayer(8, 16, 2, self_attn_mask_type="padding_causal",
+                            params_dtype=np.float64, device="cpu", seed=1).eval()
+    x = randn(np, rng, S, B, 8)
+    y = m(x, seqlens=np.array([S, 2]))
+    assert y.shape == x.shape and np.all(np.isfinite(y))

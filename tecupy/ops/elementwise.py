@@ -48,6 +48,8 @@ def split(x, sizes, axis=-1):
     if x.ndim == 0:
         _check.fail("split", "x", "an array of at least 1 dimension", x)
     axis = _check.integer("split", "axis", axis, -x.ndim, x.ndim)
+    if isinstance(sizes, np.ndarray) and sizes.ndim == 1:
+        sizes = sizes.tolist()
     if not (isinstance(sizes, (tuple, list)) and sizes and all(map(_check.is_int, sizes))):
         _check.fail("split", "sizes", "a non-empty list of ints", sizes, TypeError)
     if min(sizes) < 0:
@@ -81,8 +83,8 @@ def _join(xp, gs, axis, shape):
 
 def softmax(x, scale=1.0, mask=None, causal=False):
     """softmax(scale * x) over the last axis. `mask` (a bool array, True = masked out, that
-    broadcasts to x's shape) and `causal` (mask j > i over the last two axes) exclude entries; a row with
-    every entry masked gives zeros."""
+    broadcasts to x's shape) and `causal` (mask j > i over the last two axes) exclude
+    entries; a row with every entry masked gives zeros."""
     array_module("softmax", x=x, mask=mask)
     check_float("softmax", x=x)
     scale = _check.real("softmax", "scale", scale)

@@ -55,4 +55,5 @@ def normalize(x, weight, bias, eps, zero_centered_gamma, normalization):
         if bias is not None:
             _check.fail("rmsnorm", "bias", "None (RMSNorm has no bias)", bias)
         return rmsnorm(x, weight, eps, zero_centered_gamma)
-    _check.choice("normalize", "normalization", normalization, NORMALIZATIONS)
+    _check.fail("normalize", "normalization", "one of " + ", ".join(map(repr, NORMALIZATIONS)),
+                normalization)
