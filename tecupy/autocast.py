@@ -18,7 +18,7 @@ import numpy as np
 from . import backends
 from ._array import xp_of
 from .fp8 import FLT_MAX, quantize, scaled_max
-from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .recipe import DelayedScaling, Float8CurrentScaling, Format, _bool_field
 from .tape import recording
 
 FWD_SLOTS = {"input": 0, "weight": 1, "output": 2}
@@ -279,10 +279,11 @@ def fp8_autocast(enabled=True, fp8_recipe=None):
                                                               Float8CurrentScaling)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, "
                         f"got {type(fp8_recipe).__name__}")
+    enabled = _bool_field("fp8_autocast", "enabled", enabled)  # "False" would be truthy
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     outer = _stack.get()
     used = outer[0][2] if outer else []
-    _stack.set(outer + ((bool(enabled), recipe, used),))
+    _stack.set(outer + ((enabled, recipe, used),))
     try:
         yield
     finally:

@@ -299,3 +299,12 @@ def test_history_length_change_keeps_first_rows(rng):
     np.testing.assert_array_equal(st.fwd.amax_history, [[0, 1, 2], [3, 4, 5]])
     st.bind(np, DelayedScaling(amax_history_len=4))
     np.testing.assert_array_equal(st.fwd.amax_history, [[0, 1, 2], [3, 4, 5], [0] * 3, [0] * 3])
+
+
+@pytest.mark.parametrize("enabled", ["False", None, 2])
+def test_enabled_must_be_a_bool(enabled):
+    with pytest.raises(TypeError, match="fp8_autocast: enabled must be True or False"):
+        with tecupy.fp8_autocast(enabled=enabled):
+            pass
+    from tecupy.autocast import active_recipe
+    assert active_recipe() is None

@@ -1,7 +1,10 @@
 """Module base: owns parameters (plain arrays) and child modules, and its FP8 state."""
+import copy
+
 import numpy as np
 
-from .._array import FLOAT_DTYPES, gpu_available
+from .._array import FLOAT_DTYPES, gpu_available, to_numpy
+from ..autocast import FP8State, check_array, mismatch
 
 INIT_STD = 0.023  # Transformer Engine's default init_method: normal(0, 0.023)
 
@@ -70,6 +73,75 @@ class Module:
     def parameters(self):
         return list(self.named_parameters().values())
 
+    def named_modules(self, prefix=""):
+        """(prefix, module) for this module (prefix "") and every descendant ("child.")."""
+        yield prefix, self
+        for name, child in vars(self).items():
+            if isinstance(child, Module):
+                yield from child.named_modules(prefix + name + ".")
+
+    def _fp8_states(self):
+        """(key prefix, FP8State) for every FP8State attribute of this module and below."""
+        for prefix, module in self.named_modules():
+            for name, state in vars(module).items():
+                if isinstance(state, FP8State):
+                    yield prefix + name + ".", state
+
+    def state_dict(self):
+        """Everything a bit-identical continuation needs, as a plain dict of numpy arrays
+        and python values (copies; pickles as it is). Keys, with module paths as in
+        named_parameters ("self_attention.proj.weight"):
+          <parameter name>                  every parameter, a numpy array of its dtype
+          <module.>rng_state                every module's numpy Generator state (a dict:
+                                            bit_generator.state); dropout seeds come from it
+          <module.>fp8_state.fp8_format     "HYBRID" | "E4M3", or None: never used in FP8
+          <module.>fp8_state.amax_history_len   int (None when never used)
+          <module.>fp8_state.{fwd,bwd}.{scale,scale_inv,amax_history}
+                                            float32 [3n] / [2n], history [L, 3n] / [L, 2n]
+                                            for n GEMMs (only when used)
+        """
+        sd = {name: np.array(to_numpy(p)) for name, p in self.named_parameters().items()}
+        for prefix, module in self.named_modules():
+            sd[prefix + "rng_state"] = copy.deepcopy(module.rng.bit_generator.state)
+        for prefix, state in self._fp8_states():
+            sd.update(state.state_dict(prefix))
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore what state_dict gave, onto this module's device; parameters are written
+        in place (references to them stay valid). Every key is checked first: a missing or
+        unexpected key, or a shape, dtype, FP8 format or history length other than this
+        module's, is a ValueError listing each (key, got, expected), and nothing is loaded.
+        An FP8 state not yet used here takes the saved format and history length."""
+        keys, errors = self._check_state_dict(state_dict)
+        errors += [mismatch(k, "an unexpected key", f"only the keys of {type(self).__name__}"
+                            ".state_dict()") for k in sorted(set(state_dict) - set(keys))]
+        if errors:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: nothing was loaded; "
+                             f"{len(errors)} mismatch(es):\n  " + "\n  ".join(errors))
+        xp = self.xp
+        for name, p in self.named_parameters().items():
+            p[...] = xp.asarray(state_dict[name])
+        for prefix, module in self.named_modules():
+            module.rng.bit_generator.state = copy.deepcopy(state_dict[prefix + "rng_state"])
+        for prefix, state in self._fp8_states():
+            state.load_state_dict(state_dict, prefix, xp)
+        return self
+
+    def _check_state_dict(self, sd):
+        """(the keys this module loads, the errors loading sd would meet)."""
+        keys, errors = [], []
+        for name, p in self.named_parameters().items():
+            keys.append(name)
+            errors += check_array(sd, name, p.shape, p.dtype)
+        for prefix, module in self.named_modules():
+            keys.append(prefix + "rng_state")
+            errors += _check_rng(sd, prefix + "rng_state", module.rng)
+        for prefix, state in self._fp8_states():
+            k, e = state.check_state_dict(sd, prefix)
+            keys, errors = keys + k, errors + e
+        return keys, errors
+
     def train(self, mode=True):
         self.training = bool(mode)
         for child in vars(self).values():
@@ -83,3 +155,16 @@ class Module:
     def next_seed(self):
         """A fresh dropout seed from the module's own generator (reproducible from `seed`)."""
         return int(self.rng.integers(0, 2**63))
+
+
+def _check_rng(sd, key, rng):
+    """[] when sd[key] is a state this generator takes (tried on a scratch generator of the
+    same kind, so a bad one fails here, not halfway through loading), else [the error]."""
+    kind = type(rng.bit_generator).__name__
+    if key not in sd:
+        return [mismatch(key, "missing", f"a {kind} bit_generator.state dict")]
+    try:
+        type(rng.bit_generator)().state = sd[key]
+    except (TypeError, ValueError, KeyError) as e:
+        return [mismatch(key, f"{sd[key]!r:.80} ({e})", f"a {kind} bit_generator.state dict")]
+    return []
