@@ -17,8 +17,10 @@ SEED_LIMIT = 2**64  # Philox keys and counters are 64-bit: a larger seed would w
 
 
 def _shown(value):
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"a {type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
+    """An array by its kind, dtype and shape (never its values: no copy from the GPU)."""
+    if isinstance(value, np.ndarray) or is_cupy(value):
+        kind = "numpy" if isinstance(value, np.ndarray) else "cupy"
+        return f"a {kind} array of dtype {value.dtype} and shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 

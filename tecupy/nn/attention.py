@@ -51,7 +51,7 @@ class DotProductAttention(Module):
         if softmax_scale is not None:
             softmax_scale = _check.real(op, "softmax_scale", softmax_scale)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
-        self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        self.num_attention_heads, self.kv_channels = int(num_attention_heads), kv_channels
         self.num_gqa_groups = groups
         self.attention_dropout, self.qkv_format = p, qkv_format
         self.attn_mask_type, self.softmax_scale = attn_mask_type, softmax_scale
@@ -93,7 +93,7 @@ class MultiheadAttention(Module):
         for name, v in (("input_layernorm", input_layernorm), ("bias", bias)):
             _check.flag(op, name, v)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
-        self.hidden_size, self.heads = hidden_size, num_attention_heads
+        self.hidden_size, self.heads = hidden_size, int(num_attention_heads)
         self.kv_channels, self.groups = kv_channels, groups
         self.input_layernorm = bool(input_layernorm)
         qkv_out = (self.heads + 2 * self.groups) * self.kv_channels
