@@ -105,8 +105,8 @@ def test_loss_is_an_array_that_chains(rng):
 
 
 def _fp8_step(lin, x):
-    from tecupy.recipe import DelayedScaling
-    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4)
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe):
         y = lin(x)
     return tape, y
 
@@ -165,7 +165,8 @@ def test_second_gradient_elsewhere_is_fine(rng):
         ya, yb = a(x32), b(x32)
     tape.gradient(ya, x32)
     assert tape.gradient(yb, x32).shape == x32.shape  # b's backward had not run yet
-    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=tecupy.recipe.Float8CurrentScaling()):
+    current = tecupy.recipe.Float8CurrentScaling()
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=current):
         y = a(x32)  # current scaling: no state, nothing recorded twice
     np.testing.assert_array_equal(tape.gradient(y, x32), tape.gradient(y, x32))
 
