@@ -13,6 +13,7 @@ import numpy as np
 
 import tecupy
 from tecupy._progress import Progress
+from tecupy.check import gpu_problem
 from tecupy.recipe import DelayedScaling, Format
 
 SIZES = {  # hidden, ffn, heads, seq, batch
@@ -42,31 +43,6 @@ def parse(argv=None):
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     return args
-
-
-def gpu_problem():
-    """None when CuPy sees a GPU tecupy can use, else one line saying why not."""
-    try:
-        import cupy
-    except Exception as err:  # not installed, or its CUDA libraries are missing
-        return f"CuPy cannot be imported ({type(err).__name__}: {err})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # no driver, no device, or a driver older than CuPy's CUDA
-        import ctypes.util
-        if "NoDevice" in str(err):  # cudaErrorNoDevice, e.g. CUDA_VISIBLE_DEVICES=""
-            return "CuPy sees no CUDA device"
-        if ctypes.util.find_library("cuda") is None:
-            return "no NVIDIA driver is installed (libcuda not found)"
-        return (f"the NVIDIA driver cannot run CUDA 13 (it needs driver 580 or newer): "
-                f"{str(err).strip() or type(err).__name__}")
-    if count == 0:
-        return "CuPy sees no CUDA device"
-    cc = int(cupy.cuda.Device().compute_capability)
-    if cc < 80:
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        return f"the GPU ({name}) is sm_{cc}; tecupy's kernels need sm_80 or newer"
-    return None
 
 
 def pick_device(asked):

@@ -54,7 +54,8 @@ def gpu_problem():
             return "CuPy sees no CUDA device"
         if ctypes.util.find_library("cuda") is None:
             return "no NVIDIA driver is installed (libcuda not found)"
-        return f"the NVIDIA driver cannot run this CUDA: {str(err).strip()}"
+        return (f"the NVIDIA driver cannot run CUDA 13 (it needs driver 580 or newer): "
+                f"{str(err).strip() or type(err).__name__}")
     if count == 0:
         return "CuPy sees no CUDA device"
     cc = int(cupy.cuda.Device().compute_capability)
