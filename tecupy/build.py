@@ -21,16 +21,22 @@ def build(archs, jobs=None, progress=None):
         t0 = time.perf_counter()
         loader.compile_kernel(item[0], item[1], item[2])
         return item[0], item[2], time.perf_counter() - t0
-    with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count()) as pool:
-        results = []
-        for result in pool.map(one, work):
-            results.append(result)
-            if progress is not None:
-                progress.advance()
     totals = {}
-    for file, arch, secs in results:
+    for file, arch, secs in _run(one, work, jobs, progress):
         totals[(file, arch)] = totals.get((file, arch), 0.0) + secs
     return [(f, a, s) for (f, a), s in sorted(totals.items())]
+
+
+def _run(fn, work, jobs, progress):
+    """fn over work on `jobs` threads (NVRTC releases the GIL), advancing `progress` as each
+    item finishes; results in completion order."""
+    with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count()) as pool:
+        results = []
+        for done in concurrent.futures.as_completed([pool.submit(fn, w) for w in work]):
+            results.append(done.result())
+            if progress is not None:
+                progress.advance()
+    return results
 
 
 def check_all(archs, jobs=None, progress=None):
@@ -44,17 +50,10 @@ def check_all(archs, jobs=None, progress=None):
 
     def one(item):
         file, arch, names = item
-        options = loader.BASE_OPTIONS + loader._file_meta[file][1] + (f"-arch={arch}",)
         t0 = time.perf_counter()
-        loader._nvrtc(file, tuple(names), options)
+        loader.compile_together(file, names, arch)
         return file, arch, time.perf_counter() - t0, len(names)
-    with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count()) as pool:
-        results = []
-        for result in pool.map(one, work):
-            results.append(result)
-            if progress is not None:
-                progress.advance()
-    return sorted(results)
+    return sorted(_run(one, work, jobs, progress))
 
 
 def main(argv=None):

@@ -1,0 +1,79 @@
+"""Step time and host time per step of the main job's TransformerLayer at three sizes, for
+one or more source trees in the same run (A/B of a change's cost on the eager path).
+
+    python scripts/step_times.py [TREE ...]     (default: this checkout)
+
+Each tree runs in its own process (PYTHONPATH=TREE). Per size and precision: GPU ms per step
+(CUDA events around one step, median of 10) and host ms per step (wall time of issuing the
+step, before synchronising: where it is near the GPU time, the step is host-bound).
+"""
+import json
+import os
+import subprocess
+import sys
+
+SIZES = {"small": (1024, 4096, 16, 512, 2), "medium": (2048, 8192, 16, 2048, 2),
+         "full": (4096, 16384, 32, 2048, 4)}
+
+CHILD = r"""
+import json, statistics, sys, time
+import cupy, numpy as np, tecupy
+from tecupy.recipe import DelayedScaling, Format
+hidden, ffn, heads, seq, batch = json.loads(sys.argv[1])
+layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0,
+                                   attention_dropout=0.0, params_dtype=tecupy.bfloat16,
+                                   device="cuda", seed=0)
+rng = np.random.default_rng(0)
+x = cupy.asarray(rng.standard_normal((seq, batch, hidden)).astype(tecupy.bfloat16))
+dy = cupy.asarray((rng.standard_normal((seq, batch, hidden)) * 1e-2).astype(tecupy.bfloat16))
+recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+def step(r):
+    with tecupy.Tape() as tape:
+        with tecupy.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+            y = layer(x)
+    return tape.gradient(y, layer, output_grad=dy)
+out = {}
+for name, r in (("hp", None), ("fp8", recipe)):
+    for _ in range(3):
+        step(r)
+    cupy.cuda.Device().synchronize()
+    gpu, host = [], []
+    for _ in range(10):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        t0 = time.perf_counter()
+        step(r)
+        host.append((time.perf_counter() - t0) * 1e3)
+        stop.record()
+        stop.synchronize()
+        gpu.append(cupy.cuda.get_elapsed_time(start, stop))
+    out[name] = (statistics.median(gpu), statistics.median(host))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run(tree, shape):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{tree} {shape}: {proc.stderr[-2000:]}")
+
+
+def main():
+    trees = sys.argv[1:] or ["."]
+    import cupy
+    print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"{'size':8s}{'tree':28s}{'hp ms':>9s}{'host':>8s}{'fp8 ms':>9s}{'host':>8s}")
+    for size, shape in SIZES.items():
+        for tree in trees:
+            r = run(tree, shape)
+            print(f"{size:8s}{tree[-28:]:28s}{r['hp'][0]:9.2f}{r['hp'][1]:8.2f}"
+                  f"{r['fp8'][0]:9.2f}{r['fp8'][1]:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
