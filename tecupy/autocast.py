@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from . import backends
+from . import _check, backends
 from ._array import xp_of
 from .fp8 import FLT_MAX, quantize, scaled_max
 from .recipe import DelayedScaling, Float8CurrentScaling, Format, _bool_field
@@ -62,7 +62,7 @@ class FP8State:
     of the data, for the recipe of the autocast in force then."""
 
     def __init__(self, num_gemms=1):
-        self.num_gemms = int(num_gemms)
+        self.num_gemms = _check.size("FP8State", "num_gemms", num_gemms)
         self.recipe = self.fwd = self.bwd = None
         self.device = self.fp8_format = None  # "numpy" / "cupy", a recipe.Format
 
@@ -272,15 +272,28 @@ def _update_custom(meta, recipe):
 _stack = contextvars.ContextVar("tecupy_autocast", default=())
 
 
-@contextlib.contextmanager
+def _checked_args(op, enabled, recipe_name, recipe):
+    """(enabled, recipe), checked when the call is made: a bad value fails at its line."""
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        _check.fail(op, recipe_name, "None, a tecupy.recipe.DelayedScaling or "
+                    "Float8CurrentScaling", recipe, TypeError)
+    return _bool_field(op, "enabled", enabled), recipe  # "False" would be truthy
+
+
 def fp8_autocast(enabled=True, fp8_recipe=None):
-    """Run tecupy's linear-type ops in FP8 inside the block (Transformer Engine's API)."""
-    if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling,
-                                                              Float8CurrentScaling)):
-        raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, "
-                        f"got {type(fp8_recipe).__name__}")
-    enabled = _bool_field("fp8_autocast", "enabled", enabled)  # "False" would be truthy
-    recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
+    """Run tecupy's linear-type ops in FP8 inside the block (Transformer Engine's API).
+    fp8_recipe: None (a default DelayedScaling) or a recipe; enabled: a bool."""
+    return _autocast(*_checked_args("fp8_autocast", enabled, "fp8_recipe", fp8_recipe))
+
+
+def autocast(enabled=True, recipe=None):
+    """Transformer Engine 2.x spelling of fp8_autocast."""
+    return _autocast(*_checked_args("autocast", enabled, "recipe", recipe))
+
+
+@contextlib.contextmanager
+def _autocast(enabled, recipe):
+    recipe = recipe if recipe is not None else DelayedScaling()
     outer = _stack.get()
     used = outer[0][2] if outer else []
     _stack.set(outer + ((enabled, recipe, used),))
@@ -291,11 +304,6 @@ def fp8_autocast(enabled=True, fp8_recipe=None):
         # TE (autocast_exit): only the outermost exit, and only if that autocast is enabled
         if not outer and enabled:
             update_states(used, "fwd")
-
-
-def autocast(enabled=True, recipe=None):
-    """Transformer Engine 2.x spelling of fp8_autocast."""
-    return fp8_autocast(enabled=enabled, fp8_recipe=recipe)
 
 
 def active_recipe():

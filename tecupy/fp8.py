@@ -9,12 +9,14 @@ Engine's casts use); amax = max|x| of the input before scaling, ignoring NaN (as
 fmaxf does).
 """
 import dataclasses
+import numbers
 
 import ml_dtypes
 import numpy as np
 
 from . import backends
-from ._array import FLOAT_DTYPES, array_module, check_float, xp_of
+from ._array import FLOAT_DTYPES, array_module, check_float, is_cupy, xp_of
+from ._check import fail
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -39,12 +41,15 @@ E5M2 = FP8Format("e5m2", 57344.0, 2, 15, ml_dtypes.float8_e5m2)
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
 
-def as_format(fmt):
+def as_format(fmt, op="as_format", name="fmt"):
+    """The FP8Format `fmt` is or names ('e4m3' / 'e5m2', any case); the error names the
+    calling function `op` and its argument `name`."""
     if isinstance(fmt, FP8Format):
         return fmt
     if isinstance(fmt, str) and fmt.lower() in FORMATS:
         return FORMATS[fmt.lower()]
-    raise ValueError(f"unknown FP8 format {fmt!r}; accepted: 'e4m3', 'e5m2'")
+    fail(op, name, "'e4m3', 'e5m2' or a tecupy.fp8 format (tecupy.fp8.E4M3, E5M2)", fmt,
+         ValueError if isinstance(fmt, str) else TypeError)
 
 
 class FP8Tensor:
@@ -52,10 +57,17 @@ class FP8Tensor:
     `data_t`, when the cast made it, is the transposed copy (2-D data only)."""
 
     def __init__(self, data, fmt, scale_inv, data_t=None):
-        if data.dtype != np.uint8:
-            raise TypeError(f"FP8Tensor data must be uint8, got {data.dtype}")
         array_module("FP8Tensor", data=data, scale_inv=scale_inv, data_t=data_t)
-        self.data, self.fmt, self.scale_inv = data, as_format(fmt), scale_inv
+        for name, a in (("data", data), ("data_t", data_t)):
+            if a is not None and a.dtype != np.uint8:
+                fail("FP8Tensor", name, "a uint8 array (FP8 codes)", a, TypeError)
+        if data_t is not None and tuple(data_t.shape) != tuple(data.shape)[::-1]:
+            raise ValueError(f"FP8Tensor: data_t has shape {tuple(data_t.shape)}, expected "
+                             f"{tuple(data.shape)[::-1]} (the transpose of data)")
+        if scale_inv.dtype != np.float32 or scale_inv.size != 1:
+            fail("FP8Tensor", "scale_inv", "a float32 array of one element", scale_inv,
+                 TypeError)
+        self.data, self.fmt, self.scale_inv = data, as_format(fmt, "FP8Tensor"), scale_inv
         self.data_t = data_t
 
     shape = property(lambda self: self.data.shape)
@@ -79,35 +91,69 @@ class FP8Tensor:
     T = property(transpose)
 
 
-def _scale_array(xp, scale):
-    if isinstance(scale, (int, float)):
-        return xp.full((1,), scale, dtype=np.float32)
-    if scale.dtype != np.float32 or scale.size != 1:
-        raise TypeError(f"scale must be a float32 array of one element, got {scale.dtype} "
-                        f"shape {tuple(scale.shape)}")
-    return scale.reshape(1)
+_SCALE = "a float32 array of one element or a number, finite and > 0"
+
+
+def _scale_array(x, scale):
+    """scale as a float32 array of shape (1,) on x's device. A number, or a NumPy array (read
+    on the host, no cost), must be finite and > 0: a NaN scale makes every code NaN, a zero
+    or negative one zeros or flips the data. A CuPy array's value is not read (that would
+    synchronise with the GPU on every cast): a NaN there gives NaN codes, as in Transformer
+    Engine, whose casts do not check the scale either."""
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
+        arr = None
+        try:
+            value = float(scale)
+        except OverflowError:  # an int beyond float64
+            value = float("inf")
+    elif isinstance(scale, np.ndarray) or is_cupy(scale):
+        array_module("quantize", x=x, scale=scale)
+        if scale.dtype != np.float32 or scale.size != 1:
+            fail("quantize", "scale", _SCALE, scale, TypeError)
+        arr = scale.reshape(1)
+        if is_cupy(arr):
+            return arr
+        value = float(arr[0])
+    else:
+        fail("quantize", "scale", _SCALE, scale, TypeError)
+    if not 0 < value <= FLT_MAX:  # (NaN fails this too)
+        got = repr(scale) if arr is None else f"a numpy array holding {value!r}"
+        raise ValueError(f"quantize: scale must be {_SCALE}, got {got}")
+    return arr if arr is not None else xp_of(x).full((1,), value, dtype=np.float32)
+
+
+def _check_amax_out(amax_out):
+    """The kernels atomicMax a float32 into it: another dtype or size would be misread."""
+    if amax_out is not None and (amax_out.dtype != np.float32 or amax_out.size != 1):
+        fail("quantize", "amax_out", "None or a float32 array of one element", amax_out,
+             TypeError)
 
 
 def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
-    """Cast `x` to FP8: returns an FP8Tensor; if `amax_out` (float32, one element, holding a
-    value >= +0, as an amax history row does) is given, max(amax_out, amax(x)) is written
-    into it (the cast kernels atomicMax into it, with no amax of their own).
+    """Cast `x` to FP8: returns an FP8Tensor. `scale`: a float32 array of one element on x's
+    device (an FP8State's slot) or a number, finite and > 0; a CuPy scale's value is not
+    read (no host sync), so a NaN there gives NaN codes, as in Transformer Engine.
+    amax_out (float32, one element, holding a value >= +0, as an amax history row does):
+    max(amax_out, amax(x)) is written into it (the kernels atomicMax into it).
     transpose=True (2-D x) also makes the transposed copy in the same pass; with it,
-    dbias_dtype (a dtype) returns (FP8Tensor, the column sums of x in that dtype) from the
-    same read of x (Transformer Engine's cast_transpose_dbias, for a linear's dy)."""
-    fmt = as_format(fmt)
-    xp = array_module("quantize", x=x, amax_out=amax_out)
+    dbias_dtype (a floating dtype) returns (FP8Tensor, the column sums of x in that dtype)
+    from the same read of x (Transformer Engine's cast_transpose_dbias, for a linear's dy)."""
+    fmt = as_format(fmt, "quantize")
+    array_module("quantize", x=x, amax_out=amax_out)
     check_float("quantize", x=x)
+    _check_amax_out(amax_out)
     if transpose and x.ndim != 2:
         raise ValueError(f"quantize(transpose=True) needs 2-D x, got shape {tuple(x.shape)}")
     if dbias_dtype is not None and not transpose:
         raise ValueError("quantize: dbias_dtype comes with transpose=True (the backward's "
                          "cast of dy)")
-    scale = _scale_array(xp, scale)
+    if dbias_dtype is not None:
+        dbias_dtype = _float_dtype("quantize", "dbias_dtype", dbias_dtype)
+    scale = _scale_array(x, scale)
     data_t = dbias = None
     if dbias_dtype is not None:
         data, data_t, _, dbias = backends.dispatch(
-            "cast_transpose_dbias", x, scale, fmt, np.dtype(dbias_dtype), amax_out=amax_out)
+            "cast_transpose_dbias", x, scale, fmt, dbias_dtype, amax_out=amax_out)
     elif transpose:
         data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt, amax_out=amax_out)
     else:
@@ -118,18 +164,25 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     return t if dbias_dtype is None else (t, dbias)
 
 
+def _float_dtype(op, name, value):
+    """np.dtype(value) when it is float16, bfloat16, float32 or float64: an integer dtype
+    would truncate silently. None is refused (numpy would read it as float64)."""
+    try:
+        dt = None if value is None else np.dtype(value)
+    except (TypeError, ValueError):  # "data type 'foo' not understood"
+        dt = None
+    if dt is None or dt not in FLOAT_DTYPES:
+        fail(op, name, "a floating dtype (float16, bfloat16, float32, float64)", value,
+             TypeError)
+    return dt
+
+
 def dequantize(t, dtype=np.float32):
     """decode(t.data) * t.scale_inv in `dtype`, a floating dtype (an integer dtype would
     truncate the values silently)."""
     if not isinstance(t, FP8Tensor):
-        raise TypeError(f"dequantize: t must be an FP8Tensor, got {type(t).__name__}")
-    try:  # (None would mean float64 to numpy, and np.dtype("f8") == None is True)
-        dt = None if dtype is None else np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt not in FLOAT_DTYPES:
-        raise TypeError(f"dequantize: dtype must be a floating dtype (float16, bfloat16, "
-                        f"float32, float64), got {dtype!r}")
+        fail("dequantize", "t", "a tecupy.FP8Tensor (what quantize returns)", t, TypeError)
+    dt = _float_dtype("dequantize", "dtype", dtype)
     return backends.dispatch("fp8_dequantize", t.data, t.fmt, t.scale_inv, dt)
 
 
@@ -149,15 +202,18 @@ def amax(x):
 def current_scale(amax_arr, fmt):
     """Per-tensor current scaling: fmt.max / amax; 1 where amax is 0 or not finite; an
     infinite result (a tiny amax) becomes FLT_MAX."""
+    fp8_max = np.float32(as_format(fmt, "current_scale").max)
     xp = xp_of(amax_arr)
     a = amax_arr.astype(np.float32)
     ok = xp.isfinite(a) & (a > 0)
     with np.errstate(over="ignore"):  # a tiny amax overflows to inf on purpose
-        s = xp.where(ok, np.float32(as_format(fmt).max) / xp.where(ok, a, 1), np.float32(1))
+        s = xp.where(ok, fp8_max / xp.where(ok, a, 1), np.float32(1))
     return xp.where(xp.isinf(s), np.float32(FLT_MAX), s).astype(np.float32)
 
 
 def quantize_current(x, fmt, transpose=False, dbias_dtype=None):
     """Cast with this tensor's own amax (Float8CurrentScaling)."""
+    fmt = as_format(fmt, "quantize_current")
+    array_module("quantize_current", x=x)
     return quantize(x, current_scale(amax(x), fmt), fmt, transpose=transpose,
                     dbias_dtype=dbias_dtype)

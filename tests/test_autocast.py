@@ -308,3 +308,31 @@ def test_enabled_must_be_a_bool(enabled):
             pass
     from tecupy.autocast import active_recipe
     assert active_recipe() is None
+
+
+def test_arguments_checked_when_called_and_nothing_pushed():
+    """A bad recipe fails at the call, before any `with`, and leaves no autocast open; the
+    TE 2.x spelling names its own argument."""
+    from tecupy.autocast import active_recipe
+    with pytest.raises(TypeError, match="autocast: recipe must be None, a tecupy.recipe"):
+        tecupy.autocast(recipe="x")
+    with pytest.raises(TypeError, match="fp8_autocast: fp8_recipe must be None"):
+        tecupy.fp8_autocast(fp8_recipe=DelayedScaling)  # the class, not a recipe
+    assert active_recipe() is None
+    with tecupy.autocast(recipe=DelayedScaling(margin=1)):
+        assert active_recipe().margin == 1
+
+
+def test_autocast_works_as_a_decorator():
+    from tecupy.autocast import active_recipe
+    recipe = DelayedScaling()
+
+    @tecupy.fp8_autocast(fp8_recipe=recipe)
+    def inside():
+        return active_recipe()
+    assert inside() is recipe and inside() is recipe and active_recipe() is None
+
+
+def test_fp8_state_takes_numpy_ints():
+    st = tecupy.FP8State(np.int64(2))
+    assert st.num_gemms == 2 and type(st.num_gemms) is int

@@ -14,6 +14,7 @@ import pytest
 
 import tecupy
 from tecupy import nn
+from tecupy.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 TECUPY_DIR = os.path.dirname(os.path.abspath(tecupy.__file__))
 
@@ -50,6 +51,33 @@ def mlp_args(fc1_rows=12, ffn=12):
 
 def qkv(hk=2, h=4):
     return f32(2, 5, h, 8), f32(2, 5, hk, 8), f32(2, 5, hk, 8)
+
+
+def fp8_tensor():
+    return tecupy.quantize(f32(4, 4), 1.0, "e4m3")
+
+
+def enter(context):
+    """Enter and leave a context manager (autocast's arguments may be checked on entry)."""
+    with context:
+        pass
+
+
+def on_tape(call):
+    """call(tape, x, w, y) with y = linear(x, w) recorded on the tape."""
+    x, w = f32(4, 8), f32(3, 8)
+    with tecupy.Tape() as tape:
+        y = tecupy.linear(x, w)
+    return call(tape, x, w, y)
+
+
+def fp8_backward_twice():
+    """A second backward through FP8 ops would record the gradients' amaxes twice."""
+    x, w, state = f32(16, 16), f32(16, 16), tecupy.FP8State()
+    with tecupy.Tape() as tape, tecupy.fp8_autocast():
+        y = tecupy.linear(x, w, fp8_state=state)
+    tape.gradient(y, x)
+    tape.gradient(y, w)
 
 
 CPU = dict(device="cpu")
@@ -337,9 +365,23 @@ MODULES = [
      "Linear: bias must be True or False, got 'yes'"),
     ("Linear-seed", lambda: nn.Linear(4, 4, seed=-1, **CPU), ValueError,
      r"Linear: seed must be None or an int in \[0, 2\*\*64\), got -1"),
-    ("Linear-device", lambda: nn.Linear(4, 4, device="tpu"), ValueError, "device must be"),
+    ("Linear-device", lambda: nn.Linear(4, 4, device="tpu"), ValueError,
+     "Linear: device must be 'cuda', 'cpu' or None, got 'tpu'"),
+    ("Linear-device-int", lambda: nn.Linear(4, 4, device=0), TypeError,
+     "Linear: device must be 'cuda', 'cpu' or None, got 0"),
     ("Linear-dtype", lambda: nn.Linear(4, 4, params_dtype=np.int8, **CPU), TypeError,
-     "params_dtype"),
+     r"Linear: params_dtype must be None or a floating dtype \(float16, bfloat16, float32, "
+     r"float64\), got <class 'numpy.int8'>"),
+    ("Linear-dtype-name", lambda: nn.Linear(4, 4, params_dtype="foo", **CPU), TypeError,
+     "Linear: params_dtype must be None or a floating dtype .*got 'foo'"),
+    ("LayerNorm-dtype", lambda: nn.LayerNorm(8, params_dtype="int32", **CPU), TypeError,
+     "LayerNorm: params_dtype must be None or a floating dtype .*got 'int32'"),
+    ("MHA-device", lambda: nn.MultiheadAttention(64, 4, device="gpu"), ValueError,
+     "MultiheadAttention: device must be 'cuda', 'cpu' or None, got 'gpu'"),
+    ("Linear-train-str", lambda: nn.Linear(4, 4, **CPU).train("no"), TypeError,
+     r"Linear.train: mode must be True or False, got 'no'"),
+    ("TL-train-int", lambda: nn.TransformerLayer(8, 16, 2, **CPU).train(0), TypeError,
+     r"TransformerLayer.train: mode must be True or False, got 0"),
     ("LayerNorm-size", lambda: nn.LayerNorm(0, **CPU), ValueError,
      "LayerNorm: hidden_size must be an int >= 1, got 0"),
     ("LayerNorm-eps-0", lambda: nn.LayerNorm(8, eps=0, **CPU), ValueError,
@@ -489,9 +531,10 @@ MODULES = [
      ValueError, "TransformerLayer: seqlens must be an int array"),
 ]
 
-FP8 = [  # checks of tecupy/fp8.py that already exist
+FP8 = [  # tecupy/fp8.py
     ("quantize-format", lambda: tecupy.quantize(f32(4, 4), 1.0, "e3m4"), ValueError,
-     "FP8 format 'e3m4'"),
+     r"quantize: fmt must be 'e4m3', 'e5m2' or a tecupy.fp8 format \(tecupy.fp8.E4M3, E5M2\), "
+     "got 'e3m4'"),
     ("quantize-int", lambda: tecupy.quantize(np.ones((4, 4), np.int32), 1.0, "e4m3"),
      TypeError, "quantize: x has dtype int32"),
     ("quantize-list", lambda: tecupy.quantize([1.0], 1.0, "e4m3"), TypeError,
@@ -504,18 +547,166 @@ FP8 = [  # checks of tecupy/fp8.py that already exist
                                                dbias_dtype=np.float32),
      ValueError, "dbias_dtype"),
     ("FP8Tensor-dtype", lambda: tecupy.FP8Tensor(f32(4), "e4m3", np.ones(1, np.float32)),
-     TypeError, "FP8Tensor data must be uint8"),
+     TypeError, "FP8Tensor: data must be a uint8 array .*got a numpy array of dtype float32"),
     ("FP8Tensor-format", lambda: tecupy.FP8Tensor(np.zeros(4, np.uint8), "e9",
                                                   np.ones(1, np.float32)),
-     ValueError, "FP8 format 'e9'"),
+     ValueError, "FP8Tensor: fmt must be 'e4m3', 'e5m2' .*got 'e9'"),
     ("FP8Tensor-scale-inv", lambda: tecupy.FP8Tensor(np.zeros(4, np.uint8), "e4m3", [1.0]),
      TypeError, "FP8Tensor: scale_inv must be a numpy or cupy array"),
     ("FP8Tensor-transpose", lambda: tecupy.FP8Tensor(np.zeros((2, 2, 2), np.uint8), "e4m3",
                                                      np.ones(1, np.float32)).transpose(),
      ValueError, "FP8Tensor.transpose needs 2-D data"),
+    # scale: a number, or a float32 array of one element; numbers and numpy arrays finite
+    # and > 0 (a CuPy scale is not read: that would synchronise with the GPU)
+    ("quantize-scale-nan-array", lambda: tecupy.quantize(f32(4, 4), np.array([np.nan],
+                                                                          np.float32), "e4m3"),
+     ValueError, r"quantize: scale must be a float32 array of one element or a number, finite "
+                 r"and > 0, got a numpy array holding nan"),
+    ("quantize-scale-zero-array", lambda: tecupy.quantize(f32(4), np.zeros(1, np.float32),
+                                                          "e4m3"),
+     ValueError, "quantize: scale must be .*got a numpy array holding 0.0"),
+    ("quantize-scale-nan", lambda: tecupy.quantize(f32(4, 4), float("nan"), "e4m3"),
+     ValueError, "quantize: scale must be .*finite and > 0, got nan"),
+    ("quantize-scale-inf", lambda: tecupy.quantize(f32(4), np.inf, "e5m2"), ValueError,
+     "quantize: scale must be .*got inf"),
+    ("quantize-scale-zero", lambda: tecupy.quantize(f32(4), 0.0, "e4m3"), ValueError,
+     "quantize: scale must be .*got 0.0"),
+    ("quantize-scale-neg", lambda: tecupy.quantize(f32(4), -2, "e4m3"), ValueError,
+     "quantize: scale must be .*got -2$"),
+    ("quantize-scale-f32-overflow", lambda: tecupy.quantize(f32(4), 1e39, "e4m3"), ValueError,
+     "quantize: scale must be .*got 1e[+]39"),
+    ("quantize-scale-bool", lambda: tecupy.quantize(f32(4), True, "e4m3"), TypeError,
+     "quantize: scale must be a float32 array of one element or a number.*got True"),
+    ("quantize-scale-list", lambda: tecupy.quantize(f32(4), [1.0], "e4m3"), TypeError,
+     r"quantize: scale must be .*got \[1.0\]"),
+    ("quantize-scale-f64", lambda: tecupy.quantize(f32(4), np.ones(1), "e4m3"), TypeError,
+     r"quantize: scale must be .*got a numpy array of dtype float64 and shape \(1,\)"),
+    ("quantize-fmt-int", lambda: tecupy.quantize(f32(4), 1.0, 3), TypeError,
+     "quantize: fmt must be 'e4m3', 'e5m2' or a tecupy.fp8 format .*got 3"),
+    ("quantize-fmt-recipe", lambda: tecupy.quantize(f32(4), 1.0, Format.E4M3), TypeError,
+     "quantize: fmt must be .*got <Format.E4M3"),
+    ("quantize-amax-out", lambda: tecupy.quantize(f32(4), 1.0, "e4m3", amax_out=np.zeros(1)),
+     TypeError, "quantize: amax_out must be None or a float32 array of one element, got a "
+                "numpy array of dtype float64"),
+    ("quantize-dbias-int", lambda: tecupy.quantize(f32(4, 4), 1.0, "e4m3", transpose=True,
+                                                   dbias_dtype=np.int32),
+     TypeError, "quantize: dbias_dtype must be a floating dtype .*got <class 'numpy.int32'>"),
+    ("quantize-current-fmt", lambda: tecupy.fp8.quantize_current(f32(4), "e3m4"), ValueError,
+     "quantize_current: fmt must be 'e4m3', 'e5m2'"),
+    ("quantize-current-list", lambda: tecupy.fp8.quantize_current([1.0], "e4m3"), TypeError,
+     "quantize_current: x must be a numpy or cupy array, got list"),
+    ("dequantize-int", lambda: tecupy.dequantize(fp8_tensor(), np.int32), TypeError,
+     r"dequantize: dtype must be a floating dtype \(float16, bfloat16, float32, float64\), "
+     "got <class 'numpy.int32'>"),
+    ("dequantize-none", lambda: tecupy.dequantize(fp8_tensor(), None), TypeError,
+     "dequantize: dtype must be a floating dtype .*got None"),
+    ("dequantize-name", lambda: fp8_tensor().dequantize("foo"), TypeError,
+     "dequantize: dtype must be a floating dtype .*got 'foo'"),
+    ("dequantize-str", lambda: tecupy.dequantize("x"), TypeError,
+     r"dequantize: t must be a tecupy.FP8Tensor \(what quantize returns\), got 'x'"),
+    ("FP8Tensor-list", lambda: tecupy.FP8Tensor([1], "e4m3", np.ones(1, np.float32)),
+     TypeError, "FP8Tensor: data must be a numpy or cupy array, got list"),
+    ("FP8Tensor-scale-inv-dtype", lambda: tecupy.FP8Tensor(np.zeros(4, np.uint8), "e4m3",
+                                                           np.ones(1)),
+     TypeError, "FP8Tensor: scale_inv must be a float32 array of one element, got a numpy "
+                "array of dtype float64"),
+    ("FP8Tensor-scale-inv-size", lambda: tecupy.FP8Tensor(np.zeros(4, np.uint8), "e4m3",
+                                                          np.ones(4, np.float32)),
+     TypeError, r"FP8Tensor: scale_inv must be .*shape \(4,\)"),
+    ("FP8Tensor-data-t", lambda: tecupy.FP8Tensor(np.zeros((2, 3), np.uint8), "e4m3",
+                                                  np.ones(1, np.float32),
+                                                  data_t=np.zeros((2, 3), np.uint8)),
+     ValueError, r"FP8Tensor: data_t has shape \(2, 3\), expected \(3, 2\)"),
+    ("FP8Tensor-fmt-int", lambda: tecupy.FP8Tensor(np.zeros(4, np.uint8), 8,
+                                                   np.ones(1, np.float32)),
+     TypeError, "FP8Tensor: fmt must be .*got 8"),
 ]
 
-ROWS = FUNCTIONAL + MODULES + FP8
+RECIPES = [
+    # ---- recipes: checked when made (and when a field is assigned)
+    ("DS-margin-nan", lambda: DelayedScaling(margin=float("nan")), ValueError,
+     r"DelayedScaling: margin must be an int in \[0, 126\], got nan"),
+    ("DS-margin-float", lambda: DelayedScaling(margin=1.5), ValueError,
+     r"DelayedScaling: margin must be an int in \[0, 126\], got 1.5"),
+    ("DS-margin-str", lambda: DelayedScaling(margin="2"), TypeError,
+     r"DelayedScaling: margin must be an int in \[0, 126\], got '2' \(str\)"),
+    ("DS-margin-neg", lambda: DelayedScaling(margin=-1), ValueError,
+     r"DelayedScaling: margin must be an int in \[0, 126\], got -1"),
+    ("DS-margin-big", lambda: DelayedScaling(margin=127), ValueError,
+     r"margin must be an int in \[0, 126\], got 127"),
+    ("DS-margin-bool", lambda: DelayedScaling(margin=True), TypeError,
+     "DelayedScaling: margin must be an int .*got True"),
+    ("DS-margin-assigned", lambda: setattr(DelayedScaling(), "margin", -1), ValueError,
+     "DelayedScaling: margin must be an int .*got -1"),
+    ("DS-len-float", lambda: DelayedScaling(amax_history_len=2.7), ValueError,
+     "DelayedScaling: amax_history_len must be an int >= 1, got 2.7"),
+    ("DS-len-0", lambda: DelayedScaling(amax_history_len=0), ValueError,
+     "DelayedScaling: amax_history_len must be an int >= 1, got 0"),
+    ("DS-len-str", lambda: DelayedScaling(amax_history_len="16"), TypeError,
+     "DelayedScaling: amax_history_len must be an int >= 1, got '16'"),
+    ("DS-algo", lambda: DelayedScaling(amax_compute_algo="mean"), ValueError,
+     r"DelayedScaling: amax_compute_algo must be 'max', 'most_recent' or a callable "
+     r"f\(amax_history \[L, n\]\) -> amax \[n\], got 'mean'"),
+    ("DS-algo-int", lambda: DelayedScaling(amax_compute_algo=3), ValueError,
+     "DelayedScaling: amax_compute_algo must be .*got 3"),
+    ("DS-sf-algo", lambda: DelayedScaling(scaling_factor_compute_algo=3), TypeError,
+     "DelayedScaling: scaling_factor_compute_algo must be None or a callable .*got 3"),
+    ("DS-format-str", lambda: DelayedScaling(fp8_format="HYBRID"), TypeError,
+     r"DelayedScaling: fp8_format must be a tecupy.recipe.Format \(E4M3 or HYBRID\), got "
+     "'HYBRID'"),
+    ("DS-format-e5m2", lambda: DelayedScaling(fp8_format=Format.E5M2), ValueError,
+     "DelayedScaling: fp8_format=Format.E5M2: pure E5M2 training is not supported"),
+    ("DS-reduce", lambda: DelayedScaling(reduce_amax="no"), TypeError,
+     "DelayedScaling: reduce_amax must be True or False, got 'no'"),
+    ("CS-format-e5m2", lambda: Float8CurrentScaling(fp8_format=Format.E5M2), ValueError,
+     "Float8CurrentScaling: fp8_format=Format.E5M2: pure E5M2 training is not supported"),
+    ("CS-format-str", lambda: Float8CurrentScaling(fp8_format="E4M3"), TypeError,
+     "Float8CurrentScaling: fp8_format must be a tecupy.recipe.Format"),
+    # ---- autocast and FP8 state
+    ("autocast-recipe", lambda: enter(tecupy.fp8_autocast(fp8_recipe="x")), TypeError,
+     "fp8_autocast: fp8_recipe must be None, a tecupy.recipe.DelayedScaling or "
+     "Float8CurrentScaling, got 'x'"),
+    ("autocast-recipe-class", lambda: enter(tecupy.fp8_autocast(fp8_recipe=DelayedScaling)),
+     TypeError, "fp8_autocast: fp8_recipe must be .*got <class 'tecupy.recipe.DelayedScaling'>"),
+    ("autocast-enabled", lambda: enter(tecupy.fp8_autocast(enabled="yes")), TypeError,
+     r"fp8_autocast: enabled must be True or False, got 'yes' \(str\)"),
+    ("autocast-te2-recipe", lambda: enter(tecupy.autocast(recipe=Format.HYBRID)), TypeError,
+     "autocast: recipe must be None, a tecupy.recipe.DelayedScaling or Float8CurrentScaling, "
+     "got <Format.HYBRID"),
+    ("FP8State-0", lambda: tecupy.FP8State(0), ValueError,
+     "FP8State: num_gemms must be an int >= 1, got 0"),
+    ("FP8State-float", lambda: tecupy.FP8State(1.5), TypeError,
+     "FP8State: num_gemms must be an int >= 1, got 1.5"),
+    ("FP8State-str", lambda: tecupy.FP8State("a"), TypeError,
+     "FP8State: num_gemms must be an int >= 1, got 'a'"),
+]
+
+TAPE = [
+    ("tape-wrt-str", lambda: on_tape(lambda t, x, w, y: t.gradient(y, "x")), TypeError,
+     r"Tape.gradient: wrt\[0\] must be a numpy or cupy array, got str 'x'"),
+    ("tape-wrt-list", lambda: on_tape(lambda t, x, w, y: t.gradient(y, [x, 3])), TypeError,
+     r"Tape.gradient: wrt\[1\] must be a numpy or cupy array, got int 3"),
+    ("tape-wrt-unknown", lambda: on_tape(lambda t, x, w, y: t.gradient(y, x.copy())),
+     ValueError, r"Tape.gradient: wrt\[0\] \(shape \(4, 8\), float32\) is not on this tape"),
+    ("tape-outputs-str", lambda: on_tape(lambda t, x, w, y: t.gradient("y", x)), TypeError,
+     r"Tape.gradient: outputs\[0\] must be a numpy or cupy array, got str 'y'"),
+    ("tape-output-unknown", lambda: on_tape(lambda t, x, w, y: t.gradient(f32(4, 3), x)),
+     ValueError, r"Tape.gradient: output 0 \(shape \(4, 3\)\) was not produced by a tecupy op "
+                 "recorded on this tape"),
+    ("tape-output-grad-shape", lambda: on_tape(
+        lambda t, x, w, y: t.gradient(y, x, output_grad=f32(4, 2))), ValueError,
+     r"Tape.gradient: output_grad 0 has shape \(4, 2\), output has \(4, 3\)"),
+    ("tape-output-grad-count", lambda: on_tape(
+        lambda t, x, w, y: t.gradient(y, x, output_grad=[f32(4, 3), f32(4, 3)])), ValueError,
+     "Tape.gradient: 1 outputs but 2 output grads"),
+    ("tape-output-grad-type", lambda: on_tape(
+        lambda t, x, w, y: t.gradient(y, x, output_grad="g")), TypeError,
+     r"Tape.gradient: output_grad\[0\] must be a numpy or cupy array, got str 'g'"),
+    ("tape-fp8-twice", fp8_backward_twice, RuntimeError,
+     "Tape.gradient: the backward of FP8 ops on this tape already ran"),
+]
+
+ROWS = FUNCTIONAL + MODULES + FP8 + RECIPES + TAPE
 
 
 def test_table_size_and_unique_ids():

@@ -117,7 +117,7 @@ def test_ml_dtypes_behaviour_we_rely_on():
 
 
 def test_bad_fp8_inputs():
-    with pytest.raises(ValueError, match="unknown FP8 format"):
+    with pytest.raises(ValueError, match="quantize: fmt must be 'e4m3', 'e5m2'"):
         tecupy.quantize(np.ones(4, np.float32), 1.0, "e3m4")
     with pytest.raises(TypeError, match="accepted"):
         tecupy.quantize(np.ones(4, np.int32), 1.0, E4M3)
@@ -125,6 +125,21 @@ def test_bad_fp8_inputs():
         tecupy.FP8Tensor(np.ones(4, np.float32), E4M3, np.ones(1, np.float32))
     with pytest.raises(TypeError, match="float32 array of one element"):
         tecupy.quantize(np.ones(4, np.float32), np.ones(2, np.float32), E4M3)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 0.0, -1.0, np.inf])
+def test_scale_checked_where_it_costs_no_device_read(xp, bad):
+    """A number or a NumPy scale is checked (finite, > 0); a CuPy scale is not read (a host
+    sync on every cast): a NaN there gives NaN codes, 0x7F, as Transformer Engine's casts."""
+    x = xp.asarray(np.array([1.0, -2.0, 3.0], np.float32))
+    with pytest.raises(ValueError, match="quantize: scale must be"):
+        tecupy.quantize(x, bad, E4M3)
+    scale = xp.asarray(np.array([bad], np.float32))
+    if xp is np:
+        with pytest.raises(ValueError, match="got a numpy array holding"):
+            tecupy.quantize(x, scale, E4M3)
+    elif np.isnan(bad):
+        assert (asnp(tecupy.quantize(x, scale, E4M3).data) == 0x7F).all()
 
 
 def test_quantize_with_transpose_keeps_both_copies(xp, rng):

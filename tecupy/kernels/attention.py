@@ -149,8 +149,10 @@ def _grad_buffers(q, k, v):
 
 
 def _dropout_args(p, seed):
+    """(p, 1 / (1 - p), seed) as the kernels take them. seed is None (no dropout: unused)
+    or in [0, 2**64), checked by dot_product_attention, so np.uint64 cannot overflow."""
     factor = np.float32(1 / (1 - p))  # rounded as the reference rounds it
-    return np.float32(p), factor, np.uint64((seed or 0) % 2**64)
+    return np.float32(p), factor, np.uint64(seed or 0)
 
 
 def _tma(t, rows):

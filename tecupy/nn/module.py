@@ -3,28 +3,36 @@ import copy
 
 import numpy as np
 
+from .. import _check
 from .._array import FLOAT_DTYPES, gpu_available, to_numpy
 from ..autocast import FP8State, check_array, mismatch
 
 INIT_STD = 0.023  # Transformer Engine's default init_method: normal(0, 0.023)
 
 
-def resolve_device(device):
+def resolve_device(op, device):
     """'cuda' (CuPy arrays), 'cpu' (NumPy arrays), or None: cuda when a GPU is present."""
     if device is None:
         return "cuda" if gpu_available() else "cpu"
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+    if not (isinstance(device, str) and device in ("cuda", "cpu")):
+        _check.fail(op, "device", "'cuda', 'cpu' or None", device,
+                    ValueError if isinstance(device, str) else TypeError)
     if device == "cuda" and not gpu_available():
-        raise RuntimeError("device='cuda' but CuPy sees no CUDA device; use device='cpu'")
+        raise RuntimeError(f"{op}: device='cuda' but CuPy sees no CUDA device; use "
+                           "device='cpu'")
     return device
 
 
-def resolve_dtype(params_dtype):
-    dtype = np.dtype(np.float32 if params_dtype is None else params_dtype)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"params_dtype {dtype} is not accepted; use float16, bfloat16, "
-                        "float32 or float64")
+def resolve_dtype(op, params_dtype):
+    """None (float32) or a floating dtype; numpy's own "data type 'foo' not understood"
+    names no argument, and an integer dtype would truncate the initial weights to 0."""
+    try:
+        dtype = np.dtype(np.float32 if params_dtype is None else params_dtype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype not in FLOAT_DTYPES:  # (np.dtype("f8") == None is True)
+        _check.fail(op, "params_dtype", "None or a floating dtype (float16, bfloat16, "
+                    "float32, float64)", params_dtype, TypeError)
     return dtype
 
 
@@ -35,8 +43,9 @@ class Module:
     def __init__(self, params_dtype=None, device=None, seed=None):
         self._param_names = []
         self.training = True
-        self.params_dtype = resolve_dtype(params_dtype)
-        self.device = resolve_device(device)
+        op = type(self).__name__
+        self.params_dtype = resolve_dtype(op, params_dtype)
+        self.device = resolve_device(op, device)
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, *args, **kwargs):
@@ -143,10 +152,11 @@ class Module:
         return keys, errors
 
     def train(self, mode=True):
-        self.training = bool(mode)
+        """Training mode on (dropout active) or off; mode is a bool ("no" would be truthy)."""
+        self.training = _check.flag(f"{type(self).__name__}.train", "mode", mode)
         for child in vars(self).values():
             if isinstance(child, Module):
-                child.train(mode)
+                child.train(self.training)
         return self
 
     def eval(self):
