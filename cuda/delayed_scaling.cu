@@ -12,6 +12,9 @@
 //   an infinite scale becomes FLT_MAX; scale_inv = 1 / scale (IEEE division).
 // table: int64 [4 * nmetas] pointers (history, scale, scale_inv, fp8_max per meta), then
 // [nmetas + 1] slot starts. Launch: grid = total slots, blockDim 128 (multiple of 32).
+// scale_inverse: scale_inv = 1 / scale for the unfused (callable) update path; a kernel of
+// ours because CuPy compiles its own with -ftz=true, which flushes 1 / scale to 0 for a
+// scale above 2^126 where Transformer Engine keeps the subnormal.
 #include "common.cuh"
 
 __global__ void delayed_scaling_update(const long long* __restrict__ table, int nmetas,
@@ -48,4 +51,10 @@ __global__ void delayed_scaling_update(const long long* __restrict__ table, int 
         scale[j] = s;
         scale_inv[j] = 1.f / s;
     }
+}
+
+__global__ void scale_inverse(const float* __restrict__ scale, float* __restrict__ scale_inv,
+                              int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) scale_inv[i] = 1.f / scale[i];
 }

@@ -262,7 +262,7 @@ def _update_custom(meta, recipe):
     h[...] = xp.roll(h, -1, axis=0)
     h[0] = 0
     meta.scale[...] = scale
-    meta.scale_inv[...] = np.float32(1) / meta.scale
+    backends.dispatch("fp8_scale_inv", meta.scale, meta.scale_inv)
 
 
 # ---- autocast: a small context stack, one per thread -----------------------------------

@@ -73,3 +73,17 @@ def test_update_tiny_amax_with_margin_is_finite(margin):
         np.testing.assert_array_equal(m.scale.get(), want)
         np.testing.assert_array_equal(host.scale, want)
         np.testing.assert_array_equal(m.scale_inv.get(), host.scale_inv)
+
+
+def test_scale_inverse_keeps_subnormals(rng):
+    """scale_inv = 1 / scale as Transformer Engine's kernels compute it: IEEE float32, no
+    flush to zero (CuPy's own kernels run with -ftz=true and give 0 above 2^126)."""
+    import cupy
+    s = np.concatenate([rng.uniform(0.5, 1e4, 997), [2.0 ** 126 * 3, 3e38, 1.0]])
+    s = s.astype(np.float32)
+    out = cupy.full(s.size, np.nan, np.float32)
+    backends.dispatch("fp8_scale_inv", cupy.asarray(s), out)
+    assert backends.chosen("fp8_scale_inv", cupy.asarray(s), out) == "cuda"
+    want = np.float32(1) / s
+    assert want[-2] > 0  # subnormal, kept
+    np.testing.assert_array_equal(out.get(), want)

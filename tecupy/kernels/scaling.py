@@ -5,7 +5,7 @@ from .. import backends, loader
 from .._array import is_cupy
 
 FILE = "delayed_scaling.cu"
-loader.declare(FILE, ["delayed_scaling_update"])
+loader.declare(FILE, ["delayed_scaling_update", "scale_inverse"])
 
 
 def supported(metas, algo, margin):
@@ -24,3 +24,10 @@ def delayed_scaling_update(metas, algo, margin):
     k((int(starts[-1]),), (128,), (table, np.int32(len(metas)),
       np.int32(metas[0].amax_history.shape[0]), np.int32(algo == "most_recent"),
       np.float32(2.0 ** -margin)))  # down: exact, margin <= 126 (recipe.py)
+
+
+@backends.register("fp8_scale_inv", "cuda", supports=lambda s, out: is_cupy(s))
+def scale_inverse(scale, out):
+    n = scale.size
+    loader.function(FILE, "scale_inverse")(((n + 127) // 128,), (128,),
+                                           (scale, out, np.int32(n)))

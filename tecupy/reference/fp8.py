@@ -130,6 +130,13 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     return acc.astype(out_dtype)
 
 
+@backends.register("fp8_scale_inv", "reference")
+def fp8_scale_inv(scale, out):
+    """out = 1 / scale in float32, subnormal results kept (on CuPy this runs under CuPy's
+    -ftz=true and flushes them: the cuda implementation does not)."""
+    out[...] = np.float32(1) / scale
+
+
 @backends.register("delayed_scaling_update", "reference")
 def delayed_scaling_update(metas, algo, margin):
     """Transformer Engine's fused amax-and-scale update, in place, for many FP8 metas.
