@@ -1,10 +1,11 @@
 """Step time and host time per step of the main job's TransformerLayer at three sizes, for
 one or more source trees in the same run (A/B of a change's cost on the eager path).
 
-    python scripts/step_times.py [TREE ...]     (default: this checkout)
+    python scripts/step_times.py [--rounds R] [--sizes small,medium] [TREE ...]
 
-Each tree runs in its own process (PYTHONPATH=TREE). Per size and precision: GPU ms per step
-(CUDA events around one step, median of 10) and host ms per step (wall time of issuing the
+Each tree runs in its own process (PYTHONPATH=TREE), the trees taking turns for R rounds
+(host-bound steps vary by tens of percent from process to process on the lent machines). Per size and precision: GPU ms per step
+(CUDA events around one step, median of 30) and host ms per step (wall time of issuing the
 step, before synchronising: where it is near the GPU time, the step is host-bound).
 """
 import json
@@ -38,7 +39,7 @@ for name, r in (("hp", None), ("fp8", recipe)):
         step(r)
     cupy.cuda.Device().synchronize()
     gpu, host = [], []
-    for _ in range(10):
+    for _ in range(30):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         t0 = time.perf_counter()
@@ -64,13 +65,18 @@ def run(tree, shape):
 
 
 def main():
-    trees = sys.argv[1:] or ["."]
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("trees", nargs="*", default=["."])
+    args = p.parse_args()
     import cupy
     print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"{'size':8s}{'tree':28s}{'hp ms':>9s}{'host':>8s}{'fp8 ms':>9s}{'host':>8s}")
-    for size, shape in SIZES.items():
-        for tree in trees:
-            r = run(tree, shape)
+    for size in args.sizes.split(","):
+        for tree in [t for _ in range(args.rounds) for t in args.trees]:
+            r = run(tree, SIZES[size])
             print(f"{size:8s}{tree[-28:]:28s}{r['hp'][0]:9.2f}{r['hp'][1]:8.2f}"
                   f"{r['fp8'][0]:9.2f}{r['fp8'][1]:8.2f}", flush=True)
 
