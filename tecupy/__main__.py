@@ -15,6 +15,7 @@ import tecupy
 from tecupy._progress import Progress
 from tecupy.check import gpu_problem
 from tecupy.recipe import DelayedScaling, Format
+from tecupy.timing import once_ms
 
 SIZES = {  # hidden, ffn, heads, seq, batch
     "full": (4096, 16384, 32, 2048, 4),   # Transformer Engine's quickstart layer
@@ -100,21 +101,12 @@ def step(layer, x, dy, recipe):
 
 
 def timed_steps(fn, xp, steps, progress):
-    """Median ms of `steps` calls of fn() after one warm-up (CUDA events on the GPU)."""
+    """Median ms of `steps` calls of fn() after one warm-up, advancing `progress` each call."""
     times = []
     for n in range(steps + 1):
-        if xp is np:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        else:
-            start, stop = xp.cuda.Event(), xp.cuda.Event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ms = xp.cuda.get_elapsed_time(start, stop)
-        times.append(ms) if n else None
+        ms = once_ms(fn, xp)
+        if n:
+            times.append(ms)
         progress.advance()
     return float(np.median(times))
 
