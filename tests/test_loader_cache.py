@@ -14,10 +14,13 @@ import warnings
 
 import pytest
 
+import tecupy
 from tecupy import loader
 
 FILE, NAME, ARCH = "delayed_scaling.cu", "delayed_scaling_update", "sm_90a"
-REPO = pathlib.Path(__file__).resolve().parent.parent
+# where the tecupy under test lives (the checkout, or site-packages when CI runs the tests
+# against the installed wheel): child processes must import that one
+TECUPY_ROOT = pathlib.Path(tecupy.__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -143,9 +146,9 @@ PROCESS = textwrap.dedent("""
 
 
 def test_two_processes_compile_once(cache):
-    env = dict(os.environ, PYTHONPATH=str(REPO), TECUPY_CACHE_DIR=str(cache))
+    env = dict(os.environ, PYTHONPATH=str(TECUPY_ROOT), TECUPY_CACHE_DIR=str(cache))
     procs = [subprocess.Popen([sys.executable, "-W", "error", "-c", PROCESS, str(cache),
-                               str(i), FILE, NAME, ARCH], cwd=REPO, env=env, text=True,
+                               str(i), FILE, NAME, ARCH], cwd=TECUPY_ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
