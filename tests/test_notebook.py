@@ -3,8 +3,8 @@ on any cell error; check that each is stored as valid nbformat 4 without outputs
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
 JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
-starts in notebooks/, as Jupyter would. It imports the installed tecupy when there is one;
-otherwise the repository root is put on its PYTHONPATH.
+starts in notebooks/, as Jupyter would. It imports the same tecupy as the tests (its folder put
+first on the kernel's PYTHONPATH).
 """
 import json
 import os
@@ -14,34 +14,28 @@ from pathlib import Path
 
 import pytest
 
+import tecupy
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 REPO = Path(__file__).resolve().parents[1]
+# the tecupy under test (the checkout's, or the installed wheel's when CI runs the tests
+# from outside the checkout): the kernel imports that one
+TECUPY_ROOT = Path(tecupy.__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 # notebook -> text its run must print
 NOTEBOOKS = {"quickstart.ipynb": "TransformerLayer in FP8", "fp8_primer.ipynb": "fp8_gemm runs on"}
 CELL_TIMEOUT_S = 600
 
 
-def _tecupy_importable_without_repo(env):
-    """True when the kernel's interpreter finds a tecupy of its own (an installed one)."""
-    probe = ("import sys, tecupy, pathlib; "
-             "sys.exit(0 if pathlib.Path(tecupy.__file__).exists() else 1)")
-    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", probe], cwd=str(NOTEBOOK.parent), env=env,
-                            capture_output=True, timeout=120)
-    return result.returncode == 0
-
-
 def _kernel_env(tmp_path):
     """Environment for the kernel: small sizes, this interpreter's kernelspec, tecupy on path."""
     env = dict(os.environ)
     env["TECUPY_NOTEBOOK_SIZE"] = "small"
-    if not _tecupy_importable_without_repo(env):
-        parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env["PYTHONPATH"] = os.pathsep.join(parts)
+    parts = [str(TECUPY_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
     spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
     (spec_dir / "kernel.json").write_text(json.dumps({
