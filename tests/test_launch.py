@@ -1,6 +1,6 @@
 """The launch machinery of the memory-bound kernels on the GPU: amax without a zeroing
-memset (grid_amax and its pool of slots, kernels/common.py) or maxed into a given amax_out,
-the ring kernels' row counters (RowTaker), programmatic dependent launch (common.launch)
+memset (grid_amax and its pool of slots, kernels/pools.py) or maxed into a given amax_out,
+the ring kernels' row counters (RowTaker), programmatic dependent launch (launch.launch)
 and the launch plans kept per shape and setting: results equal plain launches, in streams
 and in CUDA graphs."""
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 import tecupy
 from tecupy.fp8 import E4M3
-from tecupy.kernels import common
+from tecupy.kernels import launch, pools, ring
 from tecupy.kernels import norm as norm_kernels
 from tecupy.reference import fp8 as ref
 
@@ -41,14 +41,14 @@ def test_amax_correct_call_after_call(monkeypatch, rng, shape):
     """Each call's amax is its own input's, through a pool of 3 slots wrapping many times
     (a slot left non-zero by a kernel would carry its max or its count into a later call)."""
     import cupy
-    monkeypatch.setattr(common, "AMAX_SLOTS", 3)
-    monkeypatch.setattr(common, "_pools", {})
+    monkeypatch.setattr(pools, "AMAX_SLOTS", 3)
+    monkeypatch.setattr(pools, "_pools", {})
     for i in range(4):
         big = 1000.0 if i % 2 == 0 else 0.001
         for name, fn, want in _amax_ops(cupy, rng, *shape, big):
             got = float(fn()[0])
             assert np.isclose(got, want, rtol=2e-3), f"{name} call {i}: amax {got}, want {want}"
-    buf = common._pools["amax", cupy.cuda.runtime.getDevice()][0]
+    buf = pools._pools["amax", cupy.cuda.runtime.getDevice()][0]
     assert int(abs(buf).max()) == 0, "a slot was not left at zero"
 
 
@@ -109,7 +109,7 @@ def test_captured_cast_keeps_its_slot(rng):
         stream.begin_capture()
         q, amax = d("cast_to_fp8", x, one, E4M3)
         graph = stream.end_capture()
-    kept = set(common._pools["amax", cupy.cuda.runtime.getDevice()][2])
+    kept = set(pools._pools["amax", cupy.cuda.runtime.getDevice()][2])
     assert kept, "the captured call did not keep its slot"
     for big in (3.0, 0.5, 70.0):
         host = (rng.standard_normal((256, 512)) * big).astype(np.float32)
@@ -121,7 +121,7 @@ def test_captured_cast_keeps_its_slot(rng):
         assert float(amax[0]) == float(np.abs(host).max())
         np.testing.assert_array_equal(cupy.asnumpy(q), ref.cast_to_fp8(host, np.ones(1,
                                       np.float32), E4M3)[0])
-    assert kept <= common._pools["amax", cupy.cuda.runtime.getDevice()][2]
+    assert kept <= pools._pools["amax", cupy.cuda.runtime.getDevice()][2]
 
 
 def _ln(x):
@@ -138,14 +138,14 @@ def test_norm_stream_call_after_call(monkeypatch, rng, fp8, counted):
     row once and right, eagerly and replayed from a graph that keeps its slots, with eager
     calls in between."""
     import cupy
-    if not common.hopper():
+    if not launch.hopper():
         pytest.skip("norm_fwd_stream runs on Hopper")
-    monkeypatch.setattr(common, "AMAX_SLOTS", 3)
-    monkeypatch.setattr(common, "RING_SLOTS", 3)
-    monkeypatch.setattr(common, "_pools", {})
-    monkeypatch.setattr(common, "RING_DYNAMIC_ROWS", 0 if counted else 1 << 40)
+    monkeypatch.setattr(pools, "AMAX_SLOTS", 3)
+    monkeypatch.setattr(pools, "RING_SLOTS", 3)
+    monkeypatch.setattr(pools, "_pools", {})
+    monkeypatch.setattr(ring, "RING_DYNAMIC_ROWS", 0 if counted else 1 << 40)
     if fp8:  # (FP8 outputs keep the fixed split by default: test the counters too)
-        monkeypatch.setattr(norm_kernels, "ring_launch", lambda *a, **kw: common.ring_launch(
+        monkeypatch.setattr(norm_kernels, "ring_launch", lambda *a, **kw: ring.ring_launch(
             *a, **{**kw, "dynamic": counted}))
     one = cupy.ones((1,), np.float32)
 
@@ -181,7 +181,7 @@ def test_norm_stream_call_after_call(monkeypatch, rng, fp8, counted):
             check(ln(x[:77]), x[:77].astype(np.float32).get())
     cupy.cuda.Device().synchronize()
     for kind in ("amax",) * fp8 + ("ring",) * counted:
-        buf = common._pools[kind, cupy.cuda.runtime.getDevice()][0]
+        buf = pools._pools[kind, cupy.cuda.runtime.getDevice()][0]
         assert int(abs(buf).max()) == 0, f"a slot of the {kind} pool was not left at zero"
 
 
@@ -205,9 +205,9 @@ def test_launch_plans_follow_the_settings(monkeypatch, rng):
         assert norm_kernels._fwd_launch(300, 4096, x.dtype, None, False, False) is plan
         warp = getattr(plan[0], "args", [None])[0]
         assert ("norm_fwd_warp" in getattr(warp, "name", "")) == (
-            variant == "warp" or not common.hopper())
+            variant == "warp" or not launch.hopper())
         stream = softmax_kernels._stream_plan(x.dtype, 4096, 300, False, False, 0.5)
-        assert (stream is not None) == (variant == "stream" and common.hopper())
+        assert (stream is not None) == (variant == "stream" and launch.hopper())
         y = d("layernorm_fwd", x, g, 0 * g, 1e-5, False)[0]
         np.testing.assert_allclose(y.astype(np.float32).get(), _ln(host), rtol=0.02,
                                    atol=0.02)
@@ -237,9 +237,9 @@ def test_pdl_chain_matches_plain_launches(monkeypatch, rng, graph):
         tecupy.bfloat16)
     g = cupy.asarray(rng.uniform(0.5, 2, 4096).astype(np.float32)).astype(tecupy.bfloat16)
     one = cupy.ones((1,), np.float32)
-    monkeypatch.setattr(common, "PDL", False)
+    monkeypatch.setattr(launch, "PDL", False)
     want = [cupy.asnumpy(a) for a in _chain(x, g, one)]
-    monkeypatch.setattr(common, "PDL", True)
+    monkeypatch.setattr(launch, "PDL", True)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         if graph:
@@ -260,10 +260,10 @@ def test_pdl_chain_matches_plain_launches(monkeypatch, rng, graph):
 
 def test_launch_rejects_python_scalars():
     import cupy
-    if not common.hopper():
+    if not launch.hopper():
         pytest.skip("PDL launches only on Hopper")
     from tecupy import loader
     k = loader.function("cast.cu", "cast_to_fp8<float, __nv_fp8_e4m3, 1>")
     x = cupy.ones(4, np.float32)
     with pytest.raises(TypeError, match="NumPy int32/int64/float32/uint32/uint64"):
-        common.launch(k, (1,), (256,), (x, x, x, x, x, 4))
+        launch.launch(k, (1,), (256,), (x, x, x, x, x, 4))

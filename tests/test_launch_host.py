@@ -1,4 +1,4 @@
-"""The host side of the PDL launch (kernels/common.launch), no GPU needed: the ctypes
+"""The host side of the PDL launch (kernels/launch.launch), no GPU needed: the ctypes
 structs match cuda.h, arguments are packed 8 bytes each as the driver reads them, and an
 argument type the kernels do not take is refused by name."""
 import ctypes
@@ -7,24 +7,24 @@ import struct
 import numpy as np
 import pytest
 
-from tecupy.kernels import common
+from tecupy.kernels import launch
 
 cupy = pytest.importorskip("cupy")
 
 
 def test_launch_structs_match_cuda_h():
-    cfg, attr = common._LaunchConfig, common._LaunchAttr
+    cfg, attr = launch._LaunchConfig, launch._LaunchAttr
     # CUlaunchConfig: 7 unsigned ints, then hStream, attrs, numAttrs (8-byte aligned)
     assert (cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset) == (32, 40, 48)
     assert ctypes.sizeof(cfg) == 56
     # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
     assert (attr.value.offset, ctypes.sizeof(attr)) == (8, 72)
-    assert common._PDL_ATTR.id == 6 and common._PDL_ATTR.value[0] == 1
+    assert launch._PDL_ATTR.id == 6 and launch._PDL_ATTR.value[0] == 1
 
 
 def test_arguments_packed_8_bytes_each():
     kinds = (cupy.ndarray, np.int32, np.float32, np.int64, np.uint32, np.uint64)
-    st, buf, params, cfg = common._launch_state(kinds, (7, 2), (256,), 1024)
+    st, buf, params, cfg = launch._launch_state(kinds, (7, 2), (256,), 1024)
     st.pack_into(buf, 0, 0x7F0012345678, np.int32(-5), np.float32(1.5), np.int64(-(2**40)),
                  np.uint32(2**32 - 1), np.uint64(2**63 + 9))
     raw = buf.raw
@@ -44,4 +44,4 @@ def test_arguments_packed_8_bytes_each():
 def test_unsupported_argument_type_is_named(bad):
     with pytest.raises(TypeError, match=f"{bad.__name__}.*accepted: CuPy arrays and NumPy "
                                         "int32/int64/float32/uint32/uint64"):
-        common._launch_state((cupy.ndarray, bad), (1,), (32,), 0)
+        launch._launch_state((cupy.ndarray, bad), (1,), (32,), 0)

@@ -4,8 +4,8 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, LOW_PRECISION, MANY_BLOCKS, cbool, grid_1d, launch,
-                     on_gpu_low_precision)
+from .dtypes import CTYPE, LOW_PRECISION, cbool, on_gpu_low_precision
+from .launch import MANY_BLOCKS, grid_1d, launch
 
 FILE = "dropout.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]

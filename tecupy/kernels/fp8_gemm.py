@@ -17,8 +17,9 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from ..fp8 import FP8Format
-from .common import CTYPE, FP8TYPE, cbool, hopper, sm_count
-from .common import tma_desc as common_tma_desc
+from .dtypes import CTYPE, FP8TYPE, cbool
+from .launch import hopper, sm_count
+from .tma import tma_desc as tma_encode
 
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
@@ -119,7 +120,7 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
 def tma_desc(t, box_rows):
     """TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a 16-bit output),
     box of 128 bytes x box_rows."""
-    return common_tma_desc(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
+    return tma_encode(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
                            (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
 
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import backends
 from .._array import is_cupy
-from .common import LOW_PRECISION
+from .dtypes import LOW_PRECISION
 
 _works = {}  # dtype -> whether cupy.matmul takes it on this install (bf16 support varies)
 

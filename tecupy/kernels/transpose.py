@@ -30,7 +30,7 @@ def fp8_transpose(data):
 def copy_u4(src, dst, unroll=4):
     """dst[:] = src by copy_u4 (uint8 arrays of one size, a multiple of 16 bytes): the
     benchmark's bar for a stream of SM loads and stores, not an op."""
-    from .common import grid_1d
+    from .launch import grid_1d
     if src.nbytes != dst.nbytes or src.nbytes % 16:
         raise ValueError(f"copy_u4: sizes {src.nbytes} and {dst.nbytes}, need one multiple of 16")
     n = src.nbytes // 16

@@ -1,0 +1,179 @@
+"""Launching kernels: device queries (SMs, Hopper), grid sizes and occupancy, shared memory
+beyond 48 KB, the wrappers' cache of launch plans, and the launch with programmatic
+dependent launch (PDL) through cuLaunchKernelEx."""
+import ctypes
+import struct
+import threading
+
+import numpy as np
+
+_sm_counts = {}
+
+
+# Blocks per SM of grid-stride kernels that read two streams (or draw Philox numbers): 8
+# resident blocks of 256 threads, the rest queued, so each block takes fewer iterations and
+# the last ones end together (H200, 8192 x 4096: dropout 86-89 -> 94% of copy, gelu_bwd,
+# swiglu, add, dropout_bwd +2-3 points). Single-input kernels (cast, gelu) keep 16: -2-4
+# points at 64. PERFLOG.md.
+MANY_BLOCKS = 64
+
+
+def grid_1d(n, per_thread=1, threads=256, blocks_per_sm=16):
+    """Blocks for a grid-stride loop over n items, `threads` items per block each taking
+    `per_thread`: enough to fill the GPU (blocks_per_sm per SM), no more."""
+    return max(1, min(sm_count() * blocks_per_sm, -(-n // (threads * per_thread))))
+
+
+def sm_count():
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _sm_counts:
+        _sm_counts[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return _sm_counts[dev]
+
+
+_hopper = {}  # device id -> compute capability 9.0 (asked once: supports() runs every call)
+
+
+def hopper():
+    """Whether the current device is a Hopper GPU (sm_90: wgmma, TMA)."""
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    if dev not in _hopper:
+        _hopper[dev] = cupy.cuda.Device(dev).compute_capability == "90"
+    return _hopper[dev]
+
+
+_occupancy = {}
+
+
+def resident_blocks(k, threads, smem):
+    """Blocks of kernel `k` (a loader function) with `threads` threads and `smem` dynamic
+    shared bytes that fit on one SM (at least 1)."""
+    key = (k.kernel.ptr, threads, smem)
+    if key not in _occupancy:
+        from cupy.cuda import driver
+        _occupancy[key] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            k.kernel.ptr, threads, smem))
+    return _occupancy[key]
+
+
+def opt_in_smem(k, smem):
+    """Let kernel `k` (a loader function) use `smem` dynamic shared bytes, beyond the
+    default 48 KB when needed."""
+    if smem > 48 << 10 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem
+
+
+def balanced_grid(units, per_sm):
+    """Blocks for a grid-stride loop over `units` (rows, or groups of rows) when `per_sm`
+    blocks fit on an SM: all blocks resident at once and each gets the same number of units
+    to within one, so no few blocks run a last iteration while the rest of the GPU idles."""
+    per = -(-units // (sm_count() * per_sm))
+    return int(max(1, -(-units // max(per, 1))))
+
+
+def planned(plans, key, choose, *args):
+    """choose(*args), kept in the dict `plans` under `key`: the kernel wrappers' launch plans
+    (which kernel, grid, shared memory), whose choice costs 5-20 us of Python per call on
+    the lent machines, a lookup ~1. `key` must hold the call's shape and every setting
+    choose reads, so that a changed setting (tests and tuning scripts change them) gets a
+    plan of its own."""
+    try:
+        return plans[key]
+    except KeyError:
+        if len(plans) > 4096:  # many shapes: start over rather than grow
+            plans.clear()
+        plan = plans[key] = choose(*args)
+        return plan
+
+
+# Programmatic dependent launch (PDL) on Hopper: the kernel's blocks may be scheduled while
+# the previous kernel in the stream finishes (it waits in PDL_WAIT, common.cuh, before
+# touching memory), which hides the launch gap between kernels: H200, graph replay, 8192 x
+# 4096: LN fwd 83 -> 84-86% of copy, RMS 84 -> 86%, gelu 89 -> 91%, and +5-12 points on
+# 2048 x 4096 (PERFLOG.md). Only for kernels that begin with PDL_WAIT().
+PDL = True
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PDL_ATTR = _LaunchAttr(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR.value[0] = 1
+# each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size)
+_ARG_FORMATS = {np.int32: "i4x", np.int64: "q", np.float32: "f4x", np.uint32: "I4x",
+                np.uint64: "Q"}
+_per_thread = threading.local()  # argument buffers and launch configs, reused per thread
+
+
+def _launch_state(kinds, grid, block, shared_mem):
+    """(struct packing arguments of types `kinds`, its buffer, void** into the buffer, the
+    launch config with the PDL attribute) for this grid, block and shared size."""
+    import cupy
+    fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
+    bad = [t.__name__ for t in kinds if t not in fmts]
+    if bad:
+        raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
+                        "and NumPy int32/int64/float32/uint32/uint64")
+    st = struct.Struct("<" + "".join(fmts[t] for t in kinds))
+    buf = ctypes.create_string_buffer(st.size)
+    base = ctypes.addressof(buf)
+    params = (ctypes.c_void_p * len(kinds))(*range(base, base + 8 * len(kinds), 8))
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*g), block=(ctypes.c_uint * 3)(*b),
+                        shared=shared_mem, attrs=ctypes.pointer(_PDL_ATTR), num_attrs=1)
+    return st, buf, params, cfg
+
+
+_cupy = []  # (ndarray, get_current_stream, cuLaunchKernelEx), set at the first launch
+
+
+def launch(k, grid, block, args, shared_mem=0):
+    """k(grid, block, args, shared_mem=...) for a loader function k whose kernel begins with
+    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. grid and block are
+    tuples; args CuPy arrays and NumPy scalars (int32, int64, float32, uint32, uint64).
+    cuLaunchKernelEx is called through ctypes, the arguments packed by one struct into a
+    buffer kept per thread with the config, the kernel's handle and which arguments are
+    arrays: 6.9 us per launch of a 15-argument kernel on an H200 host, CuPy's own launch
+    7.1, this function before those were kept 8.6-8.8, through cuda-python ~15 us more."""
+    if not (PDL and hopper()):
+        return k(grid, block, args, shared_mem=shared_mem)
+    if not _cupy:
+        from cupy import ndarray
+        from cupy.cuda import get_current_stream
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _cupy[:] = ndarray, get_current_stream, fn
+    kinds = tuple(map(type, args))
+    try:
+        states = _per_thread.states
+    except AttributeError:
+        states = _per_thread.states = {}
+    key = (k, kinds, grid, block, shared_mem)
+    state = states.get(key)
+    if state is None:
+        if len(states) > 1024:  # many shapes: start over rather than grow
+            states.clear()
+        st, buf, params, cfg = _launch_state(kinds, grid, block, shared_mem)
+        arrays = tuple(i for i, t in enumerate(kinds) if t is _cupy[0])
+        state = states[key] = (st, buf, cfg, (params, ctypes.addressof(params)),
+                               ctypes.addressof(cfg), k.kernel.ptr, arrays)
+    st, buf, cfg, (_, params), cfg_ptr, f, arrays = state
+    values = list(args)
+    for i in arrays:
+        values[i] = values[i].data.ptr
+    st.pack_into(buf, 0, *values)
+    cfg.stream = _cupy[1]().ptr
+    err = _cupy[2](cfg_ptr, f, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
+                           f"{grid}, block {block}, {shared_mem} shared bytes")
