@@ -7,20 +7,33 @@
 //                      0x7FFFFFFF first, so every path of every kernel here agrees, as in
 //                      Transformer Engine's casts, which convert the same way)
 //                      amax[0] = max(amax[0], max_i |x[i]|)   (NaN ignored, as fmaxf)
-//   x [n] of T (float, double, __half, __nv_bfloat16), q [n] uint8, scale/amax [1] float.
+//                      scale_inv[0] = 1 / scale[0] (IEEE division, no flush to zero: the
+//                      FP8 tensor's dequantizing factor, written by one thread, as
+//                      Transformer Engine's casts do; nullptr: not written. Python's
+//                      1 / scale on CuPy runs under CuPy's -ftz=true: 0 above 2^126)
+//   x [n] of T (float, double, __half, __nv_bfloat16), q [n] uint8,
+//   scale/scale_inv/amax [1] float.
 //   Launch: 1-D grid-stride over VEC-wide chunks (16-byte loads; n % VEC == 0 when
 //   VEC > 1), blockDim 256; one atomicMax per block. amax must hold a value >= 0 before.
 // fp8_dequantize<F8, T>: y[i] = T(float(F8 q[i]) * scale_inv[0]).
-// cast_transpose_tiled<T, F8, G>: the cast, also writing the transpose (below).
+// cast_transpose_tiled<T, F8, G, DBIAS, RAGGED>: the cast, also writing the transpose
+//   (below); scale_inv as in cast_to_fp8.
 #include "common.cuh"
 
 // ---- cast ------------------------------------------------------------------------------
+// scale_inv[0] = 1 / s from the first thread of the grid (nullptr: the caller has none)
+__device__ __forceinline__ void write_scale_inv(float* scale_inv, float s) {
+    if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = 1.f / s;
+}
+
 template <typename T, typename F8, int VEC>
 __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ scale,
-                            unsigned char* __restrict__ q, float* __restrict__ amax,
-                            unsigned* __restrict__ slot, long long n) {
+                            unsigned char* __restrict__ q, float* __restrict__ scale_inv,
+                            float* __restrict__ amax, unsigned* __restrict__ slot,
+                            long long n) {
     PDL_WAIT();
     const float s = scale[0];
+    write_scale_inv(scale_inv, s);
     float m = 0.f;
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
@@ -114,12 +127,14 @@ template <typename T, typename F8, int G, bool DBIAS, bool RAGGED>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ amax, unsigned* __restrict__ slot,
-                     float* __restrict__ part, int rows, int cols) {
+                     float* __restrict__ scale_inv, float* __restrict__ amax,
+                     unsigned* __restrict__ slot, float* __restrict__ part, int rows,
+                     int cols) {
     PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
     const float s = scale[0];
+    write_scale_inv(scale_inv, s);
     const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
     const int a = threadIdx.x >> 3, b = threadIdx.x & 7;
     float m = 0.f;

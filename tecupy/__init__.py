@@ -7,7 +7,8 @@ from . import reference  # noqa: F401  (registers the reference backend)
 from . import kernels  # noqa: F401  (registers the cuda backend; compiles lazily)
 from . import backends, fp8, recipe  # noqa: F401
 from ._array import bfloat16, gpu_available  # noqa: F401
-from .autocast import FP8State, autocast, fp8_autocast  # noqa: F401
+from .autocast import autocast, fp8_autocast  # noqa: F401
+from .fp8_state import FP8State  # noqa: F401
 from .fp8 import FP8Tensor, dequantize, quantize  # noqa: F401
 from .ops import (activation, add, cross_entropy, dot_product_attention, dropout,  # noqa: F401
                   geglu, gelu, layernorm, layernorm_linear, layernorm_mlp, linear, relu,

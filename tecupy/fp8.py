@@ -55,6 +55,9 @@ def as_format(fmt, op="as_format", name="fmt"):
 class FP8Tensor:
     """uint8 `data` in format `fmt`, with `scale_inv` (float32, shape (1,)) on the same device.
     `data_t`, when the cast made it, is the transposed copy (2-D data only)."""
+    # the backend op that multiplies two of these (ops.linear.fp8_gemm): a recipe whose
+    # tensors carry other scales (blocks) names its own GEMM op in its subclass
+    gemm_op = "fp8_gemm"
 
     def __init__(self, data, fmt, scale_inv, data_t=None):
         array_module("FP8Tensor", data=data, scale_inv=scale_inv, data_t=data_t)
@@ -149,18 +152,28 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
                          "cast of dy)")
     if dbias_dtype is not None:
         dbias_dtype = _float_dtype("quantize", "dbias_dtype", dbias_dtype)
-    scale = _scale_array(x, scale)
+    return cast(x, _scale_array(x, scale), fmt, amax_out, transpose, dbias_dtype)
+
+
+def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
+    """quantize without its checks, for callers that made them (the quantizers): scale a
+    float32 (1,) array on x's device, fmt an FP8Format, dbias_dtype None or a np.dtype."""
+    # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
+    # rewrites the state's scales before backward uses this tensor (TE saves them too).
+    # The cast kernel writes it (IEEE 1 / scale): no launch of its own.
+    inv = xp_of(x).empty((1,), np.float32)
     data_t = dbias = None
     if dbias_dtype is not None:
         data, data_t, _, dbias = backends.dispatch(
-            "cast_transpose_dbias", x, scale, fmt, dbias_dtype, amax_out=amax_out)
+            "cast_transpose_dbias", x, scale, fmt, dbias_dtype, amax_out=amax_out,
+            scale_inv_out=inv)
     elif transpose:
-        data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt, amax_out=amax_out)
+        data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt,
+                                            amax_out=amax_out, scale_inv_out=inv)
     else:
-        data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out=amax_out)
-    # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
-    # rewrites the state's scales before backward uses this tensor (TE saves them too).
-    t = FP8Tensor(data, fmt, (1.0 / scale).astype(np.float32), data_t)
+        data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out=amax_out,
+                                    scale_inv_out=inv)
+    t = FP8Tensor(data, fmt, inv, data_t)
     return t if dbias_dtype is None else (t, dbias)
 
 

@@ -117,7 +117,12 @@ class _Checked:
             object.__setattr__(self, k, v)
 
 
-class DelayedScaling(_Checked):
+class Recipe(_Checked):
+    """The base of the FP8 recipes: what autocast takes. Each recipe's casts are its
+    quantizers (quantization.py), which the ops call without knowing the recipe."""
+
+
+class DelayedScaling(Recipe):
     """Scale from the history of amaxes of earlier steps (Transformer Engine's default recipe).
 
     margin: int in [0, 126]; scale = (fp8_max * 2**-margin) / amax (TE's fused update).
@@ -150,7 +155,7 @@ class DelayedScaling(_Checked):
                 f"amax_compute_algo={self.amax_compute_algo!r})")
 
 
-class Float8CurrentScaling(_Checked):
+class Float8CurrentScaling(Recipe):
     """Per-tensor scaling from this step's own amax: no history, no state."""
     _FIELDS = {"fp8_format": lambda v: _format_field("Float8CurrentScaling", v)}
 

@@ -9,6 +9,11 @@ backward closure sits beside its forward in the op and captures what it saved. A
 identified by object identity (the tape keeps them alive, so ids stay unique). Arrays made
 outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never saw: use
 tecupy.add / reshape / split, or ask for the gradient of the array that went into the op.
+
+The tape runs nodes and hooks and knows nothing of what they do: a node may ask for work
+after the whole backward (after_backward: FP8 ops update their states' backward scales
+there, all in one call) and may say its backward can run only once (once: FP8 ops, whose
+backward records amaxes).
 """
 import contextvars
 
@@ -21,12 +26,12 @@ _active = contextvars.ContextVar("tecupy_tapes", default=())
 
 
 class _Node:
-    __slots__ = ("inputs", "outputs", "backward", "fp8_states", "spent")
+    __slots__ = ("inputs", "outputs", "backward", "after", "once", "spent")
 
-    def __init__(self, inputs, outputs, backward, fp8_states):
-        self.inputs, self.outputs = inputs, outputs
-        self.backward, self.fp8_states = backward, fp8_states
-        self.spent = False  # an FP8 node whose backward has run (see Tape.gradient)
+    def __init__(self, inputs, outputs, backward, after, once):
+        self.inputs, self.outputs, self.backward = inputs, outputs, backward
+        self.after, self.once = after, once
+        self.spent = False  # a run-once node whose backward has run (see Tape.gradient)
 
 
 def _sum(a, b):
@@ -43,14 +48,19 @@ def recording():
     return bool(_active.get())
 
 
-def record(backward, inputs, outputs, fp8_states=()):
+def record(backward, inputs, outputs, after_backward=(), once=None):
     """Record an op: backward(*output_grads) -> one gradient (or None) per input.
-    fp8_states: the FP8 states whose backward slots this backward writes (None ignored)."""
+
+    after_backward: (fn, item) pairs. After the whole backward of a Tape.gradient, each
+    distinct fn runs once, fn(items), with the distinct items (by identity) of the nodes
+    whose backward ran: many nodes' work batched in one call.
+    once: None, or (what, why) where the backward may run only once (it has effects beyond
+    its gradients): a second backward through the node is refused, before anything runs,
+    with "the backward of <what> on this tape already ran <why>"."""
     tapes = _active.get()
     if not tapes:
         return
-    states = tuple(s for s in fp8_states if s is not None)
-    node = _Node(tuple(inputs), tuple(outputs), backward, states)
+    node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once)
     for tape in tapes:
         tape._nodes.append(node)
 
@@ -94,8 +104,8 @@ class Tape:
         comes back) or a tecupy.nn module (a dict by parameter name comes back). Arrays that
         are on the tape but do not reach `outputs` get zeros.
 
-        May be called again on the same tape, except through FP8 ops whose backward already
-        ran (see _check_fp8_once): ask for every gradient in one call instead.
+        May be called again on the same tape, except through ops whose backward may run
+        once (FP8 ops; see _check_once) and already ran: ask for every gradient in one call.
         """
         if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
             wrt = wrt.named_parameters()
@@ -110,7 +120,7 @@ class Tape:
         known = self._known_ids()
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
-        self._check_fp8_once(grads)
+        self._check_once(grads)
         self._backprop(grads)
         result = []
         for t in targets:
@@ -152,22 +162,23 @@ class Tape:
                 live.update(id(x) for x in node.inputs if x is not None)
         return out
 
-    def _check_fp8_once(self, grads):
-        """An FP8 backward records the gradients' amaxes and then updates the backward
-        scales, once per backward, as Transformer Engine does; a second backward through the
-        same FP8 ops would quantize with the new scales and record the amaxes again (a
-        different result, a corrupted history). PyTorch likewise refuses a second backward
-        through a freed graph. Checked before anything runs: nothing is half-applied."""
-        if any(node.fp8_states and node.spent for node in self._reached(grads)):
+    def _check_once(self, grads):
+        """A node recorded with `once` has a backward with effects beyond its gradients:
+        FP8 ops record the gradients' amaxes and then the backward scales are updated, once
+        per backward, as Transformer Engine does; a second backward through them would
+        quantize with the new scales and record the amaxes again (a different result, a
+        corrupted history). PyTorch likewise refuses a second backward through a freed
+        graph. Checked before anything runs: nothing is half-applied."""
+        spent = next((n for n in self._reached(grads) if n.once and n.spent), None)
+        if spent is not None:
+            what, why = spent.once
             raise RuntimeError(
-                "Tape.gradient: the backward of FP8 ops on this tape already ran (it recorded "
-                "the gradients' amaxes and updated the backward FP8 scales); running it again "
-                "would give different gradients and record the amaxes twice. Ask for every "
-                "gradient in one call, tape.gradient(outputs, [a, b, ...]), or record the "
-                "forward again under a new Tape.")
+                f"Tape.gradient: the backward of {what} on this tape already ran {why}. Ask "
+                "for every gradient in one call, tape.gradient(outputs, [a, b, ...]), or "
+                "record the forward again under a new Tape.")
 
     def _backprop(self, grads):
-        states = []
+        hooks = {}  # fn -> {id(item): item}, in the order first met
         for node in reversed(self._nodes):
             if not any(id(o) in grads for o in node.outputs):
                 continue
@@ -179,9 +190,8 @@ class Tape:
                     continue
                 g = unbroadcast(g, x.shape)
                 grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
-            if node.fp8_states:
-                node.spent = True
-                states.extend(s for s in node.fp8_states if all(s is not t for t in states))
-        if states:  # Transformer Engine updates backward FP8 state after backward
-            from .autocast import update_states
-            update_states(states, "bwd")
+            node.spent = node.once is not None
+            for fn, item in node.after:
+                hooks.setdefault(fn, {}).setdefault(id(item), item)
+        for fn, items in hooks.items():
+            fn(list(items.values()))

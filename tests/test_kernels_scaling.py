@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tecupy import backends
-from tecupy.autocast import FP8Meta
+from tecupy.fp8_state import FP8Meta
 from tecupy.fp8 import E4M3, E5M2
 from tecupy.reference.fp8 import delayed_scaling_update as ref_update
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tecupy
-from tecupy.autocast import FP8State
+from tecupy.fp8_state import FP8State
 from tecupy.recipe import DelayedScaling, Float8CurrentScaling, Format
 from conftest import asnp
 

@@ -1,4 +1,8 @@
-"""CUDA cast to FP8 (with amax, also with its transpose) and dequantize: cuda/cast.cu."""
+"""CUDA cast to FP8 (with amax, also with its transpose) and dequantize: cuda/cast.cu.
+
+scale_inv_out (float32, one element, or None): the casts write 1 / scale into it from the
+kernel (IEEE division; CuPy's own 1 / scale flushes to 0 above 2^126), so an FP8Tensor's
+scale_inv costs no launch of its own."""
 import itertools
 
 import numpy as np
@@ -7,6 +11,7 @@ from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_args, amax_grid, cbool, grid_1d,
                      launch, on_gpu, resident_blocks, sm_count, vec_width)
+from .scaling import scale_inverse
 
 FILE = "cast.cu"
 _VECS = {"float": 4, "double": 2, "__half": 8, "__nv_bfloat16": 8}  # 16-byte loads
@@ -22,12 +27,27 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
        for f in FP8TYPE.values() for b in ("false", "true") for r in ("false", "true")])
 
 
+def _inv_arg(scale, scale_inv_out, n):
+    """The kernels' scale_inv pointer: scale_inv_out, or nullptr where there is none. With
+    no element to cast there is no cast launch: the inverse gets its own."""
+    if scale_inv_out is None:
+        return np.uint64(0)
+    if not (is_cupy(scale_inv_out) and scale_inv_out.dtype == np.float32
+            and scale_inv_out.size == 1):
+        raise TypeError("scale_inv_out must be a float32 CuPy array of one element, got "
+                        f"{type(scale_inv_out).__name__} {getattr(scale_inv_out, 'dtype', '')}")
+    if not n:
+        scale_inverse(scale, scale_inv_out)
+    return scale_inv_out
+
+
 @backends.register("cast_to_fp8", "cuda", supports=on_gpu)
-def cast_to_fp8(x, scale, fmt, amax_out=None):
+def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
     import cupy
     x = cupy.ascontiguousarray(x)
     q = cupy.empty(x.shape, np.uint8)
     amax, slot = amax_args(amax_out, x.size)
+    inv = _inv_arg(scale, scale_inv_out, x.size)
     if not x.size:
         return q, amax
     vec = vec_width(x.dtype, x.size)
@@ -35,7 +55,7 @@ def cast_to_fp8(x, scale, fmt, amax_out=None):
         vec *= 2
     kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
     launch(kernel, (amax_grid(kernel, x.size, vec),), (256,),
-           (x, scale, q, amax, slot, np.int64(x.size)))
+           (x, scale, q, inv, amax, slot, np.int64(x.size)))
     return q, amax
 
 
@@ -55,24 +75,25 @@ def _ct_supported(x, scale, fmt, *args, **kwargs):
 
 
 @backends.register("cast_transpose", "cuda", supports=_ct_supported)
-def cast_transpose(x, scale, fmt, amax_out=None):
-    return _cast_transpose(x, scale, fmt, None, amax_out)
+def cast_transpose(x, scale, fmt, amax_out=None, scale_inv_out=None):
+    return _cast_transpose(x, scale, fmt, None, amax_out, scale_inv_out)
 
 
 @backends.register("cast_transpose_dbias", "cuda", supports=_ct_supported)
-def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None):
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the float32 column sums of x in dbias_dtype, from the
     same read of x (per 128-row block partials, then their sum)."""
-    return _cast_transpose(x, scale, fmt, dbias_dtype, amax_out)
+    return _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
 
 
-def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out):
+def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out):
     import cupy
     from .activation import col_sum
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
     amax, slot = amax_args(amax_out, x.size)
+    inv = _inv_arg(scale, scale_inv_out, x.size)
     blocks = -(-rows // 128)
     part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
     if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
@@ -81,8 +102,8 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out):
                                   f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
         tiles = blocks * -(-cols // 64)  # a grid-stride over them: at most the resident blocks
         grid = min(tiles, sm_count() * resident_blocks(k, 256, 0))
-        launch(k, (grid,), (256,), (x, scale, q, qt, amax, slot, part, np.int32(rows),
-                                    np.int32(cols)))
+        launch(k, (grid,), (256,), (x, scale, q, qt, inv, amax, slot, part,
+                                    np.int32(rows), np.int32(cols)))
     if dbias_dtype is None:
         return q, qt, amax
     if not x.size:

@@ -5,7 +5,7 @@ not at the first forward); forwards check that the input's last dimension is the
 width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
-from ..autocast import FP8State
+from ..fp8_state import FP8State
 from ..ops import layernorm, layernorm_linear, layernorm_mlp, linear, rmsnorm
 from ..ops.activation import ACTIVATIONS, GATED
 from ..ops.normalization import NORMALIZATIONS

@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import _check
 from .._array import FLOAT_DTYPES, gpu_available, to_numpy
-from ..autocast import FP8State, check_array, mismatch
+from ..fp8_state import FP8State, check_array, mismatch
 
 INIT_STD = 0.023  # Transformer Engine's default init_method: normal(0, 0.023)
 

@@ -4,15 +4,13 @@ Composed from the tecupy ops (each records its own backward); a backend with a f
 kernel can take over the pieces. FP8: `fp8_state` holds one GEMM for layernorm_linear and
 two (fc1, fc2) for layernorm_mlp.
 """
-import numpy as np
-
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
-from ..autocast import active_recipe, use_state
-from ..fp8 import FP8Tensor
+from ..quantization import gemm_quantizers
 from ..tape import record
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from .linear import check_fp8_dims, check_fp8_state, fp8_gemm, fp8_linear_backward, linear
+from .linear import (check_fp8_dims, check_fp8_state, fp8_gemm, fp8_linear_backward, linear,
+                     linear_with)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -42,36 +40,35 @@ def _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma, normalizati
 
 def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
                       normalization, fp8_state, gemm=0):
-    """linear(norm(x)); under delayed-scaling FP8 with a state, the norm writes its output
-    straight to FP8 (one pass, no high-precision copy) and this records one node for both.
-    (Arguments checked by the caller.)"""
-    recipe = active_recipe()
-    state = None if recipe is None or fp8_state is None else use_state(fp8_state, xp)
-    if state is None:  # high precision, or current scaling (the cast needs the amax first)
+    """linear(norm(x)); where the input's quantizer lets a producer cast (delayed scaling
+    with a state), the norm writes its output straight to FP8 (one pass, no high-precision
+    copy) and this records one node for both. (Arguments checked by the caller.)"""
+    q = gemm_quantizers(fp8_state, gemm, xp)
+    if q is None or not q.input.fused_ok:  # high precision, or a cast that needs the amax
         ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-        return linear(ln_out, weight, bias, fp8_state=fp8_state, gemm_index=gemm)
+        return linear_with(ln_out, weight, bias, q)
     return _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
-                            normalization == "RMSNorm", state, recipe.fp8_format, gemm)
+                            normalization == "RMSNorm", q)
 
 
-def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, fmt, gemm):
+def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("layernorm_linear", m, n, k)
-    x2 = x.reshape(m, k)
-    scale, amax_out = state.fwd_slot(gemm, "input")
+    x2, qi = x.reshape(m, k), q.input
     if rms:  # (amax_out: the kernels max into the amax history row)
-        q, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg, scale,
-                                         fmt.fwd, amax_out=amax_out)
+        codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
+                                             qi.scale, qi.fmt, amax_out=qi.amax_out)
     else:
-        q, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
-                                             eps, zcg, scale, fmt.fwd, amax_out=amax_out)
-    qx = FP8Tensor(q, fmt.fwd, (1.0 / scale).astype(np.float32))
-    qw = state.quantize_fwd(weight, gemm, "weight", transpose=True)
+        codes, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
+                                                 eps, zcg, qi.scale, qi.fmt,
+                                                 amax_out=qi.amax_out)
+    qx = qi.wrap(codes)
+    qw = q.weight.quantize(weight, transpose=True)
     y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
 
     def backward(dy):
-        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, state, fmt, gemm,
+        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, q.grad_output,
                                            x.dtype)
         if rms:
             dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
@@ -80,7 +77,8 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, state, 
             dx, dg, dbeta = backends.dispatch("layernorm_bwd", d_ln, x2, mu, rsigma, ln_weight,
                                               zcg)
         return dx.reshape(x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
-    record(backward, (x, ln_weight, ln_bias, weight, bias), (y,), fp8_states=(state,))
+    record(backward, (x, ln_weight, ln_bias, weight, bias), (y,),
+           after_backward=q.after_backward, once=q.once)
     return y
 
 
@@ -143,29 +141,29 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
-    """linear(act(h + fc1_bias)); under delayed-scaling FP8 with a state, the activation
-    writes its output straight to FP8 for fc2 and this records one node for both."""
-    state = use_state(fp8_state, xp) if active_recipe() is not None else None
-    if state is None:
+    """linear(act(h + fc1_bias)); where fc2's input quantizer lets a producer cast (delayed
+    scaling with a state), the activation writes its output straight to FP8 for fc2 and
+    this records one node for both."""
+    q = gemm_quantizers(fp8_state, 1, xp)
+    if q is None or not q.input.fused_ok:
         a = apply_activation(h, activation, bias=fc1_bias)
-        return linear(a, fc2_weight, fc2_bias, fp8_state=fp8_state, gemm_index=1)
+        return linear_with(a, fc2_weight, fc2_bias, q)
     check_activation(activation, h, fc1_bias)
-    fmt = active_recipe().fp8_format
     n, k = fc2_weight.shape
     m = h.size // h.shape[-1]
     check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
-    h2 = h.reshape(m, h.shape[-1])
-    scale, amax_out = state.fwd_slot(1, "input")
-    q, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, scale, fmt.fwd,
-                             amax_out=amax_out)  # (maxed into the amax history row)
-    qa = FP8Tensor(q, fmt.fwd, (1.0 / scale).astype(np.float32))
-    qw = state.quantize_fwd(fc2_weight, 1, "weight", transpose=True)
+    h2, qi = h.reshape(m, h.shape[-1]), q.input
+    codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
+                                 amax_out=qi.amax_out)  # (maxed into the amax history row)
+    qa = qi.wrap(codes)
+    qw = q.weight.quantize(fc2_weight, transpose=True)
     y = fp8_gemm(qa, qw, h.dtype, fc2_bias).reshape(h.shape[:-1] + (n,))
 
     def backward(dy):
-        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa, qw, fc2_bias, state, fmt, 1,
+        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa, qw, fc2_bias, q.grad_output,
                                           h.dtype)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
         return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
-    record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,), fp8_states=(state,))
+    record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
+           after_backward=q.after_backward, once=q.once)
     return y

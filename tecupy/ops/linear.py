@@ -3,14 +3,14 @@
 FP8 path (Transformer Engine's): x and weight are cast to the forward format (E4M3), the
 GEMM accumulates in float32 and applies scale_inv_x * scale_inv_w; in backward dy is cast
 to the backward format (E5M2 under HYBRID), dgrad = dy8 @ w8 and wgrad = dy8.T @ x8 use the
-transposed FP8 copies, dbias = sum(dy) in high precision. Scales come from the caller's
-FP8State (delayed scaling) or, with no state or under Float8CurrentScaling, from each
-tensor's own amax.
+transposed FP8 copies, dbias = sum(dy) in high precision. The casts are the quantizers of
+the recipe in force (quantization.py): slots of the caller's FP8State under delayed
+scaling, each tensor's own amax with no state or under Float8CurrentScaling.
 """
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
-from ..autocast import FP8State, active_recipe, use_state
-from ..fp8 import quantize_current
+from ..fp8_state import FP8State
+from ..quantization import gemm_quantizers
 from ..tape import record, recording
 
 FP8_ALIGN = 16
@@ -29,7 +29,7 @@ def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False):
     """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype. split_accumulator:
     accumulate in float32 rather than the tensor cores' faster, shorter accumulator
     (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad)."""
-    return backends.dispatch("fp8_gemm", qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
+    return backends.dispatch(qa.gemm_op, qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
                              qb.scale_inv, out_dtype, bias,
                              split_accumulator=split_accumulator)
 
@@ -67,10 +67,15 @@ def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
     `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling."""
     xp = _check_args("linear", x, weight, bias)
     check_fp8_state("linear", fp8_state, gemm_index)
-    recipe = active_recipe()
-    if recipe is None:
+    return linear_with(x, weight, bias, gemm_quantizers(fp8_state, gemm_index, xp))
+
+
+def linear_with(x, weight, bias, q):
+    """linear with its GEMM's quantizers `q` (quantization.GemmQuantizers), high precision
+    where q is None (FP8 off). Arguments checked by the caller."""
+    if q is None:
         return _linear_hp(x, weight, bias)
-    return _linear_fp8(x, weight, bias, use_state(fp8_state, xp), recipe, gemm_index)
+    return _linear_fp8(x, weight, bias, q)
 
 
 def _dbias(dy2, bias):
@@ -94,37 +99,31 @@ def _linear_hp(x, weight, bias):
     return y
 
 
-def _linear_fp8(x, weight, bias, state, recipe, gemm):
+def _linear_fp8(x, weight, bias, q):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("linear", m, n, k)
-    fmt = recipe.fp8_format
     x2, tr = x.reshape(m, k), recording()  # backward needs the transposed FP8 copies
-    if state is None:
-        qx = quantize_current(x2, fmt.fwd, transpose=tr)
-        qw = quantize_current(weight, fmt.fwd, transpose=tr)
-    else:
-        qx = state.quantize_fwd(x2, gemm, "input", transpose=tr)
-        qw = state.quantize_fwd(weight, gemm, "weight", transpose=tr)
+    qx = q.input.quantize(x2, transpose=tr)
+    qw = q.weight.quantize(weight, transpose=tr)
     y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
     if not tr:
         return y
 
     def backward(dy):
-        dx, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, state, fmt, gemm,
+        dx, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, q.grad_output,
                                          x.dtype)
         return dx.reshape(x.shape), dw, db
-    record(backward, (x, weight, bias), (y,), fp8_states=() if state is None else (state,))
+    record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
 
 
-def fp8_linear_backward(dy2, qx, qw, bias, state, fmt, gemm, x_dtype):
-    """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias): dy cast to the backward format (with its
-    transposed copy and, with a bias, dbias from the same read of dy), dgrad = dy8 @ w8,
-    wgrad = dy8.T @ x8."""
-    kw = dict(transpose=True, dbias_dtype=None if bias is None else bias.dtype)
-    qdy = (quantize_current(dy2, fmt.bwd, **kw) if state is None
-           else state.quantize_bwd(dy2, gemm, "grad_output", **kw))
+def fp8_linear_backward(dy2, qx, qw, bias, q_dy, x_dtype):
+    """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias): dy cast by the quantizer q_dy to the
+    backward format (with its transposed copy and, with a bias, dbias from the same read
+    of dy), dgrad = dy8 @ w8, wgrad = dy8.T @ x8."""
+    qdy = q_dy.quantize(dy2, transpose=True,
+                        dbias_dtype=None if bias is None else bias.dtype)
     qdy, db = (qdy, None) if bias is None else qdy
     dx = fp8_gemm(qdy, qw.T, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
     dw = fp8_gemm(qdy.T, qx.T, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T

@@ -59,26 +59,30 @@ def amax_into(amax_out, a):
 
 
 @backends.register("cast_to_fp8", "reference")
-def cast_to_fp8(x, scale, fmt, amax_out=None):
-    """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,))."""
+def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
+    """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,)).
+    scale_inv_out (float32 (1,) or None): 1 / scale is written into it, as the kernel does
+    (the FP8 tensor's dequantizing factor)."""
     with np.errstate(invalid="ignore"):  # a signalling NaN in x: NaN out, as on the GPU
         v = x.astype(np.float32) * scale[0]
+    if scale_inv_out is not None:
+        fp8_scale_inv(scale, scale_inv_out)
     return _encode(v, fmt), amax_into(amax_out, amax(x))
 
 
 @backends.register("cast_transpose", "reference")
-def cast_transpose(x, scale, fmt, amax_out=None):
+def cast_transpose(x, scale, fmt, amax_out=None, scale_inv_out=None):
     """x [rows, cols] -> (q, q.T contiguous, amax): both FP8 copies GEMMs need."""
-    q, a = cast_to_fp8(x, scale, fmt, amax_out)
+    q, a = cast_to_fp8(x, scale, fmt, amax_out, scale_inv_out)
     return q, xp_of(q).ascontiguousarray(q.T), a
 
 
 @backends.register("cast_transpose_dbias", "reference")
-def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None):
+def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
     backward's cast of dy with its linear's bias gradient."""
     from .linear import bias_grad
-    return cast_transpose(x, scale, fmt, amax_out) + (bias_grad(x, dbias_dtype),)
+    return cast_transpose(x, scale, fmt, amax_out, scale_inv_out) + (bias_grad(x, dbias_dtype),)
 
 
 @backends.register("fp8_transpose", "reference")

@@ -1,0 +1,150 @@
+"""Quantizers: how each FP8 recipe casts a tensor, behind one seam, so that no op branches
+on the recipe.
+
+A quantizer casts a high-precision array to FP8:
+    quantize(x, transpose=False, dbias_dtype=None) -> FP8Tensor, or (FP8Tensor, dbias)
+        (transpose: 2-D x, the transposed copy too; dbias_dtype: with transpose, also the
+        column sums of x from the same read: the backward's cast of dy)
+and tells a fused producer (a norm or activation kernel with an FP8 output) what it needs:
+    fmt         the FP8Format of the codes
+    fused_ok    whether a producer may cast in its own pass: the scale must be known before
+                the data is (False for current scaling, whose scale comes from the amax)
+    scale       float32 (1,): what the producer multiplies by (None unless fused_ok)
+    amax_out    float32 (1,): where the producer maxes its output's amax (None unless fused_ok)
+    wrap(codes) the FP8Tensor of the codes such a producer wrote (scale_inv from a kernel)
+
+The quantizers of one GEMM, x @ w.T with dy in backward, come together as GemmQuantizers
+(input, weight, grad_output, and what the op's tape node needs: after_backward hooks and
+the run-once reason, tape.record's arguments) from gemm_quantizers(state, gemm, xp), which
+looks the recipe in force up in RECIPE_QUANTIZERS: the one place a recipe is looked at.
+    DelayedScaling        DelayedQuantizer per tensor: a slot of the caller's FP8State
+                          (fp8_state.py); without a state, current scaling in its format.
+    Float8CurrentScaling  CurrentQuantizer per tensor: the format only.
+
+A new recipe touches (issue 20): recipe.py (its class), this file (its quantizer, with its
+FP8Tensor subclass where the scales are not one per tensor, and its row of
+RECIPE_QUANTIZERS), its kernels cuda/<recipe>.cu and their launchers kernels/<recipe>.py,
+its NumPy reference reference/<recipe>.py, and where it needs a GEMM of its own,
+cutlass_templates/<gemm>.cu (launched from kernels/<recipe>.py; the tensor names the
+GEMM's backend op, FP8Tensor.gemm_op): 6 source files. No op, no module, not the tape.
+"""
+import numpy as np
+
+from . import backends
+from ._array import xp_of
+from .autocast import active_recipe, note_used
+from .fp8 import FP8Tensor, amax, cast, current_scale
+from .fp8_state import update_backward
+from .recipe import DelayedScaling, Float8CurrentScaling
+
+# tape.record's `once` for a node whose backward casts with a state's backward slots
+FP8_ONCE = ("FP8 ops", "(it recorded the gradients' amaxes and updated the backward FP8 "
+            "scales); running it again would give different gradients and record the "
+            "amaxes twice")
+
+
+class DelayedQuantizer:
+    """Delayed scaling: one slot of an FP8State. Casts with the slot's scale (from the
+    amaxes of earlier steps) and maxes the tensor's amax into the slot's history row 0."""
+    fused_ok = True
+
+    def __init__(self, meta, i):
+        self.fmt = meta.fmt
+        self.scale = meta.scale[i:i + 1]  # views, float32 (1,)
+        self.amax_out = meta.amax_history[0, i:i + 1]
+
+    def __repr__(self):
+        return f"DelayedQuantizer({self.fmt.name})"
+
+    def quantize(self, x, transpose=False, dbias_dtype=None):
+        return cast(x, self.scale, self.fmt, self.amax_out, transpose, dbias_dtype)
+
+    def wrap(self, codes):
+        """The FP8Tensor of `codes` that a producer wrote with self.scale, maxing their
+        amax into self.amax_out. Its scale_inv is a fresh 1 / scale from a kernel (IEEE;
+        CuPy's own division flushes it to 0 above 2^126): the forward update at autocast
+        exit rewrites the state's scales before backward uses this tensor."""
+        inv = xp_of(codes).empty((1,), np.float32)
+        backends.dispatch("fp8_scale_inv", self.scale, inv)
+        return FP8Tensor(codes, self.fmt, inv)
+
+
+class CurrentQuantizer:
+    """Current scaling: each tensor's own amax (one pass), then the cast with
+    fmt.max / amax (fp8.current_scale). No state."""
+    fused_ok = False  # the scale needs the amax of the whole tensor before any code
+    scale = amax_out = None
+
+    def __init__(self, fmt):
+        self.fmt = fmt
+
+    def __repr__(self):
+        return f"CurrentQuantizer({self.fmt.name})"
+
+    def quantize(self, x, transpose=False, dbias_dtype=None):
+        return cast(x, current_scale(amax(x), self.fmt), self.fmt, None, transpose,
+                    dbias_dtype)
+
+    def wrap(self, codes):
+        raise TypeError("CurrentQuantizer.wrap: current scaling cannot cast in a producer's "
+                        "pass (fused_ok is False): quantize the producer's output instead")
+
+
+class GemmQuantizers:
+    """The quantizers of one GEMM's tensors, and what its op passes to tape.record:
+    after_backward ((fn, item) hooks) and once (None or (what, why))."""
+    __slots__ = ("input", "weight", "grad_output", "after_backward", "once")
+
+    def __init__(self, input, weight, grad_output, after_backward=(), once=None):
+        self.input, self.weight, self.grad_output = input, weight, grad_output
+        self.after_backward, self.once = after_backward, once
+
+    def __repr__(self):
+        return (f"GemmQuantizers(input={self.input}, weight={self.weight}, "
+                f"grad_output={self.grad_output})")
+
+
+_current_gemms = {}  # recipe.Format -> GemmQuantizers (they hold no state: made once)
+
+
+def _current(recipe, state, gemm, xp):
+    """Current scaling in the recipe's format (E4M3 forward; E5M2 for dy under HYBRID)."""
+    fmt = recipe.fp8_format
+    q = _current_gemms.get(fmt)
+    if q is None:
+        q = _current_gemms[fmt] = GemmQuantizers(
+            CurrentQuantizer(fmt.fwd), CurrentQuantizer(fmt.fwd), CurrentQuantizer(fmt.bwd))
+    return q
+
+
+def _delayed(recipe, state, gemm, xp):
+    """Slots of `state` bound to the recipe (noted for the forward update at autocast exit;
+    the backward update runs after backward as the node's hook). No state: current
+    scaling in the recipe's format."""
+    if state is None:
+        return _current(recipe, state, gemm, xp)
+    state.bind(xp, recipe)
+    note_used(state)
+    slots = state.derived.get(gemm)
+    if slots is None:  # kept on the state: slicing costs ~5 us a view on CuPy
+        slots = state.derived[gemm] = tuple(DelayedQuantizer(*state.slot(gemm, which))
+                                            for which in ("input", "weight", "grad_output"))
+    # (made per call: kept on the state, the hook's reference to it would make a cycle)
+    return GemmQuantizers(*slots, after_backward=((update_backward, state),), once=FP8_ONCE)
+
+
+# recipe class -> f(recipe, state, gemm, xp) -> GemmQuantizers
+RECIPE_QUANTIZERS = {DelayedScaling: _delayed, Float8CurrentScaling: _current}
+
+
+def gemm_quantizers(state, gemm, xp):
+    """The quantizers of GEMM `gemm` under the recipe in force in this thread, None when
+    FP8 is off. state: the caller's FP8State or None; xp: the data's array module."""
+    recipe = active_recipe()
+    if recipe is None:
+        return None
+    make = RECIPE_QUANTIZERS.get(type(recipe))
+    if make is None:  # a subclass of a recipe
+        make = next(RECIPE_QUANTIZERS[c] for c in type(recipe).__mro__
+                    if c in RECIPE_QUANTIZERS)
+    return make(recipe, state, gemm, xp)
