@@ -273,6 +273,10 @@ FUNCTIONAL = [
      "multiple of k's heads"),
     ("dpa-mask-type", lambda: tecupy.dot_product_attention(*qkv(), attn_mask_type="sliding"),
      ValueError, "dot_product_attention: attn_mask_type must be one of .*got 'sliding'"),
+    ("dpa-mask-list", lambda: tecupy.dot_product_attention(*qkv(), attn_mask_type=["causal"]),
+     ValueError, r"dot_product_attention: attn_mask_type must be one of .*got \['causal'\]"),
+    ("dpa-Mask-flag", lambda: tecupy.ops.attention.Mask(causal=1, padding=False), TypeError,
+     "Mask: causal must be True or False, got 1"),
     ("dpa-format", lambda: tecupy.dot_product_attention(*qkv(), qkv_format="thd"), ValueError,
      "dot_product_attention: qkv_format must be one of 'bshd', 'sbhd', got 'thd'"),
     ("dpa-no-seqlens", lambda: tecupy.dot_product_attention(*qkv(), attn_mask_type="padding"),
@@ -517,7 +521,10 @@ MODULES = [
     ("MHA-fwd-2d", lambda: nn.MultiheadAttention(8, 2, **CPU)(f32(5, 8)), ValueError,
      r"MultiheadAttention: hidden_states must be a 3-D array \[s, b, 8\]"),
     ("MHA-fwd-mask", lambda: nn.MultiheadAttention(8, 2, **CPU)(f32(5, 2, 8), "sliding"),
-     ValueError, "attn_mask_type must be one of"),
+     ValueError, "MultiheadAttention: attn_mask_type must be one of .*got 'sliding'"),
+    ("DPA-set-mask", lambda: setattr(nn.DotProductAttention(4, 8, **CPU), "attn_mask_type",
+                                     "sliding"),
+     ValueError, "DotProductAttention: attn_mask_type must be one of .*got 'sliding'"),
     ("MHA-fwd-seqlens", lambda: nn.MultiheadAttention(8, 2, attn_mask_type="padding", **CPU)(
         f32(5, 2, 8)), ValueError,
      r"MultiheadAttention: seqlens must be an int array \[batch\] with "

@@ -11,20 +11,22 @@ import pytest
 import tecupy
 from tecupy import backends
 from tecupy.kernels import attention as kernel
+from tecupy.ops.attention import MASKS
 from conftest import asnp, assert_within_2x_reference, f64, run
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [np.float16, tecupy.bfloat16]
-CASES = {  # (b, sq, skv, h, hk, d, mask_type, dropout); tiles are 128/64 rows
-    "gqa-d64-nomask": (2, 77, 131, 4, 2, 64, "no_mask", 0.0),
-    "mha-d128-causal": (2, 131, 77, 2, 2, 128, "causal", 0.0),
-    "mqa-d128-padding": (3, 200, 150, 4, 1, 128, "padding", 0.0),
-    "gqa-d64-padding-causal": (3, 150, 270, 4, 2, 64, "padding_causal", 0.0),
-    "mqa-d128-causal-long": (1, 300, 333, 2, 1, 128, "causal", 0.0),
-    "gqa-d128-dropout": (2, 77, 131, 4, 2, 128, "no_mask", 0.1),
-    "mha-d64-padding-causal-dropout": (2, 131, 77, 2, 2, 64, "padding_causal", 0.1),
+CASES = {  # (b, sq, skv, h, hk, d, dropout), each under every mask type; tiles: 128/64 rows
+    "gqa-d64": (2, 77, 131, 4, 2, 64, 0.0),
+    "mha-d128": (2, 131, 77, 2, 2, 128, 0.0),
+    "mqa-d128": (3, 200, 150, 4, 1, 128, 0.0),
+    "gqa-d64-long": (3, 150, 270, 4, 2, 64, 0.0),
+    "mqa-d128-long": (1, 300, 333, 2, 1, 128, 0.0),
+    "gqa-d128-dropout": (2, 77, 131, 4, 2, 128, 0.1),
+    "mha-d64-dropout": (2, 131, 77, 2, 2, 64, 0.1),
 }
+UNPADDED = [name for name, mask in MASKS.items() if not mask.padding]
 
 
 def _lengths(rng, b, s):
@@ -35,36 +37,38 @@ def _lengths(rng, b, s):
     return lens.astype(np.int32)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_fwd_bwd(rng, dtype, case):
-    _check(rng, dtype, case)
+def test_attention_fwd_bwd(rng, dtype, case, mask):
+    _check(rng, dtype, case, mask)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("variant", kernel.FWD_VARIANTS, ids=str)
-@pytest.mark.parametrize("case", ["mha-d128-causal", "gqa-d64-padding-causal",
-                                  "mqa-d128-padding", "mha-d64-padding-causal-dropout"])
-def test_attention_forward_variants(rng, monkeypatch, variant, case):
+@pytest.mark.parametrize("case", ["mha-d128", "gqa-d64-long", "mha-d64-dropout"])
+def test_attention_forward_variants(rng, monkeypatch, variant, case, mask):
     """Every forward variant (kernels.attention.FWD_VARIANTS; CONFIG picks one)."""
     monkeypatch.setitem(kernel.CONFIG, "fwd", variant)
-    _check(rng, tecupy.bfloat16, case)
+    _check(rng, tecupy.bfloat16, case, mask)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
-@pytest.mark.parametrize("case", ["gqa-d64-nomask", "mha-d128-causal", "mqa-d128-padding",
-                                  "gqa-d64-padding-causal"])
-def test_attention_backward_variants(rng, monkeypatch, variant, case):
+@pytest.mark.parametrize("case", ["gqa-d64", "mqa-d128"])
+def test_attention_backward_variants(rng, monkeypatch, variant, case, mask):
     """Both backward kernels (CONFIG["bwd"]; "sm90" runs on Hopper, else mma.sync's)."""
     monkeypatch.setitem(kernel.CONFIG, "bwd", variant)
-    _check(rng, tecupy.bfloat16, case)
+    _check(rng, tecupy.bfloat16, case, mask)
 
 
-def _check(rng, dtype, case):
-    b, sq, skv, h, hk, d, mask, p = CASES[case]
+def _check(rng, dtype, case, mask_type):
+    b, sq, skv, h, hk, d, p = CASES[case]
+    mask = MASKS[mask_type]  # the kernels and the reference take the parsed Mask
     q, k, v, do = (rng.standard_normal(shape).astype(dtype) for shape in
                    ((b, sq, h, d), (b, skv, hk, d), (b, skv, hk, d), (b, sq, h, d)))
     lq = lkv = None
-    if "padding" in mask:
+    if mask.padding:
         lq, lkv = _lengths(rng, b, sq), _lengths(rng, b, skv)[::-1].copy()
     scale = float(rng.uniform(0.5, 2) / np.sqrt(d))
     seed = int(rng.integers(0, 2**63))
@@ -91,7 +95,7 @@ def test_attention_dropout_reproducible(rng, dtype):
     """The same seed gives the same output; another seed another one."""
     import cupy
     q = cupy.asarray(rng.standard_normal((1, 64, 2, 64)).astype(dtype))
-    args = [q, q, q, 0.125, "no_mask", None, None, 0.2]
+    args = [q, q, q, 0.125, MASKS["no_mask"], None, None, 0.2]
     a = backends.dispatch("attention_fwd", *args, 5)[0]
     assert cupy.array_equal(a, backends.dispatch("attention_fwd", *args, 5)[0])
     assert not cupy.array_equal(a, backends.dispatch("attention_fwd", *args, 6)[0])
@@ -101,8 +105,8 @@ def test_attention_declines_what_it_cannot_take(rng):
     import cupy
     for dtype, d in ((np.float32, 64), (tecupy.bfloat16, 96)):
         q = cupy.asarray(rng.standard_normal((1, 8, 2, d)).astype(dtype))
-        assert backends.chosen("attention_fwd", q, q, q, 0.1, "causal", None, None, 0.0,
-                               None) == "reference"
+        assert backends.chosen("attention_fwd", q, q, q, 0.1, MASKS["causal"], None, None,
+                               0.0, None) == "reference"
 
 
 def test_dot_product_attention_sbhd_gqa_tape(rng):
@@ -130,8 +134,9 @@ def test_dot_product_attention_sbhd_gqa_tape(rng):
         assert_within_2x_reference(g, w, r, "d" + name, atol)
 
 
-@pytest.mark.parametrize("d, mask, p", [(64, "causal", 0.1), (128, "padding", 0.0)])
-def test_attention_reads_strided_views_in_place(rng, d, mask, p):
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d, p", [(64, 0.1), (128, 0.0)])
+def test_attention_reads_strided_views_in_place(rng, d, p, mask):
     """q, k, v as sbhd slices of one packed projection [s, b, h + 2 hk, d] (what the layer
     has), dO sbhd: the same bits as contiguous bshd copies, and outputs laid out like the
     inputs (o sequence-major, dq, dk, dv slices of one packed buffer: no copies around)."""
@@ -141,8 +146,8 @@ def test_attention_reads_strided_views_in_place(rng, d, mask, p):
     do_sbhd = cupy.asarray(rng.standard_normal((s, b, h, d)).astype(tecupy.bfloat16))
     views = [packed[:, :, :h], packed[:, :, h:h + hk], packed[:, :, h + hk:], do_sbhd]
     q, k, v, do = (t.transpose(1, 0, 2, 3) for t in views)  # bshd-shaped views
-    lens = cupy.asarray(_lengths(rng, b, s)) if "padding" in mask else None
-    args = (0.1, mask, lens, lens, p, 1234)
+    lens = cupy.asarray(_lengths(rng, b, s)) if MASKS[mask].padding else None
+    args = (0.1, MASKS[mask], lens, lens, p, 1234)
     dense = [cupy.ascontiguousarray(t) for t in (q, k, v, do)]
     o, lse = backends.dispatch("attention_fwd", q, k, v, *args)
     o_c, lse_c = backends.dispatch("attention_fwd", *dense[:3], *args)
@@ -160,7 +165,7 @@ def test_attention_reads_strided_views_in_place(rng, d, mask, p):
             np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))
 
 
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("mask", UNPADDED)
 def test_attention_takes_size_one_dims_with_stride_zero(rng, mask):
     """x[None] gives the batch dim stride 0 (and x[:, None] the sequence dim): the same bits
     as contiguous copies."""
@@ -170,7 +175,7 @@ def test_attention_takes_size_one_dims_with_stride_zero(rng, mask):
     views = [t[None] for t in qkv]
     assert views[0].strides[0] == 0
     dense = [cupy.ascontiguousarray(t).copy() for t in views]
-    args = (0.1, mask, None, None, 0.0, 0)
+    args = (0.1, MASKS[mask], None, None, 0.0, 0)
     o, lse = backends.dispatch("attention_fwd", *views[:3], *args)
     o_c, lse_c = backends.dispatch("attention_fwd", *dense[:3], *args)
     np.testing.assert_array_equal(asnp(o).view(np.uint16), asnp(o_c).view(np.uint16))

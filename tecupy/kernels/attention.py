@@ -3,7 +3,8 @@ sm_80+ GPU) and, on Hopper, cuda/attention_sm90.cu (forward and backward on TMA 
 the FlashAttention-3 scheme; attention dropout runs on mma.sync).
 
 attention_fwd -> (o, lse); attention_bwd -> (dq, dk, dv), the reference's signatures
-(reference/attention.py). bf16/fp16, head dim 64 or 128, shapes bshd; other inputs fall
+(reference/attention.py; the mask a Mask: causal picks the kernel's template, padding passes
+the lengths or null pointers). bf16/fp16, head dim 64 or 128, shapes bshd; other inputs fall
 back to the reference (supports() declines them, and a softmax scale <= 0). The kernels
 take each operand's batch and sequence strides, so sbhd views and the q/k/v slices of a
 packed projection are read in place (no copies); outputs are laid out in memory as the
@@ -94,10 +95,10 @@ def _function(name, smem, file=FILE):
     return fn
 
 
-def _lengths(mask_type, seqlens_q, seqlens_kv):
+def _lengths(mask, seqlens_q, seqlens_kv):
     """int32 device arrays of the padding lengths, or null pointers."""
     import cupy
-    if "padding" not in mask_type:
+    if not mask.padding:
         return np.uint64(0), np.uint64(0)
     lq = cupy.ascontiguousarray(cupy.asarray(seqlens_q), dtype=np.int32)
     lkv = lq if seqlens_kv is None else cupy.ascontiguousarray(cupy.asarray(seqlens_kv),
@@ -179,22 +180,21 @@ def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
 
 
 @backends.register("attention_fwd", "cuda", supports=_supports)
-def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, seed):
+def attention_fwd(q, k, v, scale, mask, seqlens_q, seqlens_kv, dropout_p, seed):
     import cupy
     q, k, v = (_strided(t) for t in (q, k, v))
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     o, lse = _empty_as(q), cupy.empty((b, h, sq), np.float32)
-    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
     variant = CONFIG["fwd"]
     if variant == "sm90":
         if dropout_p == 0 and hopper():
-            return _fwd_sm90(q, k, v, o, lse, scale, "causal" in mask_type, lq, lkv)
+            return _fwd_sm90(q, k, v, o, lse, scale, mask.causal, lq, lkv)
         variant = FWD_VARIANTS[1]
     bn, mw = variant[:2]
     smem = (FWD_BM + 4 * bn) * d * 2
-    fn = _function(_fwd_name(CTYPE[q.dtype], d, variant, "causal" in mask_type, dropout_p > 0),
-                   smem)
+    fn = _function(_fwd_name(CTYPE[q.dtype], d, variant, mask.causal, dropout_p > 0), smem)
     fn((-(-sq // FWD_BM), h, b), (256 // mw,),
        (q, k, v, o, lse, lq, lkv, np.int32(sq), np.int32(skv), np.int32(h), np.int32(hk),
         np.float32(scale * np.log2(np.e)), *_dropout_args(dropout_p, seed),
@@ -203,13 +203,13 @@ def attention_fwd(q, k, v, scale, mask_type, seqlens_q, seqlens_kv, dropout_p, s
 
 
 @backends.register("attention_bwd", "cuda", supports=_supports_bwd)
-def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, dropout_p,
+def attention_bwd(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, dropout_p,
                   seed):
     import cupy
     do, q, k, v, o = (_strided(t) for t in (do, q, k, v, o))
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)
     if CONFIG["bwd"] == "sm90" and dropout_p == 0 and hopper():
-        return _bwd_sm90(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv)
+        return _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv)
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     t, rows = CTYPE[q.dtype], b * sq * h
@@ -223,8 +223,8 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv, 
                   np.int64).view("V96")  # struct BwdStrides
     bn = 16 * BWD_WARPS
     smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
-    fn = _function(_bwd_name(t, d, "causal" in mask_type, dropout_p > 0), smem)
-    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    fn = _function(_bwd_name(t, d, mask.causal, dropout_p > 0), smem)
+    lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
     fn((-(-skv // bn), hk, b), (2 * bn,),
        (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
         np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed), st),
@@ -243,12 +243,12 @@ def _convert_dq(dq_acc, dq):
                                              np.int64(inner)))
 
 
-def _bwd_sm90(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv):
+def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv):
     import cupy
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     t, pad = CTYPE[q.dtype], -(-sq // SM90_BWD_BM) * SM90_BWD_BM
-    lq, lkv = _lengths(mask_type, seqlens_q, seqlens_kv)
+    lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
     lse2, delta = cupy.empty((2, b * h, pad), np.float32)  # rows padded to whole blocks
     rows = b * h * pad
     loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")(
@@ -259,7 +259,7 @@ def _bwd_sm90(do, q, k, v, o, lse, scale, mask_type, seqlens_q, seqlens_kv):
     st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).view("V32")  # BwdSm90Strides
     tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
     smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
-    fn = _function(_sm90_bwd_name(t, d, "causal" in mask_type), smem, SM90_FILE)
+    fn = _function(_sm90_bwd_name(t, d, mask.causal), smem, SM90_FILE)
     fn((-(-skv // SM90_BWD_BN), hk, b), (384,),
        (_tma(q, SM90_BWD_BM), _tma(k, SM90_BWD_BN), _tma(v, SM90_BWD_BN),
         _tma(do, SM90_BWD_BM), lse2, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq),

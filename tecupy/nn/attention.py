@@ -5,8 +5,7 @@ making parameters; forwards check the inputs' shapes against the module's sizes.
 """
 from .. import _check
 from ..ops import dot_product_attention, reshape, split
-from ..ops.attention import QKV_FORMATS
-from ..reference.attention import MASK_TYPES
+from ..ops.attention import QKV_FORMATS, parse_mask
 from .layers import LayerNormLinear, Linear, check_norm_options
 from .module import Module
 
@@ -30,11 +29,11 @@ def check_heads(op, hidden_size, heads, kv_channels, groups):
 
 def check_core_options(op, attention_dropout, qkv_format, attn_mask_type,
                        names=("qkv_format", "attn_mask_type")):
-    """Core attention's options, under the caller's names for them; -> the dropout as a
-    float in [0, 1)."""
+    """Core attention's options, under the caller's names for them; -> (the dropout as a
+    float in [0, 1), the Mask)."""
     _check.choice(op, names[0], qkv_format, QKV_FORMATS)
-    _check.choice(op, names[1], attn_mask_type, MASK_TYPES)
-    return _check.real(op, "attention_dropout", attention_dropout, 0, 1, high_open=True)
+    mask = parse_mask(op, names[1], attn_mask_type)
+    return _check.real(op, "attention_dropout", attention_dropout, 0, 1, high_open=True), mask
 
 
 class DotProductAttention(Module):
@@ -47,14 +46,23 @@ class DotProductAttention(Module):
         op = "DotProductAttention"
         kv_channels = _check.size(op, "kv_channels", kv_channels)
         _, groups = check_heads(op, None, num_attention_heads, kv_channels, num_gqa_groups)
-        p = check_core_options(op, attention_dropout, qkv_format, attn_mask_type)
+        p, mask = check_core_options(op, attention_dropout, qkv_format, attn_mask_type)
         if softmax_scale is not None:
             softmax_scale = _check.real(op, "softmax_scale", softmax_scale)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.num_attention_heads, self.kv_channels = int(num_attention_heads), kv_channels
         self.num_gqa_groups = groups
         self.attention_dropout, self.qkv_format = p, qkv_format
-        self.attn_mask_type, self.softmax_scale = attn_mask_type, softmax_scale
+        self.mask, self.softmax_scale = mask, softmax_scale
+
+    @property
+    def attn_mask_type(self):
+        """Transformer Engine's attribute: the mask type's name (self.mask: what it means)."""
+        return self.mask.name
+
+    @attn_mask_type.setter
+    def attn_mask_type(self, value):
+        self.mask = parse_mask("DotProductAttention", "attn_mask_type", value)
 
     def _check_inputs(self, query, key, value):
         heads, groups, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
@@ -68,9 +76,9 @@ class DotProductAttention(Module):
                 seqlens_kv=None):
         self._check_inputs(query, key, value)
         p = self.attention_dropout if self.training else 0.0
-        o = dot_product_attention(query, key, value, attn_mask_type or self.attn_mask_type,
-                                  self.qkv_format, self.softmax_scale, p, seqlens_q,
-                                  seqlens_kv, self.next_seed() if p > 0 else None)
+        mask = self.mask if attn_mask_type is None else attn_mask_type  # the op parses it
+        o = dot_product_attention(query, key, value, mask, self.qkv_format, self.softmax_scale,
+                                  p, seqlens_q, seqlens_kv, self.next_seed() if p > 0 else None)
         return reshape(o, o.shape[:2] + (o.shape[2] * o.shape[3],))
 
 
@@ -111,13 +119,14 @@ class MultiheadAttention(Module):
     def forward(self, hidden_states, attn_mask_type=None, seqlens=None):
         """hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd); seqlens [b] for
         padding masks."""
-        check_hidden_states("MultiheadAttention", hidden_states, self.hidden_size)
-        check_seqlens("MultiheadAttention", "attn_mask_type",
-                      attn_mask_type or self.core_attention.attn_mask_type, seqlens)
+        op = "MultiheadAttention"
+        check_hidden_states(op, hidden_states, self.hidden_size)
+        mask = call_mask(op, "attn_mask_type", attn_mask_type, self.core_attention.mask,
+                         seqlens)
         qkv = (self.layernorm_qkv if self.input_layernorm else self.qkv)(hidden_states)
         qkv = reshape(qkv, qkv.shape[:2] + (self.heads + 2 * self.groups, self.kv_channels))
         q, k, v = split(qkv, [self.heads, self.groups, self.groups], axis=2)
-        ctx = self.core_attention(q, k, v, attn_mask_type, seqlens, seqlens)
+        ctx = self.core_attention(q, k, v, mask, seqlens, seqlens)
         return self.proj(ctx)
 
 
@@ -129,8 +138,11 @@ def check_hidden_states(op, x, hidden_size):
                     f"[b, s, {hidden_size}]", x)
 
 
-def check_seqlens(op, mask_name, mask_type, seqlens):
-    """A padding mask needs seqlens (named as the module names it; the op would ask for
-    seqlens_q). The mask type itself is checked by the op."""
-    if seqlens is None and isinstance(mask_type, str) and "padding" in mask_type:
-        _check.fail(op, "seqlens", f"an int array [batch] with {mask_name}={mask_type!r}", None)
+def call_mask(op, name, value, default, seqlens):
+    """A forward's Mask: value (a mask type named `name`, a Mask, or None for the module's
+    `default`), checked against seqlens: a padding mask needs them (named as the module
+    names them; the op would ask for seqlens_q)."""
+    mask = default if value is None else parse_mask(op, name, value)
+    if seqlens is None and mask.padding:
+        _check.fail(op, "seqlens", f"an int array [batch] with {name}={mask.name!r}", None)
+    return mask

@@ -6,9 +6,8 @@
 from .. import _check
 from ..ops import dropout
 from ..ops.activation import ACTIVATIONS
-from ..reference.attention import MASK_TYPES
-from .attention import (MultiheadAttention, check_core_options, check_heads,
-                        check_hidden_states, check_seqlens)
+from .attention import (MultiheadAttention, call_mask, check_core_options, check_heads,
+                        check_hidden_states)
 from .layers import LayerNormMLP, check_norm_options
 from .module import Module
 
@@ -61,12 +60,10 @@ class TransformerLayer(Module):
 
     def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None):
         """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd')."""
-        check_hidden_states("TransformerLayer", hidden_states, self.hidden_size)
-        if self_attn_mask_type is not None:
-            _check.choice("TransformerLayer", "self_attn_mask_type", self_attn_mask_type,
-                          MASK_TYPES)
-        check_seqlens("TransformerLayer", "self_attn_mask_type", self_attn_mask_type or
-                      self.self_attention.core_attention.attn_mask_type, seqlens)
-        attn = self.self_attention(hidden_states, self_attn_mask_type, seqlens)
+        op = "TransformerLayer"
+        check_hidden_states(op, hidden_states, self.hidden_size)
+        mask = call_mask(op, "self_attn_mask_type", self_attn_mask_type,
+                         self.self_attention.core_attention.mask, seqlens)
+        attn = self.self_attention(hidden_states, mask, seqlens)
         h = self._dropout_add(attn, hidden_states)
         return self._dropout_add(self.layernorm_mlp(h), h)
