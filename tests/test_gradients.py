@@ -11,6 +11,7 @@ import pytest
 import tecupy
 from tecupy import Tape
 from tecupy._array import xp_of
+from tecupy.ops.attention import MASKS
 
 from conftest import asnp
 
@@ -230,25 +231,27 @@ def test_shared_input_accumulates(xp, rng):
 
 # ---- dot_product_attention ---------------------------------------------------------------
 
-# name: (mask, fmt, b, sq, skv, h, hk, d, seqlens_q, seqlens_kv, dropout, scale)
+# name: (fmt, b, sq, skv, h, hk, d, seqlens_q, seqlens_kv, dropout, scale); each case runs
+# under every mask type in MASKS, the lengths only under the padding ones
 ATTN_CASES = {
-    "no_mask_bshd": ("no_mask", "bshd", 2, 5, 5, 3, 3, 4, None, None, 0.0, None),
-    "no_mask_sq_ne_skv_bshd": ("no_mask", "bshd", 2, 3, 7, 2, 2, 5, None, None, 0.0, None),
-    "no_mask_sq_ne_skv_sbhd": ("no_mask", "sbhd", 2, 6, 4, 3, 1, 3, None, None, 0.0, None),
-    "causal_bshd": ("causal", "bshd", 2, 5, 5, 3, 3, 4, None, None, 0.0, None),
-    "causal_sbhd": ("causal", "sbhd", 3, 5, 5, 2, 2, 3, None, None, 0.0, None),
-    "causal_gqa_bshd": ("causal", "bshd", 2, 5, 5, 4, 2, 3, None, None, 0.0, None),
-    "causal_mqa_sbhd": ("causal", "sbhd", 2, 5, 5, 3, 1, 4, None, None, 0.0, 0.9),
-    "padding_bshd": ("padding", "bshd", 3, 5, 5, 2, 2, 3, [5, 3, 1], None, 0.0, None),
-    "padding_uneven_kv_sbhd": ("padding", "sbhd", 2, 4, 6, 2, 1, 3, [4, 2], [3, 6], 0.0, None),
-    "padding_empty_seq": ("padding", "bshd", 2, 5, 5, 2, 2, 3, [0, 4], [0, 2], 0.0, None),
-    "padding_causal_bshd": ("padding_causal", "bshd", 2, 5, 5, 4, 2, 3, [5, 2], None, 0.0, None),
-    "padding_causal_sbhd": ("padding_causal", "sbhd", 3, 5, 5, 3, 3, 2, [3, 5, 4], [2, 5, 4],
-                            0.0, None),
-    "dropout_causal_gqa_bshd": ("causal", "bshd", 2, 5, 5, 4, 2, 3, None, None, 0.25, None),
-    "dropout_no_mask_sbhd": ("no_mask", "sbhd", 2, 5, 7, 2, 2, 3, None, None, 0.3, 0.5),
-    "dropout_padding_bshd": ("padding", "bshd", 2, 5, 5, 3, 1, 3, [5, 3], None, 0.2, None),
+    "bshd": ("bshd", 3, 5, 5, 2, 2, 4, [5, 3, 1], None, 0.0, None),
+    "sq_ne_skv_bshd": ("bshd", 2, 3, 7, 2, 2, 5, [3, 1], [4, 7], 0.0, None),
+    "sq_ne_skv_mqa_sbhd": ("sbhd", 2, 6, 4, 3, 1, 3, [6, 2], [3, 4], 0.0, None),
+    "gqa_sbhd": ("sbhd", 3, 5, 5, 4, 2, 3, [3, 5, 4], [2, 5, 4], 0.0, None),
+    "mqa_scale_bshd": ("bshd", 2, 5, 5, 3, 1, 4, [5, 2], None, 0.0, 0.9),
+    "empty_seq_bshd": ("bshd", 2, 5, 5, 2, 2, 3, [0, 4], [0, 2], 0.0, None),
+    "dropout_gqa_bshd": ("bshd", 2, 5, 5, 4, 2, 3, [5, 3], None, 0.25, None),
+    "dropout_mqa_sbhd": ("sbhd", 2, 5, 7, 3, 1, 3, [5, 2], [7, 3], 0.3, 0.5),
 }
+
+
+def _attn_case(case, mask):
+    """(fmt, shape, seqlens_q, seqlens_kv as lists or None, dropout, scale) of a case under
+    a mask type: lengths only for padding masks."""
+    fmt, *shape, lq, lkv, p, scale = ATTN_CASES[case]
+    if not MASKS[mask].padding:
+        lq = lkv = None
+    return fmt, shape, lq, lkv, p, scale
 
 
 def _attn_inputs(xp, rng, fmt, b, sq, skv, h, hk, d):
@@ -258,10 +261,11 @@ def _attn_inputs(xp, rng, fmt, b, sq, skv, h, hk, d):
     return make(sq, h), make(skv, hk), make(skv, hk)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("case", list(ATTN_CASES))
-def test_dot_product_attention(xp, rng, case):
-    mask, fmt, b, sq, skv, h, hk, d, lq, lkv, p, scale = ATTN_CASES[case]
-    q, k, v = _attn_inputs(xp, rng, fmt, b, sq, skv, h, hk, d)
+def test_dot_product_attention(xp, rng, case, mask):
+    fmt, shape, lq, lkv, p, scale = _attn_case(case, mask)
+    q, k, v = _attn_inputs(xp, rng, fmt, *shape)
     lq = None if lq is None else xp.asarray(np.array(lq, dtype=np.int32))
     lkv = None if lkv is None else xp.asarray(np.array(lkv, dtype=np.int64))
     seed = int(rng.integers(0, 2**62)) if p else None
@@ -270,7 +274,7 @@ def test_dot_product_attention(xp, rng, case):
         return tecupy.dot_product_attention(q, k, v, mask, fmt, scale, p, lq, lkv, seed)
     o, grads = fd_check(f, {"q": q, "k": k, "v": v}, rng, n=32)
     assert o.shape == q.shape
-    if "padding" in mask:  # padded query rows give zero output and zero gradient
+    if MASKS[mask].padding:  # padded query rows give zero output and zero gradient
         ob = asnp(o) if fmt == "bshd" else asnp(o).transpose(1, 0, 2, 3)
         dq = asnp(grads["q"]) if fmt == "bshd" else asnp(grads["q"]).transpose(1, 0, 2, 3)
         for i, n in enumerate(asnp(lq)):
@@ -278,7 +282,8 @@ def test_dot_product_attention(xp, rng, case):
 
 
 def _attention_naive(q, k, v, mask, fmt, scale, lq, lkv):
-    """Plain NumPy attention (no dropout), bshd maths; independent of tecupy's kernels."""
+    """Plain NumPy attention (no dropout), bshd maths; independent of tecupy's kernels.
+    mask: a Mask (causal, padding)."""
     if fmt == "sbhd":
         q, k, v = (t.transpose(1, 0, 2, 3) for t in (q, k, v))
     b, sq, h, d = q.shape
@@ -290,9 +295,9 @@ def _attention_naive(q, k, v, mask, fmt, scale, lq, lkv):
         for hi in range(h):
             s = scale * q[bi, :, hi] @ k[bi, :, hi // (h // hk)].T
             keep = np.ones((sq, skv), bool)
-            if "causal" in mask:
+            if mask.causal:
                 keep &= np.tril(np.ones((sq, skv), bool))
-            if "padding" in mask:
+            if mask.padding:
                 keep[lq[bi]:] = False
                 keep[:, lkv[bi]:] = False
             for i in range(sq):
@@ -302,15 +307,16 @@ def _attention_naive(q, k, v, mask, fmt, scale, lq, lkv):
     return out if fmt == "bshd" else out.transpose(1, 0, 2, 3)
 
 
-@pytest.mark.parametrize("case", [c for c in ATTN_CASES if not ATTN_CASES[c][10]])
-def test_dot_product_attention_forward(xp, rng, case):
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("case", [c for c in ATTN_CASES if not ATTN_CASES[c][9]])
+def test_dot_product_attention_forward(xp, rng, case, mask):
     """The forward the gradients are checked against is itself right."""
-    mask, fmt, b, sq, skv, h, hk, d, lq, lkv, p, scale = ATTN_CASES[case]
-    q, k, v = _attn_inputs(xp, rng, fmt, b, sq, skv, h, hk, d)
+    fmt, shape, lq, lkv, p, scale = _attn_case(case, mask)
+    q, k, v = _attn_inputs(xp, rng, fmt, *shape)
     lqa = None if lq is None else xp.asarray(np.array(lq))
     lkva = None if lkv is None else xp.asarray(np.array(lkv))
     o = tecupy.dot_product_attention(q, k, v, mask, fmt, scale, 0.0, lqa, lkva)
-    ref = _attention_naive(asnp(q), asnp(k), asnp(v), mask, fmt, scale, lq, lkv)
+    ref = _attention_naive(asnp(q), asnp(k), asnp(v), MASKS[mask], fmt, scale, lq, lkv)
     np.testing.assert_allclose(asnp(o), ref, rtol=1e-12, atol=1e-12)
 
 

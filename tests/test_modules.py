@@ -7,6 +7,7 @@ import pytest
 
 import tecupy
 from tecupy import nn
+from tecupy.ops.attention import MASKS
 
 from conftest import asnp
 from test_gradients import fd_check
@@ -133,25 +134,33 @@ def test_layernorm_mlp(xp, rng, activation, normalization, zcg, bias):
 
 # ---- DotProductAttention -----------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,heads,groups,mask,seqlens", [
-    ("sbhd", 3, None, "causal", None),
-    ("bshd", 4, 2, "causal", None),
-    ("sbhd", 4, 1, "no_mask", None),
-    ("bshd", 2, 2, "padding", [5, 3]),
-    ("sbhd", 4, 2, "padding_causal", [2, 5]),
+PADDING_MASKS = [name for name, mask in MASKS.items() if mask.padding]
+
+
+def mask_lengths(xp, mask, seqlens):
+    """seqlens as an int array [B] under a padding mask type, else None (no lengths)."""
+    return xp.asarray(np.array(seqlens, dtype=np.int32)) if MASKS[mask].padding else None
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("fmt,heads,groups,seqlens", [
+    ("sbhd", 3, None, [2, 5]),
+    ("bshd", 4, 2, [5, 3]),
+    ("sbhd", 4, 1, [4, 1]),
 ])
-def test_dot_product_attention(xp, rng, fmt, heads, groups, mask, seqlens):
+def test_dot_product_attention(xp, rng, fmt, heads, groups, seqlens, mask):
     d = 3
     m = nn.DotProductAttention(heads, d, num_gqa_groups=groups, attention_dropout=0.0,
                                qkv_format=fmt, attn_mask_type=mask, params_dtype=np.float64,
                                device=device_of(xp), seed=int(rng.integers(0, 2**62)))
     assert m.named_parameters() == {}
+    assert m.attn_mask_type == mask and m.mask == MASKS[mask]
     hk = groups or heads
 
     def t(h):
         return randn(xp, rng, *((S, B, h, d) if fmt == "sbhd" else (B, S, h, d)))
     q, k, v = t(heads), t(hk), t(hk)
-    lens = None if seqlens is None else xp.asarray(np.array(seqlens, dtype=np.int32))
+    lens = mask_lengths(xp, mask, seqlens)
     y, _ = fd_check(lambda: m(q, k, v, None, lens, lens), {"q": q, "k": k, "v": v}, rng,
                     module=m, n=24)
     assert y.shape == q.shape[:2] + (heads * d,)
@@ -181,82 +190,80 @@ def mha_reference(cfg, m, x, mask, seqlens):
     return tecupy.linear(ctx, m.proj.weight, m.proj.bias)
 
 
-MHA_CASES = {
+MHA_CASES = {  # each runs under every mask type; seqlens: the lengths padding masks take
     "plain_sbhd": dict(hidden=12, heads=4, groups=None, kv_channels=3, fmt="sbhd",
-                       mask="causal", input_layernorm=False, normalization="LayerNorm",
-                       zcg=False, bias=True, seqlens=None),
+                       input_layernorm=False, normalization="LayerNorm", zcg=False, bias=True,
+                       seqlens=[5, 2]),
     "ln_gqa_bshd": dict(hidden=12, heads=4, groups=2, kv_channels=3, fmt="bshd",
-                        mask="causal", input_layernorm=True, normalization="LayerNorm",
-                        zcg=False, bias=True, seqlens=None),
+                        input_layernorm=True, normalization="LayerNorm", zcg=False, bias=True,
+                        seqlens=[2, 5]),
     "rms_zcg_mqa_sbhd": dict(hidden=9, heads=3, groups=1, kv_channels=3, fmt="sbhd",
-                             mask="no_mask", input_layernorm=True, normalization="RMSNorm",
-                             zcg=True, bias=False, seqlens=None),
-    "kv_channels_padding_bshd": dict(hidden=10, heads=2, groups=None, kv_channels=3,
-                                     fmt="bshd", mask="padding", input_layernorm=True,
-                                     normalization="LayerNorm", zcg=True, bias=True,
-                                     seqlens=[3, 5]),
-    "gqa_padding_causal_sbhd": dict(hidden=12, heads=4, groups=2, kv_channels=3, fmt="sbhd",
-                                    mask="padding_causal", input_layernorm=False,
-                                    normalization="LayerNorm", zcg=False, bias=True,
-                                    seqlens=[5, 2]),
+                             input_layernorm=True, normalization="RMSNorm", zcg=True,
+                             bias=False, seqlens=[4, 5]),
+    "kv_channels_bshd": dict(hidden=10, heads=2, groups=None, kv_channels=3, fmt="bshd",
+                             input_layernorm=True, normalization="LayerNorm", zcg=True,
+                             bias=True, seqlens=[3, 5]),
+    "gqa_sbhd": dict(hidden=12, heads=4, groups=2, kv_channels=3, fmt="sbhd",
+                     input_layernorm=False, normalization="LayerNorm", zcg=False, bias=True,
+                     seqlens=[5, 2]),
 }
 
 
-def make_mha(xp, rng, cfg, attention_dropout=0.0):
+def make_mha(xp, rng, cfg, mask, attention_dropout=0.0):
     cfg = dict(cfg, eps=1e-5)
     kv = None if cfg["heads"] * cfg["kv_channels"] == cfg["hidden"] else cfg["kv_channels"]
     m = make(nn.MultiheadAttention, xp, rng, cfg["hidden"], cfg["heads"], kv_channels=kv,
              attention_dropout=attention_dropout, layernorm_epsilon=cfg["eps"],
-             attn_mask_type=cfg["mask"], num_gqa_groups=cfg["groups"],
+             attn_mask_type=mask, num_gqa_groups=cfg["groups"],
              input_layernorm=cfg["input_layernorm"], normalization=cfg["normalization"],
              bias=cfg["bias"], zero_centered_gamma=cfg["zcg"], qkv_format=cfg["fmt"])
     return m, cfg
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("case", list(MHA_CASES))
-def test_multihead_attention(xp, rng, case):
-    m, cfg = make_mha(xp, rng, MHA_CASES[case])
+def test_multihead_attention(xp, rng, case, mask):
+    m, cfg = make_mha(xp, rng, MHA_CASES[case], mask)
     h, g, d = cfg["heads"], cfg["groups"] or cfg["heads"], cfg["kv_channels"]
     qkv_w = m.layernorm_qkv.weight if cfg["input_layernorm"] else m.qkv.weight
     assert qkv_w.shape == ((h + 2 * g) * d, cfg["hidden"])
     assert m.proj.weight.shape == (cfg["hidden"], h * d)
     x = randn(xp, rng, *seq_shape(cfg["fmt"], cfg["hidden"]))
-    lens = None if cfg["seqlens"] is None else xp.asarray(np.array(cfg["seqlens"]))
+    lens = mask_lengths(xp, mask, cfg["seqlens"])
     y, grads = check_module(m, x, rng, None, lens)
     assert y.shape == x.shape
-    close(y, mha_reference(cfg, m, x, cfg["mask"], lens))
+    close(y, mha_reference(cfg, m, x, mask, lens))
     assert set(grads) == set(m.named_parameters()) | {"x"}
 
 
 # ---- TransformerLayer --------------------------------------------------------------------
 
-TL_CASES = {
-    "default_sbhd": dict(hidden=12, ffn=7, heads=4, groups=None, fmt="sbhd", mask="causal",
+TL_CASES = {  # each runs under every mask type (seqlens: the lengths padding masks take);
+    # override: the layer keeps its default mask type and the call passes the case's
+    "default_sbhd": dict(hidden=12, ffn=7, heads=4, groups=None, fmt="sbhd",
                          normalization="LayerNorm", activation="gelu", zcg=False, bias=True,
-                         seqlens=None, call_mask=None),
+                         seqlens=[5, 3], override=False),
     "gqa_rms_swiglu_zcg_bshd": dict(hidden=12, ffn=5, heads=4, groups=2, fmt="bshd",
-                                    mask="causal", normalization="RMSNorm",
-                                    activation="swiglu", zcg=True, bias=True, seqlens=None,
-                                    call_mask=None),
-    "padding_geglu_mqa_sbhd": dict(hidden=9, ffn=7, heads=3, groups=1, fmt="sbhd",
-                                   mask="padding", normalization="LayerNorm",
-                                   activation="geglu", zcg=True, bias=False, seqlens=[5, 3],
-                                   call_mask=None),
-    "padding_causal_override_relu_bshd": dict(hidden=12, ffn=7, heads=2, groups=None,
-                                              fmt="bshd", mask="causal",
-                                              normalization="LayerNorm", activation="relu",
-                                              zcg=False, bias=True, seqlens=[2, 5],
-                                              call_mask="padding_causal"),
+                                    normalization="RMSNorm", activation="swiglu", zcg=True,
+                                    bias=True, seqlens=[2, 5], override=False),
+    "geglu_mqa_sbhd": dict(hidden=9, ffn=7, heads=3, groups=1, fmt="sbhd",
+                           normalization="LayerNorm", activation="geglu", zcg=True,
+                           bias=False, seqlens=[5, 3], override=False),
+    "override_relu_bshd": dict(hidden=12, ffn=7, heads=2, groups=None, fmt="bshd",
+                               normalization="LayerNorm", activation="relu", zcg=False,
+                               bias=True, seqlens=[2, 5], override=True),
 }
 
 
-def make_tl(xp, rng, cfg, hidden_dropout=0.0, attention_dropout=0.0):
+def make_tl(xp, rng, cfg, mask, hidden_dropout=0.0, attention_dropout=0.0):
+    """mask None: the constructor's default mask type."""
+    kw = {} if mask is None else dict(self_attn_mask_type=mask)
     return make(nn.TransformerLayer, xp, rng, cfg["hidden"], cfg["ffn"], cfg["heads"],
                 num_gqa_groups=cfg["groups"], layernorm_epsilon=1e-5,
                 hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
-                self_attn_mask_type=cfg["mask"], normalization=cfg["normalization"],
-                activation=cfg["activation"], bias=cfg["bias"], zero_centered_gamma=cfg["zcg"],
-                attn_input_format=cfg["fmt"])
+                normalization=cfg["normalization"], activation=cfg["activation"],
+                bias=cfg["bias"], zero_centered_gamma=cfg["zcg"], attn_input_format=cfg["fmt"],
+                **kw)
 
 
 def tl_reference(cfg, m, x, mask, seqlens):
@@ -273,27 +280,29 @@ def tl_reference(cfg, m, x, mask, seqlens):
     return tecupy.add(mlp, h)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("case", list(TL_CASES))
-def test_transformer_layer(xp, rng, case):
+def test_transformer_layer(xp, rng, case, mask):
     cfg = TL_CASES[case]
-    m = make_tl(xp, rng, cfg)
+    m = make_tl(xp, rng, cfg, None if cfg["override"] else mask)
     x = randn(xp, rng, *seq_shape(cfg["fmt"], cfg["hidden"]))
-    lens = None if cfg["seqlens"] is None else xp.asarray(np.array(cfg["seqlens"]))
-    y, grads = check_module(m, x, rng, cfg["call_mask"], lens, n=6)
+    lens = mask_lengths(xp, mask, cfg["seqlens"])
+    y, grads = check_module(m, x, rng, mask if cfg["override"] else None, lens, n=6)
     assert y.shape == x.shape
-    close(y, tl_reference(cfg, m, x, cfg["call_mask"] or cfg["mask"], lens))
+    close(y, tl_reference(cfg, m, x, mask, lens))
     names = set(m.named_parameters())
     assert any(n.startswith("self_attention.layernorm_qkv.") for n in names)
     assert any(n.startswith("layernorm_mlp.") for n in names)
 
 
-def test_transformer_layer_padding_ignores_padded_tokens(xp, rng):
+@pytest.mark.parametrize("mask", PADDING_MASKS)
+def test_transformer_layer_padding_ignores_padded_tokens(xp, rng, mask):
     """With a padding mask, what sits in the padded positions of a sequence cannot change
     the valid positions' outputs."""
-    cfg = TL_CASES["padding_geglu_mqa_sbhd"]
-    m = make_tl(xp, rng, cfg)
+    cfg = TL_CASES["geglu_mqa_sbhd"]
+    m = make_tl(xp, rng, cfg, mask)
     x = randn(xp, rng, *seq_shape(cfg["fmt"], cfg["hidden"]))
-    lens = xp.asarray(np.array(cfg["seqlens"]))
+    lens = mask_lengths(xp, mask, cfg["seqlens"])
     y1 = asnp(m(x, None, lens))
     x2 = x.copy()
     x2[3:, 1] = xp.asarray(rng.standard_normal(x2[3:, 1].shape))  # batch 1 has length 3
@@ -310,10 +319,10 @@ def _dropout_modules(xp, rng):
                                seed=int(rng.integers(0, 2**62)))
     q = randn(xp, rng, B, S, 3, 4)
     mcfg = MHA_CASES["ln_gqa_bshd"]
-    mha, _ = make_mha(xp, rng, mcfg, attention_dropout=0.4)
+    mha, _ = make_mha(xp, rng, mcfg, "causal", attention_dropout=0.4)
     tcfg = TL_CASES["gqa_rms_swiglu_zcg_bshd"]
-    tl = make_tl(xp, rng, tcfg, hidden_dropout=0.3, attention_dropout=0.3)
-    tl_hidden_only = make_tl(xp, rng, tcfg, hidden_dropout=0.3, attention_dropout=0.0)
+    tl = make_tl(xp, rng, tcfg, None, hidden_dropout=0.3, attention_dropout=0.3)
+    tl_hidden_only = make_tl(xp, rng, tcfg, None, hidden_dropout=0.3, attention_dropout=0.0)
     xm = randn(xp, rng, B, S, mcfg["hidden"])
     xt = randn(xp, rng, B, S, tcfg["hidden"])
     return {
@@ -322,7 +331,7 @@ def _dropout_modules(xp, rng):
                                 .reshape(B, S, 12)),
         "MultiheadAttention": (mha, lambda: mha(xm),
                                lambda: mha_reference(dict(mcfg, eps=1e-5), mha, xm,
-                                                     mcfg["mask"], None)),
+                                                     "causal", None)),
         "TransformerLayer": (tl, lambda: tl(xt), lambda: tl_reference(tcfg, tl, xt, "causal",
                                                                        None)),
         "TransformerLayer_hidden_dropout": (
@@ -384,8 +393,9 @@ def test_constructors_take_numpy_scalars_and_edge_values(rng):
     assert layer.eval()(x).shape == x.shape
 
 
-def test_padding_masks_take_seqlens_through_the_modules(rng):
-    m = nn.TransformerLayer(8, 16, 2, self_attn_mask_type="padding_causal",
+@pytest.mark.parametrize("mask", PADDING_MASKS)
+def test_padding_masks_take_seqlens_through_the_modules(rng, mask):
+    m = nn.TransformerLayer(8, 16, 2, self_attn_mask_type=mask,
                             params_dtype=np.float64, device="cpu", seed=1).eval()
     x = randn(np, rng, S, B, 8)
     y = m(x, seqlens=np.array([S, 2]))
