@@ -35,6 +35,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "act_math.cuh"  // cuda/ is on every file's include path
+
 namespace tc {
 
 constexpr int BM = 128, BK = 128, THREADS = 384, GROUP_M = 16;
@@ -130,13 +132,10 @@ __device__ __forceinline__ void amax_atomic(float* amax_out, float v) {
     if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<unsigned*>(amax_out), __float_as_uint(v));
 }
 
-constexpr float kK0 = 0.7978845608028654f, kK1 = 0.044715f;  // sqrt(2/pi), cubic term
-
-// noinline: inlined 128 times, tanhf makes the epilogue too big to unroll, and the
-// accumulator would move to local memory.
-__device__ __noinline__ float gelu(float x) {  // tanh form, as cuda/act.cu
-    return 0.5f * x * (1.f + tanhf(kK0 * x * (1.f + kK1 * x * x)));
-}
+// gelu's tanh form from cuda/act_math.cuh, the maths of act.cu's float32 gelu. noinline:
+// inlined 128 times, tanhf makes the epilogue too big to unroll, and the accumulator would
+// move to local memory.
+__device__ __noinline__ float gelu(float x) { return Gelu::f<false>(x); }
 
 // What the epilogue needs besides the fragment. EPI: 0 none, 1 + bias, 2 gelu(+ bias) with
 // the value before gelu stored in aux (backward needs it).

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tecupy
+from tecupy.activation_table import TABLE
 from tecupy.recipe import DelayedScaling, Float8CurrentScaling, Format
 from conftest import asnp
 
@@ -96,7 +97,7 @@ def test_fp8_matches_emulation_exactly(rng):
     np.testing.assert_allclose(y, qx @ qw.T + lin.bias, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", list(TABLE))
 def test_fp8_layernorm_mlp_close_to_high_precision(xp, rng, activation):
     dev = "cpu" if xp is np else "cuda"
     mlp = tecupy.nn.LayerNormMLP(64, 96, activation=activation, device=dev, seed=5)
@@ -166,12 +167,12 @@ def test_fused_norm_fp8_matches_unfused(xp, rng, normalization):
                                    asnp(getattr(states[1].fwd, name)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", list(TABLE))
 def test_fused_mlp_fp8_matches_unfused(xp, rng, activation):
     """layernorm_mlp under delayed scaling (norm and activation casting their outputs to
     FP8 in their own passes) equals the composition of the separate ops."""
     hid, ffn = 32, 48
-    f1 = ffn * (2 if activation == "swiglu" else 1)
+    f1 = ffn * (2 if TABLE[activation].gated else 1)
     x, dy = data(xp, rng, 32, hid), data(xp, rng, 32, hid)
     g, beta = data(xp, rng, hid), data(xp, rng, hid)
     w1, b1 = data(xp, rng, f1, hid) * 0.2, data(xp, rng, f1)

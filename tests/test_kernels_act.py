@@ -5,17 +5,18 @@ import numpy as np
 import pytest
 
 import tecupy
+from tecupy.activation_table import TABLE
 from tecupy.fp8 import E4M3
 from conftest import asnp, assert_within_2x_reference, f64, fp8_step, run
 
 pytestmark = pytest.mark.gpu
-NAMES = ["gelu", "relu", "swiglu", "geglu"]
+NAMES = list(TABLE)
 DTYPES = [np.float32, np.float16, tecupy.bfloat16]
 
 
 def inputs(rng, name, dtype, shape, with_bias):
     x = (rng.standard_normal(shape) * 3).astype(dtype)
-    gated = name in ("swiglu", "geglu")
+    gated = TABLE[name].gated
     out_shape = shape[:-1] + (shape[-1] // 2,) if gated else shape
     bias = rng.standard_normal(shape[-1]).astype(dtype) if with_bias else None
     return x, bias, rng.standard_normal(out_shape).astype(dtype)

@@ -1,4 +1,4 @@
 """CUDA implementations (the `cuda` backend): short wrappers that check, allocate and
 launch kernels from cuda/*.cu compiled by the loader. Importing registers them."""
-from . import (activation, attention, cast, dropout, fp8_gemm, gemm, norm, scaling,  # noqa: F401
-               softmax, transpose)
+from . import (activation, attention, cast, colsum, dropout, fp8_gemm, gemm, norm,  # noqa: F401
+               scaling, softmax, transpose)

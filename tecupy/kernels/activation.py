@@ -1,28 +1,29 @@
-"""CUDA gelu / relu / swiglu / geglu, forward and backward, with an optional bias and an
-optional FP8 output: cuda/act.cu."""
+"""CUDA activations (the rows of tecupy/activation_table.py), forward and backward, with an
+optional bias and an optional FP8 output: cuda/act.cu. dbias: kernels/colsum.py."""
 import itertools
 
 import numpy as np
 
 from .. import backends, loader
+from ..activation_table import TABLE
+from .colsum import col_sum, dbias  # noqa: F401  (col_sum: kernels/cast.py imports it here)
 from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_args, amax_grid, cbool, grid_1d, launch,
                      on_gpu_low_precision, vec_width)
 
 FILE = "act.cu"
-ACT_ID = {"gelu": 0, "relu": 1, "swiglu": 2, "geglu": 0}  # gated ones: silu / gelu of a
 _VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}
 _B = ("false", "true")
 
 
 def _names():
-    for t, a, bias in itertools.product(_VECS, (0, 1, 2), _B):
+    """Per row: its kernels (gated_* or act_*) with its struct of act_math.cuh, for each
+    dtype, vector width, bias or not and output (x's dtype or an FP8 format)."""
+    for a, t, bias in itertools.product(TABLE.values(), _VECS, _B):
+        kind = "gated" if a.gated else "act"
         for v in _VECS[t]:
             for out in (t,) + tuple(FP8TYPE.values()):
-                yield from (f"act_fwd<{t}, {v}, {a}, {out}, {bias}>",
-                            f"gated_fwd<{t}, {v}, {a}, {out}, {bias}>")
-            yield from (f"act_bwd<{t}, {v}, {a}, {bias}>", f"gated_bwd<{t}, {v}, {a}, {bias}>")
-    for t in _VECS:
-        yield f"col_sum<{t}, float>"
+                yield f"{kind}_fwd<{t}, {v}, {a.cuda}, {out}, {bias}>"
+            yield f"{kind}_bwd<{t}, {v}, {a.cuda}, {bias}>"
 
 
 loader.declare(FILE, list(_names()))
@@ -32,7 +33,7 @@ supported = on_gpu_low_precision
 
 
 def _kernel(prefix, name, x, vec, out=None, bias=None):
-    types = f"{CTYPE[x.dtype]}, {vec}, {ACT_ID[name]}"
+    types = f"{CTYPE[x.dtype]}, {vec}, {TABLE[name].cuda}"
     if out is not None:
         types += f", {out}"
     return loader.function(FILE, f"{prefix}<{types}, {cbool(bias is not None)}>")
@@ -43,40 +44,6 @@ def _aligned(bias):
     import cupy
     bias = cupy.ascontiguousarray(bias)
     return bias if bias.data.ptr % 16 == 0 else bias.copy()
-
-
-def dbias(dx2):
-    """Column sums of dx2 [rows, ncols] in float32: per-split partials, then their sum."""
-    import cupy
-    rows, ncols = dx2.shape
-    splits = int(max(1, min(64, rows // 256)))
-    per = -(-rows // splits)
-    part = cupy.empty((splits, ncols), np.float32)
-    k = loader.function(FILE, f"col_sum<{CTYPE[dx2.dtype]}, float>")
-    k((-(-ncols // 32), splits), (32, 8), (dx2, part, np.int64(rows), np.int32(ncols),
-      np.int64(per)))
-    return col_sum(part)
-
-
-def col_sum(part):
-    """The float32 column sums of a float32 matrix of partial sums [splits, ncols]."""
-    import cupy
-    splits, ncols = part.shape
-    out = cupy.empty((1, ncols), np.float32)
-    k = loader.function(FILE, "col_sum<float, float>")
-    k((-(-ncols // 32), 1), (32, 8), (part, out, np.int64(splits), np.int32(ncols),
-      np.int64(splits)))
-    return out[0]
-
-
-@backends.register("bias_grad", "cuda", supports=lambda dy2, out_dtype: supported(dy2))
-def bias_grad(dy2, out_dtype):
-    """dbias of a linear: the float32 column sums of dy2 [rows, N] (no float32 copy of dy)."""
-    import cupy
-    dy2 = cupy.ascontiguousarray(dy2)
-    if not dy2.size:
-        return cupy.zeros(dy2.shape[1:], out_dtype)
-    return dbias(dy2).astype(out_dtype, copy=False)
 
 
 def _fwd(name, gated, x, bias, scale, fmt, amax_out=None):
@@ -128,7 +95,5 @@ def _register(name, gated):
         lambda dy, x, bias=None: _bwd(name, gated, dy, x, bias))
 
 
-for _name in ("gelu", "relu"):
-    _register(_name, False)
-for _name in ("swiglu", "geglu"):
-    _register(_name, True)
+for _a in TABLE.values():
+    _register(_a.name, _a.gated)

@@ -1,14 +1,16 @@
-"""Activations: gelu (tanh approximation), relu, and the gated swiglu, geglu.
+"""Activations by name, activation(x, name): the rows of tecupy/activation_table.py. The
+first four (gelu (tanh approximation), relu, swiglu, geglu) also have functions of their own.
 
 Gated activations take [..., 2n] (first half through the activation, second half the
 gate) and return [..., n], as Transformer Engine's.
 """
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
+from ..activation_table import TABLE
 from ..tape import record
 
-ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
-GATED = ("swiglu", "geglu")
+ACTIVATIONS = tuple(TABLE)  # the names (layernorm_mlp and the nn modules check against them)
+GATED = tuple(a.name for a in TABLE.values() if a.gated)
 
 
 def check_activation(name, x, bias):

@@ -1,48 +1,14 @@
-"""Reference activations, forward and backward (Transformer Engine's definitions).
-
-gelu: tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-Gated (input [..., 2n]: a = first half, b = second half): swiglu = silu(a) * b,
-geglu = gelu(a) * b.
+"""Reference activations, forward and backward: each row of tecupy/activation_table.py
+registered with its maths, plain (y = f(x)) or gated (x [..., 2n] -> f(a) * b).
 Optional: a bias over the last axis added to the input (its gradient, dbias, comes back from
 the backward), and an FP8 output (the codes of y * scale with amax of y) for the next GEMM.
 """
 import numpy as np
 
 from .. import backends
+from ..activation_table import TABLE
 from .._array import compute_dtype, xp_of
 from .fp8 import cast_to_fp8
-
-_K0, _K1 = 0.7978845608028654, 0.044715  # sqrt(2/pi), the cubic coefficient
-
-
-def _gelu(x, xp):
-    return 0.5 * x * (1 + xp.tanh(_K0 * x * (1 + _K1 * x * x)))
-
-
-def _dgelu(x, xp):
-    t = xp.tanh(_K0 * x * (1 + _K1 * x * x))
-    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _K0 * (1 + 3 * _K1 * x * x)
-
-
-def _silu(x, xp):
-    return x / (1 + xp.exp(-x))
-
-
-def _dsilu(x, xp):
-    s = 1 / (1 + xp.exp(-x))
-    return s * (1 + x * (1 - s))
-
-
-def _relu(x, xp):
-    return xp.maximum(x, 0)
-
-
-def _drelu(x, xp):
-    return (x > 0).astype(x.dtype)
-
-
-_PLAIN = {"gelu": (_gelu, _dgelu), "relu": (_relu, _drelu)}
-_GATED = {"swiglu": (_silu, _dsilu), "geglu": (_gelu, _dgelu)}
 
 
 def _input(x, bias, ct):
@@ -95,6 +61,6 @@ def _gated(name, f, df):
     return fwd, bwd
 
 
-KERNELS = {name: _plain(name, *fs) for name, fs in _PLAIN.items()}
-KERNELS.update({name: _gated(name, *fs) for name, fs in _GATED.items()})
-GATED = tuple(_GATED)
+# name -> (forward, backward) as registered
+KERNELS = {a.name: (_gated if a.gated else _plain)(a.name, a.f, a.df)
+           for a in TABLE.values()}

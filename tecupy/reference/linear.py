@@ -1,6 +1,7 @@
 """Reference GEMM (high precision): the cuBLAS path on CuPy, BLAS on NumPy."""
 from .. import backends
 from .._array import compute_dtype, xp_of
+from .colsum import bias_grad  # noqa: F401  (reference/fp8.py imports it from here)
 
 
 @backends.register("gemm", "reference")
@@ -14,10 +15,3 @@ def gemm(a, b, out_dtype, bias=None, trans_b=True):
     if bias is not None:
         acc = acc + bias.astype(ct, copy=False)
     return acc.astype(out_dtype, copy=False)
-
-
-@backends.register("bias_grad", "reference")
-def bias_grad(dy2, out_dtype):
-    """dbias = the column sums of dy2 [rows, N], summed in float32 (float64 for float64)."""
-    return dy2.astype(compute_dtype(dy2.dtype), copy=False).sum(0).astype(out_dtype,
-                                                                          copy=False)
