@@ -144,3 +144,53 @@ def test_cast_transpose_nan_is_canonical_0x7f(rng, fmt, dtype, shape):
     q, qt, _ = tecupy.backends.dispatch("cast_transpose", *args)
     np.testing.assert_array_equal(cupy.asnumpy(q).reshape(-1)[idx], 0x7F)
     np.testing.assert_array_equal(cupy.asnumpy(qt), cupy.asnumpy(q).T)
+
+
+# scales whose inverse is normal, subnormal (above 2^126: CuPy's -ftz=true division gives
+# 0 there, Transformer Engine's kernels keep it), and at the top of float32
+SCALES = [0.37, 7.5, 2.0 ** 127 * 1.5, 3e38]
+
+
+@pytest.mark.parametrize("op, dtype, shape", [
+    ("cast_to_fp8", np.float32, (1023,)),          # scalar path
+    ("cast_to_fp8", tecupy.bfloat16, (5, 24)),     # one 16-byte vector per step
+    ("cast_to_fp8", tecupy.bfloat16, (37, 48)),    # two
+    ("cast_to_fp8", np.float64, (0,)),             # no cast launch: scale_inverse
+    ("cast_transpose", np.float16, (144, 72)),
+    ("cast_transpose", tecupy.bfloat16, (131, 7)),  # ragged
+    ("cast_transpose", np.float32, (0, 16)),
+    ("cast_transpose_dbias", tecupy.bfloat16, (272, 136)),
+    ("cast_transpose_dbias", np.float32, (0, 8))], ids=str)
+def test_cast_writes_scale_inv(rng, op, dtype, shape):
+    """The casts write scale_inv_out = 1 / scale (IEEE float32, subnormals kept) into a
+    poisoned output, bit for bit the reference's; the codes are unchanged by it."""
+    import cupy
+    x = rng.standard_normal(shape).astype(dtype)
+    extra = (np.dtype(dtype),) if op.endswith("dbias") else ()
+    for s in SCALES:
+        scale = np.array([s], np.float32)
+        poison_gpu_pool()
+        inv = cupy.full(1, np.nan, np.float32)
+        args = (cupy.asarray(x), cupy.asarray(scale), E4M3) + extra
+        assert tecupy.backends.chosen(op, *args, scale_inv_out=inv) == "cuda"
+        got = tecupy.backends.dispatch(op, *args, scale_inv_out=inv)
+        inv_ref = np.full(1, np.nan, np.float32)
+        want = getattr(ref, op)(x, scale, E4M3, *extra, scale_inv_out=inv_ref)
+        assert inv.get().tobytes() == inv_ref.tobytes() == (np.float32(1) / scale).tobytes()
+        if s == 2.0 ** 127 * 1.5:
+            assert 0 < inv_ref[0] < np.finfo(np.float32).tiny  # subnormal, kept
+        assert_same_codes(cupy.asnumpy(got[0]), want[0], E4M3)
+
+
+def test_quantize_scale_inv_keeps_subnormals_on_gpu(rng):
+    """tecupy.quantize's FP8Tensor.scale_inv comes from the cast kernel: no Python 1 / scale
+    (which CuPy's -ftz=true division flushes to 0 above 2^126)."""
+    import cupy
+    x = cupy.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+    for s in SCALES:
+        scale = cupy.asarray([s], np.float32)
+        for kw in ({}, {"transpose": True}, {"transpose": True, "dbias_dtype": np.float32}):
+            t = tecupy.quantize(x.astype(tecupy.bfloat16) if kw else x, scale, "e4m3", **kw)
+            t = t[0] if "dbias_dtype" in kw else t
+            want = (np.float32(1) / np.array([s], np.float32)).tobytes()
+            assert t.scale_inv.get().tobytes() == want, (s, kw)

@@ -87,3 +87,22 @@ def test_scale_inverse_keeps_subnormals(rng):
     want = np.float32(1) / s
     assert want[-2] > 0  # subnormal, kept
     np.testing.assert_array_equal(out.get(), want)
+
+
+def test_delayed_quantizer_wrap_keeps_subnormals(rng):
+    """A fused producer's FP8 output (norm, activation) gets scale_inv from the
+    scale_inverse kernel inside DelayedQuantizer.wrap: IEEE, subnormal kept, a fresh copy."""
+    import cupy
+    import tecupy
+    from tecupy.fp8_state import FP8State
+    from tecupy.quantization import gemm_quantizers
+    st = FP8State()
+    with tecupy.fp8_autocast():
+        q = gemm_quantizers(st, 0, cupy)
+    codes = cupy.asarray(rng.integers(0, 0x7F, (16, 16), dtype=np.uint8))
+    for s in (3.5, 2.0 ** 127 * 1.5, 3e38):
+        st.fwd.scale[0] = s
+        t = q.input.wrap(codes)
+        st.fwd.scale[0] = 1.0
+        assert t.scale_inv.get().tobytes() == (np.float32(1) / np.array([s], np.float32)
+                                               ).tobytes()

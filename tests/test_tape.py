@@ -177,3 +177,76 @@ def test_gradient_wrt_a_string_is_a_clear_error(rng):
         y = tecupy.relu(x)
     with pytest.raises((TypeError, ValueError), match="wrt"):
         tape.gradient(y, "x")
+
+
+def _node(log, name, x, after=(), once=None):
+    """A recorded op y = 2 x whose backward notes its name in `log`."""
+    from tecupy.tape import record
+    y = 2 * x
+
+    def backward(dy):
+        log.append(name)
+        return (2 * dy,)
+    record(backward, (x,), (y,), after_backward=after, once=once)
+    return y
+
+
+def test_after_backward_hooks_run_once_batched_after_the_backward(rng):
+    """Hooks (fn, item): each fn runs once per gradient call, after every backward of the
+    call, with the distinct items (by identity, in the order first met) of the nodes that
+    ran; a node the backward does not reach gives nothing."""
+    log, a, b = [], object(), object()
+
+    def fn(items):
+        log.append(("fn", [{id(a): "a", id(b): "b"}[id(i)] for i in items]))
+
+    def other(items):
+        log.append(("other", len(items)))
+    x = rng.standard_normal(3)
+    with tecupy.Tape() as tape:
+        y1 = _node(log, "n1", x, after=((fn, a),))
+        y2 = _node(log, "n2", y1, after=((fn, b), (fn, a), (other, a)))
+        _node(log, "unreached", x, after=((fn, object()),))
+    tape.gradient(y2, x)
+    assert log == ["n2", "n1", ("fn", ["b", "a"]), ("other", 1)]
+    log.clear()
+    tape.gradient(y2, x)  # no `once`: a second call runs the backward and the hooks again
+    assert log == ["n2", "n1", ("fn", ["b", "a"]), ("other", 1)]
+
+
+def test_once_refuses_a_second_backward_before_anything_runs(rng):
+    """A node recorded with once=(what, why): its second backward is refused with a message
+    built from them, before any backward or hook runs; nodes not reached are unaffected."""
+    log = []
+    x = rng.standard_normal(3)
+    hook = ((lambda items: log.append("hook"), x),)
+    with tecupy.Tape() as tape:
+        y = _node(log, "once", x, after=hook, once=("my ops", "(they count calls)"))
+        z = _node(log, "plain", x)
+    tape.gradient(y, x)
+    assert log == ["once", "hook"]
+    with pytest.raises(RuntimeError, match=r"^Tape.gradient: the backward of my ops on this "
+                       r"tape already ran \(they count calls\)\. Ask for every gradient"):
+        tape.gradient(y, x)
+    assert log == ["once", "hook"]
+    tape.gradient(z, x)
+    assert log == ["once", "hook", "plain"]
+
+
+def test_tape_imports_nothing_of_fp8_or_nn():
+    """The tape runs nodes and hooks (DESIGN.md): no import of the FP8 modules or of nn,
+    at the top or inside a function."""
+    import ast
+    import inspect
+    import tecupy.tape
+    tree = ast.parse(inspect.getsource(tecupy.tape))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(f"{node.module or ''}.{a.name}" for a in node.names)
+    banned = ("autocast", "quantization", "recipe", "nn", "ops")
+    bad = [n for n in names if any(part in banned or part.startswith("fp8")
+                                   for part in n.split("."))]
+    assert not bad, bad

@@ -63,7 +63,8 @@ def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
     """x (any float dtype), scale float32 (1,) -> (uint8 data, amax float32 (1,)).
     scale_inv_out (float32 (1,) or None): 1 / scale is written into it, as the kernel does
     (the FP8 tensor's dequantizing factor)."""
-    with np.errstate(invalid="ignore"):  # a signalling NaN in x: NaN out, as on the GPU
+    # a signalling NaN in x: NaN out; beyond float32: inf, which saturates (as on the GPU)
+    with np.errstate(invalid="ignore", over="ignore"):
         v = x.astype(np.float32) * scale[0]
     if scale_inv_out is not None:
         fp8_scale_inv(scale, scale_inv_out)
