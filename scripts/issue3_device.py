@@ -4,9 +4,9 @@ For each op and each variant in tecupy/kernels/{norm,softmax}.py (*_VARIANTS;
 cast_transpose has one kernel, the winner of PERFLOG.md's session 3): the
 result against the NumPy reference (float64; FP8 codes bit for bit) on fresh random bf16
 8192 x 4096 and an odd size, outputs poisoned first; then the time per call from CUDA-graph
-replay (tecupy.bench.graph_time_ms: the kernels' own time), TB/s over the fewest bytes the op
-must move, and % of the device-to-device copy measured in the same run. Also times the two
-dgamma/dbeta reduce kernels alone. A table comes last.
+replay (tecupy.bench.timing.graph_time_ms: the kernels' own time), TB/s over the fewest
+bytes the op must move, and % of the device-to-device copy measured in the same run. Also
+times the two dgamma/dbeta reduce kernels alone. A table comes last.
 
     PYTHONPATH=. python scripts/issue3_device.py            # on a Hopper GPU, < 4 minutes
     PYTHONPATH=. python scripts/issue3_device.py --compile-only --arch sm_90a   # no GPU
@@ -26,7 +26,9 @@ import numpy as np
 os.environ.setdefault("TECUPY_STRICT", "1")  # a failing kernel raises, never falls back
 
 import tecupy  # noqa: E402
-from tecupy import backends, bench, loader  # noqa: E402
+from tecupy import backends, loader  # noqa: E402
+from tecupy.bench.kernels import copy_bandwidth  # noqa: E402
+from tecupy.bench.timing import graph_time_ms  # noqa: E402
 from tecupy.fp8 import E4M3  # noqa: E402
 from tecupy.kernels import cast as ck, norm as nk, softmax as sk  # noqa: E402
 from tecupy.reference import fp8 as fp8_ref  # noqa: E402
@@ -167,7 +169,7 @@ def run_op(op, module, attr, variants, make, per_elem, copy, rng, rows_out):
                 poison(rows * cols * 4)
                 err = check(backends.dispatch(op, *args))
                 fn = (lambda *a: backends.dispatch(op, *a))
-                ms = bench.graph_time_ms(fn, [args]) or float("nan")
+                ms = graph_time_ms(fn, [args]) or float("nan")
             except Exception as e:  # report and go on with the other variants
                 print(f"{op} {v} {rows}x{cols}: FAILED {type(e).__name__}: {e}", flush=True)
                 err, ms = float("inf"), float("nan")
@@ -193,7 +195,7 @@ def time_reduces(copy, rng, rows_out):
             fn = (lambda p, g, b: nk._bwd_reduce(p, nparts, hidden, g, b, False, reduce))
             fn(part, dg, db)
             err = rel_err(cupy.concatenate([dg, db]).astype(np.float32), want)
-            ms = bench.graph_time_ms(fn, [(part, dg, db)]) or float("nan")
+            ms = graph_time_ms(fn, [(part, dg, db)]) or float("nan")
             tbs = part.nbytes / ms / 1e9
             row = (f"bwd_reduce_{reduce}", f"{nparts} parts", f"{nparts}x{2 * hidden}", ms, tbs,
                    100 * tbs / copy, err, "ok" if err <= TOL else "WRONG")
@@ -218,7 +220,7 @@ def main():
     t0 = time.perf_counter()
     compile_all(loader.arch_of_device())
     rng = np.random.default_rng()
-    copy = bench.copy_bandwidth()
+    copy = copy_bandwidth()
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"{name}: device-to-device copy {copy:.2f} TB/s", flush=True)
     header = (f"{'op':16s} {'variant':10s} {'size':>10s} {'ms':>8s} {'TB/s':>6s} {'%copy':>6s} "

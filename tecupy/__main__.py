@@ -15,7 +15,7 @@ import tecupy
 from tecupy._progress import Progress
 from tecupy.check import gpu_problem
 from tecupy.recipe import DelayedScaling, Format
-from tecupy.timing import once_ms
+from tecupy.bench.timing import once_ms
 
 SIZES = {  # hidden, ffn, heads, seq, batch
     "full": (4096, 16384, 32, 2048, 4),   # Transformer Engine's quickstart layer

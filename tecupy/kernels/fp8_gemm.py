@@ -6,7 +6,8 @@ only encodes an address and a shape), launch. Both operands are K-major uint8 co
 scales stay in device memory. Configurations (BN, stages, promote, cluster): "fast"
 accumulation runs 128 x 256 tiles; the split accumulator (TE's default for dgrad and wgrad)
 needs a second register fragment, so it runs 128 x 192 tiles, or 128 x 256 in two halves
-where that wastes less of the last wave of tiles. A tuned table on disk overrides both.
+where that wastes less of the last wave of tiles. A tuned table on disk (tecupy.gemm.tune)
+overrides both.
 """
 import json
 import os
@@ -24,9 +25,10 @@ from .tma import tma_desc as tma_encode
 FILE = "fp8_gemm.cu"
 OPTIONS = ("-default-device",)  # CUTLASS headers have unannotated constexpr helpers
 THREADS, BM, BK = 384, 128, 128
-# split accumulator? -> default (BN, stages, promote, cluster), and the candidates tune()
-# times. A cluster of 2 shares the A tile (TMA multicast) between CTAs of neighbouring
-# column blocks; shapes with an odd number of column blocks run the same config unclustered.
+# split accumulator? -> default (BN, stages, promote, cluster), and the candidates
+# tecupy.gemm.tune times. A cluster of 2 shares the A tile (TMA multicast) between CTAs of
+# neighbouring column blocks; shapes with an odd number of column blocks run the same config
+# unclustered.
 # Split accumulation holds a second fragment: 128 x 192 tiles (BN = 256 runs its k-blocks
 # in two 128-wide halves); measured on an H200, PERFLOG.md.
 # Stages are what fits beside the bf16 output's staging buffer (smem_bytes <= SMEM_MAX).
@@ -121,7 +123,7 @@ def tma_desc(t, box_rows):
     """TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a 16-bit output),
     box of 128 bytes x box_rows."""
     return tma_encode(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
-                           (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
+                      (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
 
 
 _ready = set()  # kernels whose shared-memory limit was raised
@@ -198,7 +200,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     return (out, pre_gelu) if gelu else out
 
 
-# ---- autotuner: time the candidates for a shape, remember the winner on disk ----
+# ---- the tuned table: tecupy.gemm.tune's winners (it times the candidates), on disk ----
 _tuned_cache = {}  # TECUPY_CACHE_DIR's value -> {shape key: config}
 
 
@@ -211,8 +213,8 @@ def _tune_key(m, n, k, a_fmt, b_fmt, split):
 
 
 def _tuned():
-    """The remembered winners, read once per process (tune() updates them in place; no file
-    access, not even a path built and its folder made, on the GEMM's hot path)."""
+    """The remembered winners, read once per process (remember() updates them in place; no
+    file access, not even a path built and its folder made, on the GEMM's hot path)."""
     where = os.environ.get("TECUPY_CACHE_DIR")
     if where not in _tuned_cache:
         path = _tune_file()
@@ -220,28 +222,12 @@ def _tuned():
     return _tuned_cache[where]
 
 
-def tune(m, n, k, a_fmt="e4m3", b_fmt="e4m3", split_accumulator=False, calls=10):
-    """Time every candidate configuration on random operands of shape (M, N, K), remember the
-    fastest in TECUPY_CACHE_DIR/fp8_gemm_tuned.json (used by every later call of that shape
-    and format pair) and return {config: ms}."""
-    import cupy
-    from .. import bfloat16
-    from ..bench import gpu_time_ms
-    from ..fp8 import as_format
-    fa, fb = as_format(a_fmt), as_format(b_fmt)
-    rng = cupy.random.default_rng()
-    a = rng.integers(0, 0x70, (m, k), dtype=np.uint8)  # finite codes of both formats
-    b = rng.integers(0, 0x70, (n, k), dtype=np.uint8)
-    one = cupy.ones(1, np.float32)
-    times = {}
-    for config in CANDIDATES[split_accumulator]:
-        def call():
-            return launch(config, a, fa, one, b, fb, one, bfloat16, None)
-        times[config] = gpu_time_ms(call, [()], calls=calls)
-    best = min(times, key=times.get)
+def remember(m, n, k, a_fmt, b_fmt, split, config):
+    """Make `config` the choice of every later call of this shape, format pair (names) and
+    accumulation: in this process's table and in TECUPY_CACHE_DIR/fp8_gemm_tuned.json
+    (written whole under another name, then renamed: no reader sees half a file)."""
     table = _tuned()
-    table[_tune_key(m, n, k, fa.name, fb.name, split_accumulator)] = list(best)
+    table[_tune_key(m, n, k, a_fmt, b_fmt, split)] = list(config)
     tmp = _tune_file().with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     tmp.replace(_tune_file())
-    return times

@@ -11,71 +11,17 @@ torch is importable (its call time, compared with ours); the NumPy reference on 
 (one call; at 8192 x 4096 only with --cpu). The first call (compile or cache load
 included) is reported apart.
 """
-import argparse
-import time
-
 import numpy as np
 
 import tecupy
 from tecupy import backends
 from tecupy.fp8 import E4M3
 
+from .timing import (first_call, gpu_name, gpu_time_ms, graph_time_ms, input_sets, once_ms,
+                     torch_time_ms)
+
 SIZES = [(8192, 4096), (3001, 1001)]
-L2_BYTES = 64 << 20
 BF16 = tecupy.bfloat16
-
-
-def gpu_time_ms(fn, sets, calls=20, repeats=5):
-    """Median over `repeats` of (time of `calls` back-to-back calls) / calls, in ms."""
-    import cupy
-    for s in sets[:2]:
-        fn(*s)
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for c in range(calls):
-            fn(*sets[c % len(sets)])
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return float(np.median(times))
-
-
-def graph_time_ms(fn, sets, calls=20, repeats=5):
-    """Like gpu_time_ms, but the calls are captured once in a CUDA graph and the graph is
-    replayed: the kernels' own time, without Python dispatch and launch gaps. None when the
-    calls cannot be captured."""
-    import cupy
-    stream = cupy.cuda.Stream(non_blocking=True)
-    try:
-        with stream:
-            for s in sets[:2]:
-                fn(*s)  # warm the memory pool: no cudaMalloc inside the capture
-            stream.synchronize()
-            stream.begin_capture()
-            for c in range(calls):
-                fn(*sets[c % len(sets)])
-            graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            times = []
-            for _ in range(repeats):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                graph.launch(stream)
-                stop.record(stream)
-                stop.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    except Exception:
-        return None
-    return float(np.median(times))
-
-
-def input_sets(make, nbytes):
-    """Enough independent input sets that cycling through them defeats the L2 cache."""
-    return [make() for _ in range(max(1, min(16, -(-2 * L2_BYTES // max(nbytes, 1)))))]
 
 
 def cases(rows, hidden, rng):
@@ -165,22 +111,6 @@ def torch_peer(kind, rows, hidden):
     return fns.get(kind)
 
 
-def torch_time_ms(fn, calls=20, repeats=5):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / calls)
-    return float(np.median(times))
-
-
 def copy_bandwidth(nbytes=1 << 30):
     import cupy
     a = cupy.empty(nbytes, np.uint8)
@@ -210,13 +140,13 @@ def copy_at_size(nbytes):
     return 2 * half / ms / 1e9 if ms else float("nan")
 
 
-def kernels(args):
+def run(args):
     import cupy
     rng = np.random.default_rng(0)
     copy = copy_bandwidth()
     tiny = cases(16, 128, rng)[1]  # layernorm_fwd on 16 x 128: the cost of a call itself
     floor = gpu_time_ms(tiny[2], [tiny[1]()], calls=200)
-    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: device-to-device "
+    print(f"{gpu_name()}: device-to-device "
           f"copy {copy:.2f} TB/s; one tecupy call costs at least {floor * 1e3:.0f} us "
           "(Python dispatch + launch): times near it are host-bound")
     sm = {u: sm_copy_bandwidth(u) for u in (1, 4)}
@@ -233,10 +163,7 @@ def kernels(args):
                   "dropout+residual": "dropout_fwd",
                   "layernorm_fwd+bwd": "layernorm_bwd"}.get(name, name)
             kind = backends.chosen(op, *sets[0])
-            t0 = time.perf_counter()
-            fn(*sets[0])
-            cupy.cuda.Device().synchronize()
-            first = (time.perf_counter() - t0) * 1e3
+            _, first = first_call(fn, *sets[0])
             ms = gpu_time_ms(fn, sets)
             kms = graph_time_ms(fn, sets) or float("nan")
             tbs = nbytes / kms / 1e9
@@ -247,27 +174,8 @@ def kernels(args):
             nms = float("nan")
             if args.cpu or rows * hidden < 4e6:
                 host = [a.get() if isinstance(a, cupy.ndarray) else a for a in sets[0]]
-                t0 = time.perf_counter()
-                fn(*host)  # NumPy arrays: the reference backend
-                nms = (time.perf_counter() - t0) * 1e3
+                nms = once_ms(lambda: fn(*host))  # NumPy arrays: the reference backend
             print(f"{name:18s} {rows:>5d}x{hidden:<5d} {kind:>9s} {first:8.1f} {ms:8.4f} "
                   f"{kms:8.4f} {tbs:5.2f} {100 * tbs / copy:4.0f}% "
                   f"{100 * tbs / at_size[nbytes]:4.0f}% {pms:8.4f} "
                   f"{pms / ms:9.2f}x {nms:8.1f}")
-
-
-def main():
-    p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
-    p.add_argument("suite", choices=["kernels", "gemm", "attention", "layer"])
-    p.add_argument("--cpu", action="store_true", help="also time the NumPy reference at 8192x4096")
-    args = p.parse_args()
-    if not tecupy.gpu_available():
-        raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
-    if args.suite == "kernels":
-        return kernels(args)
-    import importlib  # the other suites live in their own modules: bench_<suite>.py
-    importlib.import_module(f"tecupy.bench_{args.suite}").run(args)
-
-
-if __name__ == "__main__":
-    main()

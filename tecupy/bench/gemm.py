@@ -3,14 +3,13 @@ torch._scaled_mm (cuBLASLt, per-tensor scales) measured in the same run, with fa
 accumulation on (ours: "fast") and off (ours: split accumulator), for 4096^3, 8192^3 and the
 transformer-layer shapes. Times are medians of CUDA-event timings of back-to-back calls
 (kernel time: the inputs fit in L2 for both sides alike), ours and the peer interleaved,
-best of two medians each (the clocks drift by up to 10% between runs under FP8 load). Also reports the largest
-difference between our output and cuBLASLt's, relative to the output's magnitude.
+best of two medians each (the clocks drift by up to 10% between runs under FP8 load). Also
+reports the largest difference between our output and cuBLASLt's, relative to the output's
+magnitude.
 """
-import time
-
 import numpy as np
 
-from tecupy.bench import gpu_time_ms, torch_time_ms
+from .timing import first_call, gpu_name, gpu_time_ms, torch_time_ms
 
 SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
           ("qkv", 8192, 12288, 4096), ("proj", 8192, 4096, 4096),
@@ -45,7 +44,7 @@ def run(args):
     import cupy
     from tecupy import bfloat16
     from tecupy.kernels import fp8_gemm as K
-    print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"GPU: {gpu_name()}")
     print(f"{'shape':8s} {'M':>6s} {'N':>6s} {'K':>6s} {'accum':5s} {'first s':>8s} "
           f"{'ours TF/s':>10s} {'cuBLASLt':>9s} {'ratio':>6s} {'max|diff|':>9s}")
     ratios = {True: [], False: []}
@@ -55,10 +54,7 @@ def run(args):
             def ours():
                 return K.fp8_gemm(a.data, a.fmt, a.scale_inv, b.data, b.fmt, b.scale_inv,
                                   bfloat16, split_accumulator=split)
-            t0 = time.perf_counter()
-            y = ours()
-            cupy.cuda.Device().synchronize()
-            first = time.perf_counter() - t0
+            y, first = first_call(ours)
             peer, to_np = _torch_peer(a, b, fast=not split)
             ms, pms = [], []
             for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
@@ -74,7 +70,7 @@ def run(args):
                              / max(np.abs(ref).max(), 1e-30))
                 ratios[split].append(tf / ptf)
             print(f"{label:8s} {m:6d} {n:6d} {k:6d} {'split' if split else 'fast':5s} "
-                  f"{first:8.2f} {tf:10.0f} {ptf:9.0f} {tf / ptf:6.2f} {diff:9.1e}")
+                  f"{first / 1e3:8.2f} {tf:10.0f} {ptf:9.0f} {tf / ptf:6.2f} {diff:9.1e}")
     for split, r in ratios.items():
         if r:
             print(f"geomean ours/cuBLASLt ({'split' if split else 'fast'} accumulation): "

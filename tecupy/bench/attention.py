@@ -11,13 +11,13 @@ TECUPY_BENCH_VARIANTS=1 times every forward and backward variant
 (kernels.attention.FWD_VARIANTS, BWD_VARIANTS).
 """
 import os
-import time
 
 import numpy as np
 
 import tecupy
 from tecupy import backends
-from tecupy.bench import gpu_time_ms, torch_time_ms
+
+from .timing import first_call, gpu_name, gpu_time_ms, torch_time_ms
 
 B, H, S, D = 4, 32, 2048, 128
 BF16 = tecupy.bfloat16
@@ -89,24 +89,19 @@ def _sanity(torch, arrays, ts, causal):
 
 
 def run(args):
-    import cupy
-    from .kernels import attention as kernel
+    from tecupy.kernels import attention as kernel
     try:
         import torch
     except ImportError:
         torch = None
     arrays, ts = _inputs(torch)
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"{name}: attention b{B} h{H} s{S} d{D} bf16 bshd, TFLOP/s (ms)")
+    print(f"{gpu_name()}: attention b{B} h{H} s{S} d{D} bf16 bshd, TFLOP/s (ms)")
     every = os.environ.get("TECUPY_BENCH_VARIANTS") == "1"
     default = dict(kernel.CONFIG)
     rows = []
     for causal in (False, True):
         fwd, fwd_bwd = _ours(arrays, causal)
-        t0 = time.perf_counter()
-        fwd_bwd()
-        cupy.cuda.Device().synchronize()
-        first = (time.perf_counter() - t0) * 1e3
+        _, first = first_call(fwd_bwd)
         for label, fn, bwd in (("fwd", fwd, False), ("fwd+bwd", fwd_bwd, True)):
             key = "bwd" if bwd else "fwd"
             values = (kernel.BWD_VARIANTS if bwd else kernel.FWD_VARIANTS) if every else \

@@ -6,7 +6,7 @@ without torch). Everything that is not a GEMM, attention or a fused kernel shows
 """
 import numpy as np
 
-from tecupy.timing import time_ms
+from .timing import gpu_name, time_ms
 
 
 def _layer():
@@ -52,7 +52,7 @@ def run(args):
     layer, x, dy = _layer()
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16,
                             amax_compute_algo="max")
-    print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
+    print(f"GPU: {gpu_name()}; "
           f"TransformerLayer {tuple(x.shape)} bf16, fwd+bwd")
     for name, r in (("high precision", None), ("FP8 delayed scaling", recipe)):
         ms = time_ms(lambda: step(layer, x, dy, r), cupy, warmup=2, repeat=5)

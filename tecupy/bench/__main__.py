@@ -1,0 +1,24 @@
+"""python -m tecupy.bench SUITE: time tecupy on the GPU against the copy bandwidth and
+PyTorch's ops (when torch is importable), measured in the same run. Suites: kernels
+(memory-bound kernels), gemm (FP8 GEMM), attention (fused attention), layer (the main job's
+TransformerLayer step). Each suite's module (tecupy/bench/SUITE.py) says what it measures."""
+import argparse
+import importlib
+
+SUITES = ("kernels", "gemm", "attention", "layer")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
+    p.add_argument("suite", choices=SUITES)
+    p.add_argument("--cpu", action="store_true",
+                   help="kernels: also time the NumPy reference at 8192x4096")
+    args = p.parse_args(argv)
+    import tecupy
+    if not tecupy.gpu_available():
+        raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
+    importlib.import_module(f"tecupy.bench.{args.suite}").run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Timing that is honest on the GPU, the one helper of every benchmark, of tune() and of the
+main job: warm-up, CUDA events (CuPy's, or torch's for a PyTorch peer; the host clock on
+NumPy), medians of repeats, inputs rotated past L2, CUDA-graph replay for the kernels' own
+time. Absolute times only mean something beside the GPU's name (gpu_name)."""
+import statistics
+import time
+
+import numpy as np
+
+L2_BYTES = 64 << 20  # rotate inputs over at least twice this (H100/H200 L2: 50-60 MB)
+
+
+def once_ms(fn, xp=np):
+    """Milliseconds of one fn(): CUDA events on CuPy or torch (the GPU's time, on the current
+    stream), else the host clock."""
+    if xp is np:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    torch = xp.__name__ == "torch"  # (torch's events time nothing unless asked to)
+    kw = {"enable_timing": True} if torch else {}
+    start, stop = xp.cuda.Event(**kw), xp.cuda.Event(**kw)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) if torch else xp.cuda.get_elapsed_time(start, stop)
+
+
+def time_ms(fn, xp=np, warmup=1, repeat=3):
+    """Median milliseconds of fn() over `repeat` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(once_ms(fn, xp) for _ in range(repeat))
+
+
+def gpu_time_ms(fn, sets, calls=20, repeats=5, xp=None):
+    """Median over `repeats` of (time of `calls` back-to-back calls) / calls, in ms: what a
+    caller sees, Python dispatch included. Call c gets the arguments sets[c % len(sets)];
+    the first two sets warm up. xp: cupy (the default) or torch, whose events time it."""
+    if xp is None:
+        import cupy as xp
+    for s in sets[:2]:
+        fn(*s)
+    _synchronize(xp)
+
+    def batch():
+        for c in range(calls):
+            fn(*sets[c % len(sets)])
+    return float(statistics.median(once_ms(batch, xp) / calls for _ in range(repeats)))
+
+
+def torch_time_ms(fn, calls=20, repeats=5):
+    """gpu_time_ms of a PyTorch peer fn() (torch's events, on torch's current stream)."""
+    import torch
+    return gpu_time_ms(fn, [()], calls, repeats, xp=torch)
+
+
+def graph_time_ms(fn, sets, calls=20, repeats=5):
+    """Like gpu_time_ms, but the calls are captured once in a CUDA graph and the graph is
+    replayed: the kernels' own time, without Python dispatch and launch gaps. None when the
+    calls cannot be captured."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:  # (events record on the current stream: this one)
+            for s in sets[:2]:
+                fn(*s)  # warm the memory pool: no cudaMalloc inside the capture
+            stream.synchronize()
+            stream.begin_capture()
+            for c in range(calls):
+                fn(*sets[c % len(sets)])
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+            times = [once_ms(lambda: graph.launch(stream), cupy) / calls
+                     for _ in range(repeats)]
+    except Exception:
+        return None
+    return float(statistics.median(times))
+
+
+def first_call(fn, *args):
+    """(fn(*args), its host milliseconds up to the end of its GPU work): the first call,
+    compile or cache load included, which the benchmarks report apart."""
+    import cupy
+    t0 = time.perf_counter()
+    out = fn(*args)
+    cupy.cuda.Device().synchronize()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def input_sets(make, nbytes):
+    """Enough independent input sets (make() each) of `nbytes` that cycling through them
+    defeats the L2 cache."""
+    return [make() for _ in range(max(1, min(16, -(-2 * L2_BYTES // max(nbytes, 1)))))]
+
+
+def gpu_name():
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+def _synchronize(xp):
+    if xp.__name__ == "torch":
+        xp.cuda.synchronize()
+    else:
+        xp.cuda.Device().synchronize()

@@ -1,0 +1,89 @@
+"""The benchmark package without a GPU: `python -m tecupy.bench` parses its suites and says
+in one line that it needs a device, every suite imports and has run(args), and the one
+timing helper computes its medians per call from CUDA events (a fake clock stands in for
+CuPy's and torch's events here)."""
+import types
+
+import numpy as np
+import pytest
+
+from conftest import HAVE_GPU
+from tecupy.bench import __main__ as bench_main
+from tecupy.bench import timing
+
+SUITES = ("kernels", "gemm", "attention", "layer")
+
+
+def test_help_lists_the_suites(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "{" + ",".join(SUITES) + "}" in out
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_imports_and_has_run(suite):
+    import importlib
+    assert callable(importlib.import_module(f"tecupy.bench.{suite}").run)
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the message shown where no GPU is present")
+def test_no_gpu_is_one_line():
+    with pytest.raises(SystemExit, match="tecupy.bench needs a CUDA device"):
+        bench_main.main(["kernels"])
+
+
+def test_tune_is_public_and_out_of_kernels():
+    import tecupy
+    from tecupy.kernels import fp8_gemm
+    assert callable(tecupy.gemm.tune) and not hasattr(fp8_gemm, "tune")
+    assert set(tecupy.gemm.CANDIDATES) == {False, True}
+
+
+def _fake_gpu(name):
+    """An array module whose CUDA events read a clock that the timed calls advance."""
+    clock = [0.0]
+    xp = types.ModuleType(name)
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert name != "torch" or enable_timing, "torch events must be asked to time"
+
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, stop):  # torch's spelling
+            return stop.t - self.t
+
+    xp.cuda = types.SimpleNamespace(
+        Event=Event, get_elapsed_time=lambda a, b: b.t - a.t, synchronize=lambda: None,
+        Device=lambda: types.SimpleNamespace(synchronize=lambda: None))
+    return xp, clock
+
+
+@pytest.mark.parametrize("name", ["cupy", "torch"])
+def test_gpu_time_ms_is_per_call_and_rotates_the_sets(name):
+    xp, clock = _fake_gpu(name)
+    seen = []
+
+    def fn(ms):
+        seen.append(ms)
+        clock[0] += ms
+    got = timing.gpu_time_ms(fn, [(1.0,), (3.0,)], calls=4, repeats=3, xp=xp)
+    assert got == 2.0 and seen == [1.0, 3.0] + [1.0, 3.0] * 6  # warm-up, then 3 x 4 calls
+
+
+def test_host_timing_on_numpy():
+    assert timing.once_ms(lambda: sum(range(1000)), np) >= 0
+    calls = []
+    assert timing.time_ms(lambda: calls.append(1), np, warmup=2, repeat=3) >= 0
+    assert len(calls) == 5
+
+
+def test_input_sets_defeat_l2():
+    made = timing.input_sets(object, 1 << 20)
+    assert len(made) == 16 and len(set(map(id, made))) == 16  # 2 x L2 over 1 MiB: capped
+    assert len(timing.input_sets(object, 4 * timing.L2_BYTES)) == 1
