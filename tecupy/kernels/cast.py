@@ -11,6 +11,7 @@ from .. import backends, loader
 from .._array import is_cupy
 from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_args, amax_grid, cbool, grid_1d,
                      launch, on_gpu, resident_blocks, sm_count, vec_width)
+from .colsum import col_sum
 from .scaling import scale_inverse
 
 FILE = "cast.cu"
@@ -88,7 +89,6 @@ def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_ou
 
 def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out):
     import cupy
-    from .activation import col_sum
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
