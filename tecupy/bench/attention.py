@@ -16,6 +16,7 @@ import numpy as np
 
 import tecupy
 from tecupy import backends
+from tecupy.ops.attention import MASKS
 
 from .timing import first_call, gpu_name, gpu_time_ms, torch_time_ms
 
@@ -41,7 +42,7 @@ def _inputs(torch):
 
 def _ours(arrays, causal):
     q, k, v, do = arrays
-    mask, scale = ("causal" if causal else "no_mask"), 1 / np.sqrt(D)
+    mask, scale = MASKS["causal" if causal else "no_mask"], 1 / np.sqrt(D)
 
     def fwd():
         return backends.dispatch("attention_fwd", q, k, v, scale, mask, None, None, 0.0, None)
