@@ -73,6 +73,14 @@ class FP8Tensor:
         self.data, self.fmt, self.scale_inv = data, as_format(fmt, "FP8Tensor"), scale_inv
         self.data_t = data_t
 
+    @classmethod
+    def made(cls, data, fmt, scale_inv, data_t=None):
+        """An FP8Tensor of arrays tecupy made itself (a cast's outputs, a transpose), without
+        the constructor's checks: ~4 us less per tensor, six tensors per FP8 linear."""
+        t = cls.__new__(cls)
+        t.data, t.fmt, t.scale_inv, t.data_t = data, fmt, scale_inv, data_t
+        return t
+
     shape = property(lambda self: self.data.shape)
     ndim = property(lambda self: self.data.ndim)
 
@@ -89,7 +97,7 @@ class FP8Tensor:
         t = self.data_t
         if t is None:
             t = backends.dispatch("fp8_transpose", self.data)
-        return FP8Tensor(t, self.fmt, self.scale_inv, data_t=self.data)
+        return type(self).made(t, self.fmt, self.scale_inv, data_t=self.data)
 
     T = property(transpose)
 
@@ -173,7 +181,7 @@ def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     else:
         data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out=amax_out,
                                     scale_inv_out=inv)
-    t = FP8Tensor(data, fmt, inv, data_t)
+    t = FP8Tensor.made(data, fmt, inv, data_t)
     return t if dbias_dtype is None else (t, dbias)
 
 

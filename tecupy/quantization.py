@@ -66,7 +66,7 @@ class DelayedQuantizer:
         exit rewrites the state's scales before backward uses this tensor."""
         inv = xp_of(codes).empty((1,), np.float32)
         backends.dispatch("fp8_scale_inv", self.scale, inv)
-        return FP8Tensor(codes, self.fmt, inv)
+        return FP8Tensor.made(codes, self.fmt, inv)
 
 
 class CurrentQuantizer:
