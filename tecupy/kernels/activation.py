@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import backends, loader
 from ..activation_table import TABLE
-from .colsum import col_sum, dbias  # noqa: F401  (col_sum: kernels/cast.py imports it here)
+from .colsum import dbias
 from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_args, amax_grid, cbool, grid_1d, launch,
                      on_gpu_low_precision, vec_width)
 
