@@ -21,12 +21,14 @@ looks the recipe in force up in RECIPE_QUANTIZERS: the one place a recipe is loo
                           (fp8_state.py); without a state, current scaling in its format.
     Float8CurrentScaling  CurrentQuantizer per tensor: the format only.
 
-A new recipe touches (issue 20): recipe.py (its class), this file (its quantizer, with its
-FP8Tensor subclass where the scales are not one per tensor, and its row of
-RECIPE_QUANTIZERS), its kernels cuda/<recipe>.cu and their launchers kernels/<recipe>.py,
-its NumPy reference reference/<recipe>.py, and where it needs a GEMM of its own,
-cutlass_templates/<gemm>.cu (launched from kernels/<recipe>.py; the tensor names the
-GEMM's backend op, FP8Tensor.gemm_op): 6 source files. No op, no module, not the tape.
+A new recipe touches (issue 20), for block scaling: recipe.py (its class); this file (its
+quantizer, its FP8Tensor subclass naming its GEMM op in gemm_op, its row of
+RECIPE_QUANTIZERS); cuda/block_scaling.cu (the quantize kernels, new);
+cutlass_templates/fp8_block_gemm.cu (its GEMM, new); kernels/block_scaling.py (their
+launchers, registered as its ops, new); reference/block_scaling.py (the NumPy references
+of both, new): 6 source files, plus the new modules' names in the import lists of
+kernels/__init__.py and reference/__init__.py. No op, no module, not the tape. A recipe
+with one scale per tensor needs no GEMM of its own: 5.
 """
 import numpy as np
 
