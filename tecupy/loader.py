@@ -127,7 +127,10 @@ def cache_dir():
 def _key(file, arch, names, options):
     from cupy.cuda import nvrtc
     h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
-    h.update(_sources_digest(source_path(file).parent))
+    folder = source_path(file).parent
+    h.update(_sources_digest(folder))
+    if folder != cuda_dir():  # cuda/ is on every file's include path (the GEMM includes
+        h.update(_sources_digest(cuda_dir()))  # act_math.cuh): its headers key it too
     h.update(header_stamp(include_dirs()))
     return h.hexdigest()[:20]
 

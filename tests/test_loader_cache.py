@@ -198,3 +198,14 @@ def test_include_dirs_search_the_toolkits_cccl(tmp_path, monkeypatch):
     dirs = loader.include_dirs()
     assert kit / "include" in dirs and kit / "include" / "cccl" in dirs
     assert dirs.index(kit / "include") < dirs.index(kit / "include" / "cccl")
+
+
+def test_gemm_template_key_covers_the_cuda_headers(monkeypatch):
+    """cutlass_templates/fp8_gemm.cu includes cuda/act_math.cuh: a change in cuda/ must
+    rebuild the GEMM too, not only the kernels of cuda/."""
+    real = loader._sources_digest
+    name = loader.declared("sm_90a")["fp8_gemm.cu"][0]
+    before = loader._key("fp8_gemm.cu", "sm_90a", name, ())
+    monkeypatch.setattr(loader, "_sources_digest", lambda folder: real(folder) + (
+        b"edited" if folder == loader.cuda_dir() else b""))
+    assert loader._key("fp8_gemm.cu", "sm_90a", name, ()) != before
