@@ -144,7 +144,7 @@ FUNCTIONAL = [
      r"rmsnorm: x must be an array \[\.\.\., hidden\]"),
     # ---- activations
     ("act-name", lambda: tecupy.activation(f32(4), "tanh"), ValueError,
-     "activation: name must be one of 'gelu', 'relu', 'swiglu', 'geglu', got 'tanh'"),
+     "activation: name must be one of 'gelu', 'relu', .*'geglu'.*, got 'tanh'"),
     ("act-name-type", lambda: tecupy.activation(f32(4), 3), ValueError,
      "activation: name must be one of .*got 3"),
     ("swiglu-odd", lambda: tecupy.swiglu(f32(4, 7)), ValueError,
@@ -411,7 +411,7 @@ MODULES = [
     ("LNLinear-eps", lambda: nn.LayerNormLinear(8, 4, eps=0.0, **CPU), ValueError,
      "LayerNormLinear: eps must be"),
     ("LNMLP-activation", lambda: nn.LayerNormMLP(8, 16, activation="tanh", **CPU), ValueError,
-     "LayerNormMLP: activation must be one of 'gelu', 'relu', 'swiglu', 'geglu', got 'tanh'"),
+     "LayerNormMLP: activation must be one of 'gelu', 'relu', .*'geglu'.*, got 'tanh'"),
     ("LNMLP-ffn", lambda: nn.LayerNormMLP(8, 0, **CPU), ValueError,
      "LayerNormMLP: ffn_hidden_size must be an int >= 1, got 0"),
     ("LNMLP-hidden-float", lambda: nn.LayerNormMLP(8.0, 16, **CPU), TypeError,
