@@ -82,7 +82,7 @@ def cast_transpose(x, scale, fmt, amax_out=None, scale_inv_out=None):
 def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
     backward's cast of dy with its linear's bias gradient."""
-    from .linear import bias_grad
+    from .colsum import bias_grad
     return cast_transpose(x, scale, fmt, amax_out, scale_inv_out) + (bias_grad(x, dbias_dtype),)
 
 

@@ -1,7 +1,6 @@
 """Reference GEMM (high precision): the cuBLAS path on CuPy, BLAS on NumPy."""
 from .. import backends
 from .._array import compute_dtype, xp_of
-from .colsum import bias_grad  # noqa: F401  (reference/fp8.py imports it from here)
 
 
 @backends.register("gemm", "reference")
