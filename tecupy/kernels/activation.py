@@ -7,8 +7,9 @@ import numpy as np
 from .. import backends, loader
 from ..activation_table import TABLE
 from .colsum import dbias
-from .common import (CTYPE, FP8TYPE, MANY_BLOCKS, amax_args, amax_grid, cbool, grid_1d, launch,
-                     on_gpu_low_precision, vec_width)
+from .dtypes import CTYPE, FP8TYPE, cbool, on_gpu_low_precision, vec_width
+from .launch import MANY_BLOCKS, grid_1d, launch
+from .pools import amax_args, amax_grid
 
 FILE = "act.cu"
 _VECS = {"float": (1, 4), "__half": (1, 8), "__nv_bfloat16": (1, 8)}

@@ -16,7 +16,9 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import bfloat16, is_cupy
-from .common import CTYPE, cbool, grid_1d, hopper, opt_in_smem, tma_desc
+from .dtypes import CTYPE, cbool
+from .launch import grid_1d, hopper, opt_in_smem
+from .tma import tma_desc
 
 FILE, SM90_FILE = "attention.cu", "attention_sm90.cu"
 _TYPES = [CTYPE[np.dtype(np.float16)], CTYPE[bfloat16]]

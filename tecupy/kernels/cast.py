@@ -9,8 +9,9 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, amax_args, amax_grid, cbool, grid_1d,
-                     launch, on_gpu, resident_blocks, sm_count, vec_width)
+from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
+from .launch import grid_1d, launch, resident_blocks, sm_count
+from .pools import amax_args, amax_grid
 from .colsum import col_sum
 from .scaling import scale_inverse
 

@@ -4,7 +4,7 @@ cast_transpose_dbias (kernels/cast.py, whose cast kernel writes the partial sums
 import numpy as np
 
 from .. import backends, loader
-from .common import CTYPE, on_gpu_low_precision
+from .dtypes import CTYPE, on_gpu_low_precision
 
 FILE = "colsum.cu"
 loader.declare(FILE, [f"col_sum<{t}, float>" for t in ("float", "__half", "__nv_bfloat16")])
