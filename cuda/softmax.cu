@@ -5,8 +5,11 @@
 // mask[r, j] != 0 (HAS_MASK; the mask is materialized to x's shape) or, with causal,
 // j > i. y = exp(scale x - m) / sum over kept entries, m = max over kept; a row with every
 // entry excluded gives zeros. Backward: dx = scale y (dy - sum(dy y)).
-// Launch: one block per row, 128 threads; the row is read three times (max, sum, write):
-// the second and third reads hit L1/L2.
+// Kernels (tecupy/kernels/softmax.py picks one; PERFLOG.md): softmax_fwd_stream on Hopper
+// (rows streamed through shared memory, G warps per row), softmax_{fwd,bwd}_block for rows
+// of 16-byte vectors (a block per row, the row in registers), and for every other row
+// softmax_fwd / softmax_bwd: one block per row, 128 threads, the row read three times (max,
+// sum, write; the second and third reads hit L1/L2).
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -65,89 +68,9 @@ __device__ __forceinline__ void store_dx(T* dst, const Vec<T, VEC>& y, const Vec
     store_vec<VEC>(dst, out);
 }
 
-// ---- one warp per row ----------------------------------------------------------------------
-// For rows of at most 32 * VEC * CHUNKS entries (sk % VEC == 0): lane l keeps chunks
-// c = l + 32 k of its row in registers, reads x (and the mask) once, and reduces with warp
-// shuffles only. Four rows per block of 128 threads, grid-stride over rows.
-template <typename T, int VEC, int CHUNKS, bool HAS_MASK>
-__global__ void __launch_bounds__(128)
-softmax_fwd_warp(const T* __restrict__ x, const unsigned char* __restrict__ mask,
-                 T* __restrict__ y, long long rows, int sq, int sk, float scale, int causal) {
-    PDL_WAIT();
-    const int lane = threadIdx.x & 31;
-    for (long long r = blockIdx.x * 4LL + (threadIdx.x >> 5); r < rows; r += gridDim.x * 4LL) {
-        const int qi = (int)(r % sq);
-        float v[CHUNKS][VEC];
-        float m = -kInf;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int c = (lane + 32 * k) * VEC;
-            if (c >= sk) continue;
-            const Vec<T, VEC> a = load_vec<VEC>(x + r * sk + c);
-            Vec<unsigned char, VEC> mk;
-            if (HAS_MASK) mk = load_vec<VEC>(mask + r * sk + c);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const bool keep = !(causal && c + j > qi) && !(HAS_MASK && mk.v[j]);
-                v[k][j] = keep ? scale * to_float(a.v[j]) : -kInf;
-                m = fmaxf(m, v[k][j]);
-            }
-        }
-        m = warp_reduce(m, MaxOp());
-        if (m == -kInf) m = 0.f;  // nothing kept (or only -inf): the row becomes zeros
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k)
-            if ((lane + 32 * k) * VEC < sk)
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = expf(v[k][j] - m);  // exp(-inf) = 0 for excluded entries
-                    s += v[k][j];
-                }
-        s = warp_sum(s);
-        const float denom = s > 0.f ? s : 1.f;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int c = (lane + 32 * k) * VEC;
-            if (c >= sk) continue;
-            Vec<T, VEC> out;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(v[k][j] / denom);
-            store_vec<VEC>(y + r * sk + c, out);
-        }
-    }
-}
-
-template <typename T, int VEC, int CHUNKS>
-__global__ void __launch_bounds__(128)
-softmax_bwd_warp(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
-                 long long rows, int sk, float scale) {
-    PDL_WAIT();
-    const int lane = threadIdx.x & 31;
-    for (long long r = blockIdx.x * 4LL + (threadIdx.x >> 5); r < rows; r += gridDim.x * 4LL) {
-        Vec<T, VEC> d[CHUNKS], p[CHUNKS];
-        float dot = 0.f;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int c = (lane + 32 * k) * VEC;
-            if (c >= sk) continue;
-            d[k] = load_vec<VEC>(dy + r * sk + c);
-            p[k] = load_vec<VEC>(y + r * sk + c);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) dot += to_float(d[k].v[j]) * to_float(p[k].v[j]);
-        }
-        dot = warp_sum(dot);
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-            const int c = (lane + 32 * k) * VEC;
-            if (c < sk) store_dx(dx + r * sk + c, p[k], d[k], dot, scale);
-        }
-    }
-}
-
 // ---- one block per row (issue 3; the defaults for 16-byte rows: CHUNKS 4 fwd, 2 bwd) -------
-// Long rows (sk = 4096 needs 16 chunks per lane in the warp kernels: 167 registers, few rows
-// per SM) split over a block: thread t keeps chunks c = t + k blockDim (k < CHUNKS) in
+// Long rows (sk = 4096 needed 16 chunks per lane in a warp-per-row kernel: 167 registers,
+// few rows per SM; PERFLOG.md) split over a block: thread t keeps chunks c = t + k blockDim (k < CHUNKS) in
 // registers, so x is read once. The forward is exp2 of x scale log2(e) (one MUFU op instead of
 // expf's dozen instructions: at 4 TB/s the exponentials are half of the time budget) with one
 // multiply by 1 / sum per entry, and one block reduction of (max, sum) pairs (online

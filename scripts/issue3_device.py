@@ -1,12 +1,13 @@
 """Issue 3 on the GPU: every variant of the memory-bound kernels, checked, then timed.
 
-For each op and each variant in tecupy/kernels/{norm,softmax}.py (*_VARIANTS;
-cast_transpose has one kernel, the winner of PERFLOG.md's session 3): the
+For each op and each variant in tecupy/kernels/{norm,softmax}.py (*_VARIANTS: the default
+and the one that runs off Hopper; cast_transpose and the softmax backward have one kernel,
+the winners of PERFLOG.md's session 3): the
 result against the NumPy reference (float64; FP8 codes bit for bit) on fresh random bf16
 8192 x 4096 and an odd size, outputs poisoned first; then the time per call from CUDA-graph
 replay (tecupy.bench.timing.graph_time_ms: the kernels' own time), TB/s over the fewest
 bytes the op must move, and % of the device-to-device copy measured in the same run. Also
-times the two dgamma/dbeta reduce kernels alone. A table comes last.
+times the two dgamma/dbeta reduce kernels alone (even and odd hidden). A table comes last.
 
     PYTHONPATH=. python scripts/issue3_device.py            # on a Hopper GPU, < 4 minutes
     PYTHONPATH=. python scripts/issue3_device.py --compile-only --arch sm_90a   # no GPU
@@ -17,6 +18,7 @@ parallel at start.
 """
 import argparse
 import concurrent.futures
+import itertools
 import os
 import sys
 import time
@@ -40,7 +42,8 @@ TOL = 8e-3  # max |got - want| / max |want| for bf16 outputs: two bf16 half-ulps
 
 def kernel_names():
     """The bf16 instantiations this script can launch (norm: 16-byte vectors, no FP8)."""
-    keep = {"norm.cu": lambda n: "reduce" in n or (", 8," in n and "fp8" not in n),
+    norm = (lambda n: "reduce" in n or (", 8," in n and "fp8" not in n))
+    keep = {nk.FWD_FILE: norm, nk.BWD_FILE: norm,
             "cast.cu": lambda n: n.startswith("cast_transpose") and "e4m3" in n,
             "softmax.cu": lambda n: True}
     return [(f, n) for f, names in loader.declared().items() if f in keep
@@ -146,15 +149,15 @@ def make_softmax_bwd(rows, cols, rng):
     return (dy, y, 0.125), lambda got: rel_err(got, want)
 
 
-# cast_transpose has one kernel choice left (PERFLOG.md, session 3): attribute None, timed
-# as it is.
+# cast_transpose and the softmax backward have one kernel choice left (PERFLOG.md, session 3
+# and the end): attribute None, timed as they are.
 OPS = [("layernorm_fwd", nk, "FWD_VARIANT", nk.FWD_VARIANTS, make_norm_fwd(False), 4, "norm"),
        ("rmsnorm_fwd", nk, "FWD_VARIANT", nk.FWD_VARIANTS, make_norm_fwd(True), 4, "norm"),
        ("layernorm_bwd", nk, "BWD_VARIANT", nk.BWD_VARIANTS, make_norm_bwd(False), 6, "norm"),
        ("rmsnorm_bwd", nk, "BWD_VARIANT", nk.BWD_VARIANTS, make_norm_bwd(True), 6, "norm"),
        ("cast_transpose", ck, None, ("tiled1",), make_cast_transpose, 4, "cast_transpose"),
        ("softmax_fwd", sk, "FWD_VARIANT", sk.FWD_VARIANTS, make_softmax_fwd, 4, "softmax"),
-       ("softmax_bwd", sk, "BWD_VARIANT", sk.BWD_VARIANTS, make_softmax_bwd, 6, "softmax")]
+       ("softmax_bwd", sk, None, ("block2",), make_softmax_bwd, 6, "softmax")]
 
 
 def run_op(op, module, attr, variants, make, per_elem, copy, rng, rows_out):
@@ -183,24 +186,24 @@ def run_op(op, module, attr, variants, make, per_elem, copy, rng, rows_out):
 
 
 def time_reduces(copy, rng, rows_out):
-    """norm_bwd_reduce (scalar) against norm_bwd_reduce_vec alone, on the partials of 8192
-    x 4096 (264 blocks: the base grid on 132 SMs; 256: the balanced ring grid)."""
+    """The dgamma/dbeta reduce alone on the partials of 8192 rows (264 blocks: the base grid
+    on 132 SMs; 256: a balanced ring grid): norm_bwd_reduce_vec at an even hidden size,
+    norm_bwd_reduce at an odd one."""
     import cupy
-    hidden = BIG[1]
-    for nparts in (264, 256):
+    for hidden, nparts in itertools.product((BIG[1], BIG[1] - 1), (264, 256)):
         part = cupy.asarray(rng.standard_normal((nparts, 2 * hidden)).astype(np.float32))
         want = part.get().astype(np.float64).sum(0)
-        for reduce in ("scalar", "vec"):
-            dg, db = cupy.empty(hidden, BF16), cupy.empty(hidden, BF16)
-            fn = (lambda p, g, b: nk._bwd_reduce(p, nparts, hidden, g, b, False, reduce))
-            fn(part, dg, db)
-            err = rel_err(cupy.concatenate([dg, db]).astype(np.float32), want)
-            ms = graph_time_ms(fn, [(part, dg, db)]) or float("nan")
-            tbs = part.nbytes / ms / 1e9
-            row = (f"bwd_reduce_{reduce}", f"{nparts} parts", f"{nparts}x{2 * hidden}", ms, tbs,
-                   100 * tbs / copy, err, "ok" if err <= TOL else "WRONG")
-            rows_out.append(row)
-            print(fmt_row(row), flush=True)
+        dg, db = cupy.empty(hidden, BF16), cupy.empty(hidden, BF16)
+        fn = (lambda p, g, b: nk._bwd_reduce(p, nparts, hidden, g, b, False))
+        fn(part, dg, db)
+        err = rel_err(cupy.concatenate([dg, db]).astype(np.float32), want)
+        ms = graph_time_ms(fn, [(part, dg, db)]) or float("nan")
+        tbs = part.nbytes / ms / 1e9
+        kind = "vec" if hidden % 2 == 0 else "scalar"
+        row = (f"bwd_reduce_{kind}", f"{nparts} parts", f"{nparts}x{2 * hidden}", ms, tbs,
+               100 * tbs / copy, err, "ok" if err <= TOL else "WRONG")
+        rows_out.append(row)
+        print(fmt_row(row), flush=True)
 
 
 def fmt_row(r):

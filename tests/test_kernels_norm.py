@@ -1,16 +1,21 @@
-"""CUDA LayerNorm / RMSNorm forward and backward against the float64 reference."""
+"""CUDA LayerNorm / RMSNorm forward and backward against the float64 reference; which
+kernels the wrappers can choose (no GPU needed)."""
+import itertools
+
 import numpy as np
 import pytest
 
 import tecupy
+from tecupy import loader
 from tecupy.kernels import norm as norm_kernels
 from conftest import asnp, assert_within_2x_reference, f64, fp8_step, run
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 DTYPES = [np.float32, np.float16, tecupy.bfloat16]
 SHAPES = [(1, 8), (37, 1001), (129, 4096), (3, 5, 768), (7, 16384)]
 
 
+@gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("zcg", [False, True], ids=["gamma", "zero_centered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -39,6 +44,7 @@ def test_norm_forward_and_backward(rng, rms, zcg, dtype, shape):
         assert_within_2x_reference(g, w, l, f"{name} {n}", atol=1e-5)
 
 
+@gpu
 def test_layernorm_op_uses_cuda_through_the_tape(rng):
     import cupy
     x = cupy.asarray(rng.standard_normal((64, 256)).astype(np.float32))
@@ -52,6 +58,7 @@ def test_layernorm_op_uses_cuda_through_the_tape(rng):
     np.testing.assert_allclose(db.get(), np.full(256, 64.0), rtol=1e-6)
 
 
+@gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(16, 64), (129, 4096), (8, 12288), (33, 1001)], ids=str)
@@ -80,6 +87,7 @@ def test_norm_forward_fp8_output(rng, rms, dtype, shape):
         np.testing.assert_allclose(asnp(a), asnp(b), rtol=2e-6, atol=1e-6)
 
 
+@gpu
 @pytest.mark.parametrize("variant", list(norm_kernels.BWD_VARIANTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -87,41 +95,73 @@ def test_norm_forward_fp8_output(rng, rms, dtype, shape):
                                    (40001, 64)],
                          ids=str)
 def test_norm_bwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
-    """Every backward variant (scripts/issue3_device.py), also at shapes beyond SHAPES."""
+    """Every backward variant (ring4 is what runs off Hopper), also at shapes beyond
+    SHAPES."""
     monkeypatch.setattr(norm_kernels, "BWD_VARIANT", variant)
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
 
 
-@pytest.mark.parametrize("variant", list(norm_kernels.FWD_VARIANTS) + ["stream-float"])
+@gpu
+@pytest.mark.parametrize("variant", list(norm_kernels.FWD_VARIANTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("zcg", [False, True], ids=["gamma", "zero_centered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(2, 40), (300, 8192), (40001, 64), (1000, 3000), (77, 2048)],
-                         ids=str)
-def test_norm_fwd_variants(monkeypatch, rng, variant, rms, dtype, shape):
-    """Every forward variant, the stream kernel on short rows too; (40001, 64) has more rows
-    than its rings hold, so each warp's ring wraps around several times (mbarrier phases
-    flip)."""
-    monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant.split("-")[0])
-    monkeypatch.setattr(norm_kernels, "STREAM_GAMMA", "float" if "float" in variant else "input")
-    monkeypatch.setattr(norm_kernels, "STREAM_MIN_ROW_BYTES", 0)
-    test_norm_forward_and_backward(rng, rms, True, dtype, shape)
+@pytest.mark.parametrize("shape", [(2, 40), (300, 8192), (40001, 64), (1000, 3000), (77, 2048),
+                                   (9001, 2048)], ids=str)
+def test_norm_fwd_variants(monkeypatch, rng, variant, rms, zcg, dtype, shape):
+    """Every forward variant (warp is what runs off Hopper), gamma kept in the input type or
+    (zero-centered) as float by the stream kernel; (9001, 2048) has more rows than the
+    stream kernel's rings hold, so each warp's ring wraps around (mbarrier phases flip)."""
+    monkeypatch.setattr(norm_kernels, "FWD_VARIANT", variant)
+    test_norm_forward_and_backward(rng, rms, zcg, dtype, shape)
     if dtype != np.float32:
         test_norm_forward_fp8_output(rng, rms, dtype, shape)
 
 
-@pytest.mark.parametrize("groups_stages", [(1, 4, None), (2, 2, 1), (4, 3, None), (8, 3, 1)],
-                         ids=str)
+@gpu
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(2, 40), (5, 24), (37, 1000), (129, 4096), (300, 2048),
                                    (40001, 64)], ids=str)
-def test_norm_bwd_grp_groups(monkeypatch, rng, groups_stages, rms, dtype, shape):
-    """norm_bwd_grp (Hopper) with up to 1-8 groups per block, 2-4 ring slots, one block or
-    as many as fit per SM: rows shared unevenly between the groups, rings that wrap, the
-    groups' sums merged."""
-    groups, stages, per_sm = groups_stages
-    monkeypatch.setattr(norm_kernels, "BWD_VARIANT", "grp")
-    monkeypatch.setattr(norm_kernels, "BWD_GROUPS", groups)
-    monkeypatch.setattr(norm_kernels, "BWD_BLOCKS_PER_SM", per_sm)
-    monkeypatch.setitem(norm_kernels.BWD_VARIANTS, "grp", ("grp", stages, "vec"))
+def test_norm_bwd_grp_groups(rng, rms, dtype, shape):
+    """norm_bwd_grp (Hopper) at every instantiation it has: one chunk per thread in 8 groups
+    per block ((2, 40), (5, 24), (40001, 64), 1000 wide in bf16) or 4 (1000 wide in float,
+    2048 in bf16), two chunks in 2 groups (2048 in float, 4096 in bf16) or 1 (4096 in
+    float): rows shared unevenly between the groups, rings that wrap, the groups' sums
+    merged."""
     test_norm_forward_and_backward(rng, rms, True, dtype, shape)
+
+
+def _supported_hidden(dtype):
+    """Every hidden size the CUDA kernels take (supported()): all up to 4096, then the
+    multiples of 16 bytes."""
+    vec = 16 // np.dtype(dtype).itemsize
+    top = vec * norm_kernels.CHUNKS[-1] * norm_kernels.MAX_THREADS
+    return list(range(1, 4097)) + list(range(4096 + vec, top + 1, vec))
+
+
+def test_declared_kernels_are_the_ones_that_run(monkeypatch):
+    """The kernels that the forward and backward choose for every supported hidden size,
+    dtype, output and setting, on Hopper and elsewhere, are declared, and every declared
+    kernel is chosen for some: none that runs is missing, none kept only for comparison is
+    left (no GPU needed)."""
+    fwd, bwd = norm_kernels._fwd_kernel, norm_kernels._bwd_kernel
+    chosen = {norm_kernels.FWD_FILE: set(), norm_kernels.BWD_FILE: set()}
+    for dtype in map(np.dtype, DTYPES):
+        t = norm_kernels.CTYPE[dtype]
+        chosen[norm_kernels.BWD_FILE] |= {f"norm_bwd_reduce<{t}>", f"norm_bwd_reduce_vec<{t}>"}
+        for hidden, sm90 in itertools.product(_supported_hidden(dtype), (True, False)):
+            chosen[norm_kernels.FWD_FILE].update(
+                fwd(hidden, dtype, fmt, rms, zcg, sm90)[1] for fmt, rms, zcg in
+                itertools.product((None, "e4m3", "e5m2"), (False, True), (False, True)))
+            chosen[norm_kernels.BWD_FILE].update(bwd(hidden, dtype, rms, sm90)[1]
+                                                 for rms in (False, True))
+            if sm90 and hidden % 97 == 0:  # the other settings run what runs off Hopper
+                monkeypatch.setattr(norm_kernels, "FWD_VARIANT", "warp")
+                monkeypatch.setattr(norm_kernels, "BWD_VARIANT", "ring4")
+                assert fwd(hidden, dtype, "e4m3", False, True, True) == \
+                    fwd(hidden, dtype, "e4m3", False, True, False)
+                assert bwd(hidden, dtype, False, True) == bwd(hidden, dtype, False, False)
+                monkeypatch.undo()
+    for file, names in chosen.items():
+        assert names == set(loader.declared()[file]), file

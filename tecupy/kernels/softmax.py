@@ -11,15 +11,13 @@ from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, gr
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 _VECS = {"float": 4, "__half": 8, "__nv_bfloat16": 8}
-WARP_CHUNKS = (1, 2, 4, 8, 16)
-# Variants (scripts/issue3_device.py times them; PERFLOG.md): "base" is the session-1 choice
-# (warp per row, else block per row reading the row 3 times); "blockC": softmax_{fwd,bwd}_block
-# with C chunks per thread (sk = 4096 bf16: 512 / C threads), for 16-byte rows of at most
-# 512 C VEC entries (other rows take the base kernels). "stream" (forward, Hopper):
-# softmax_fwd_stream, rows streamed through per-warp rings of shared memory by bulk copies
-# (common.ring_launch), for 16-byte rows (with a mask: sk % 16 == 0); other rows take block4.
-FWD_VARIANTS = {"base": 0, "block4": 4, "stream": 4}
-BWD_VARIANTS = {"base": 0, "block2": 2}
+# Forward: "stream" (Hopper): softmax_fwd_stream, rows streamed through per-warp rings of
+# shared memory by bulk copies (common.ring_launch), for 16-byte rows (with a mask: sk % 16 ==
+# 0) and scale >= 0; other rows, and "block4" everywhere, take softmax_fwd_block with 4
+# chunks per thread (sk = 4096 bf16: 128 threads) for 16-byte rows of at most 2048 VEC
+# entries, else softmax_fwd (a block of 128 threads reading the row three times). The value:
+# the chunks per thread of the block kernel each variant falls back to.
+FWD_VARIANTS = {"stream": 4, "block4": 4}
 # defaults: the fastest on an H200 at 8192 x 4096 bf16 (PERFLOG.md, session 3)
 FWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_FWD", "stream")
 STREAM_WARP_BYTES = 2048  # of a row per warp in softmax_fwd_stream (H200: PERFLOG.md)
@@ -27,17 +25,14 @@ STREAM_WARP_BYTES = 2048  # of a row per warp in softmax_fwd_stream (H200: PERFL
 # 16384 x 4096: H100 83.3 -> 86.1 / 86.6 -> 88.0 / 96.0 -> 97.2; H200 79.4 -> 79.3 / 78.6 ->
 # 81.5 / 87.8 -> 89.7; PERFLOG.md)
 STREAM_MAX_SLOTS = 2
-BWD_VARIANT = os.environ.get("TECUPY_SOFTMAX_BWD", "block2")
+# Backward: softmax_bwd_block with 2 chunks per thread for 16-byte rows of at most 1024 VEC
+# entries (H200 8192 x 4096: 95% of copy against 40%), else softmax_bwd.
+BWD_CHUNKS = 2
 loader.declare(FILE, [f"softmax_fwd<{t}, {m}>" for t in _TYPES for m in ("false", "true")]
                + [f"softmax_bwd<{t}>" for t in _TYPES]
-               + [f"softmax_fwd_warp<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
-                  for c in WARP_CHUNKS for m in ("false", "true")]
-               + [f"softmax_bwd_warp<{t}, {_VECS[t]}, {c}>" for t in _TYPES
-                  for c in WARP_CHUNKS[:-1]]
                + [f"softmax_fwd_block<{t}, {_VECS[t]}, {c}, {m}>" for t in _TYPES
-                  for c in set(FWD_VARIANTS.values()) if c for m in ("false", "true")]
-               + [f"softmax_bwd_block<{t}, {_VECS[t]}, {c}>" for t in _TYPES
-                  for c in BWD_VARIANTS.values() if c]
+                  for c in set(FWD_VARIANTS.values()) for m in ("false", "true")]
+               + [f"softmax_bwd_block<{t}, {_VECS[t]}, {BWD_CHUNKS}>" for t in _TYPES]
                + [f"softmax_fwd_stream<{t}, {_VECS[t]}, {m}, {g}, {c}>" for t in _TYPES
                   for m in ("false", "true") for g in RING_GROUPS for c in ("false", "true")])
 
@@ -52,22 +47,11 @@ def _block_shape(dtype, sk, chunks):
 
 def _block_launch(name, dtype, sk, rows, chunks, extra=""):
     """(kernel, grid, threads) of softmax_{fwd,bwd}_block, or None (see _block_shape)."""
-    shape = _block_shape(dtype, sk, chunks) if chunks else None
+    shape = _block_shape(dtype, sk, chunks)
     if not shape:
         return None
     k = loader.function(FILE, f"{name}<{CTYPE[dtype]}, {shape[0]}, {chunks}{extra}>")
     return k, balanced_grid(rows, resident_blocks(k, shape[1], 0)), shape[1]
-
-
-def _warp_chunks(dtype, sk, most=WARP_CHUNKS[-1]):
-    """Chunks per lane for the warp-per-row kernels, or None when a row does not fit in
-    `most` chunks or does not vectorize (then one block per row). The backward holds two
-    arrays per row and spills past 8 chunks."""
-    vec = vec_width(dtype, sk)
-    need = -(-sk // (32 * vec))
-    if vec == 1 or need > most:
-        return None
-    return vec, next(c for c in WARP_CHUNKS if c >= need)
 
 
 def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
@@ -119,18 +103,12 @@ def softmax_fwd(x, scale, mask, causal):
         k((grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
           np.float32(scale), np.int32(causal)), shared_mem=smem)
         return y
-    warp = _warp_chunks(x.dtype, sk)
     block = rows and sk and _block_launch("softmax_fwd_block", x.dtype, sk, rows,
                                           FWD_VARIANTS[FWD_VARIANT], f", {cbool(mask is not None)}")
     if block:
         k, grid, threads = block
         launch(k, (grid,), (threads,), (x, m, y, np.int64(rows), np.int32(sq), np.int32(sk),
                   np.float32(scale), np.int32(causal)))
-    elif rows and sk and warp:
-        k = loader.function(FILE, f"softmax_fwd_warp<{CTYPE[x.dtype]}, {warp[0]}, {warp[1]}, "
-                                  f"{cbool(mask is not None)}>")
-        launch(k, (grid_1d(rows, 1, 4, 16),), (128,), (x, m, y, np.int64(rows), np.int32(sq),
-                  np.int32(sk), np.float32(scale), np.int32(causal)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_fwd<{CTYPE[x.dtype]}, {cbool(mask is not None)}>")
         launch(k, (rows,), (128,), (x, m, y, np.int32(sq), np.int32(sk), np.float32(scale),
@@ -145,16 +123,10 @@ def softmax_bwd(dy, y, scale):
     sk = y.shape[-1]
     rows = y.size // max(sk, 1)
     dx = cupy.empty_like(y)
-    warp = _warp_chunks(y.dtype, sk, most=8)
-    block = rows and sk and _block_launch("softmax_bwd_block", y.dtype, sk, rows,
-                                          BWD_VARIANTS[BWD_VARIANT])
+    block = rows and sk and _block_launch("softmax_bwd_block", y.dtype, sk, rows, BWD_CHUNKS)
     if block:
         k, grid, threads = block
         launch(k, (grid,), (threads,), (dy, y, dx, np.int64(rows), np.int32(sk), np.float32(scale)))
-    elif rows and sk and warp:
-        k = loader.function(FILE, f"softmax_bwd_warp<{CTYPE[y.dtype]}, {warp[0]}, {warp[1]}>")
-        launch(k, (grid_1d(rows, 1, 4, 16),), (128,), (dy, y, dx, np.int64(rows), np.int32(sk),
-                  np.float32(scale)))
     elif rows and sk:
         k = loader.function(FILE, f"softmax_bwd<{CTYPE[y.dtype]}>")
         launch(k, (rows,), (128,), (dy, y, dx, np.int32(sk), np.float32(scale)))
