@@ -85,7 +85,7 @@ def _declare():
                     for c, g in ((1, 4), (1, 8), (2, 1), (2, 2))]
             bwd += [f"norm_bwd_ring<{t}, {v16}, {c}, {r}, {RING_STAGES}>" for c in (1, 2)]
             for v, c in itertools.product(vecs, CHUNKS):
-                if c <= 2 and v == 1:  # (16-byte rows of 1-2 chunks: ring and grp)
+                if c <= 2 and v == 1:  # (16-byte rows of 1-2 chunks take ring or grp)
                     bwd.append(f"norm_bwd<{t}, {v}, {c}, {r}, false, 2>")
                 elif c > 2:  # sums in shared memory up to MAX_ACC_SMEM, then registers
                     bwd.append(f"norm_bwd<{t}, {v}, {c}, {r}, true, 1>")
