@@ -60,13 +60,13 @@ def test_softmax_stream_rows_from_counters(monkeypatch, rng, shape, masking):
     a pool of 3 sets of counters, call after call: every row written once and right, and
     every counter left at zero."""
     import cupy
-    from tecupy.kernels import common
-    if not common.hopper():
+    from tecupy.kernels import launch, pools, ring
+    if not launch.hopper():
         pytest.skip("softmax_fwd_stream runs on Hopper")
     monkeypatch.setattr(softmax_kernels, "FWD_VARIANT", "stream")
-    monkeypatch.setattr(common, "RING_DYNAMIC_ROWS", 0)
-    monkeypatch.setattr(common, "RING_SLOTS", 3)
-    monkeypatch.setattr(common, "_pools", {})
+    monkeypatch.setattr(ring, "RING_DYNAMIC_ROWS", 0)
+    monkeypatch.setattr(pools, "RING_SLOTS", 3)
+    monkeypatch.setattr(pools, "_pools", {})
     for _ in range(4):
         x = (rng.standard_normal(shape) * 4).astype(tecupy.bfloat16)
         mask = rng.random((1,) + shape[1:]) < 0.3 if masking == "both" else None
@@ -75,5 +75,5 @@ def test_softmax_stream_rows_from_counters(monkeypatch, rng, shape, masking):
                                    run("softmax_fwd", f64(args), False),
                                    run("softmax_fwd", args, False), "softmax fwd", atol=1e-6)
     cupy.cuda.Device().synchronize()
-    buf = common._pools["ring", cupy.cuda.runtime.getDevice()][0]
+    buf = pools._pools["ring", cupy.cuda.runtime.getDevice()][0]
     assert int(abs(buf).max()) == 0, "a row counter was not left at zero"

@@ -8,7 +8,6 @@ first on the kernel's PYTHONPATH).
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 

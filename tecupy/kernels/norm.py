@@ -13,10 +13,10 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .common import (CTYPE, FP8TYPE, LOW_PRECISION, RING_GROUPS, RING_WARP_BYTES,
-                     amax_args, balanced_grid, cbool, hopper, launch, opt_in_smem,
-                     planned, resident_blocks, ring_group, ring_launch, ring_plan,
-                     ring_portion, ring_settings, sm_count, vec_width)
+from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, vec_width
+from .launch import balanced_grid, hopper, launch, opt_in_smem, planned, resident_blocks, sm_count
+from .pools import amax_args
+from .ring import (RING_GROUPS, RING_WARP_BYTES, ring_group, ring_launch, ring_plan, ring_portion, ring_settings)
 
 FWD_FILE, BWD_FILE = "norm_fwd.cu", "norm_bwd.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread of the block-per-row kernels keeps
@@ -27,14 +27,14 @@ _FP8 = tuple(FP8TYPE.values())
 
 # Forward: "stream" runs norm_fwd_stream on Hopper for 16-byte rows of at least
 # STREAM_MIN_ROW_BYTES (G warps per row, rows streamed through per-warp rings of shared
-# memory by bulk copies, common.ring_launch); every other case, and "warp" everywhere, takes
+# memory by bulk copies, ring.ring_launch); every other case, and "warp" everywhere, takes
 # norm_fwd_warp (a warp per row from registers: up to 16 chunks per lane) or, for longer
 # rows, norm_fwd (a block per row). Shorter rows fit the warp kernel's registers with many
 # warps per SM, which measured faster (H200, PERFLOG.md: 1024 bf16 93% of copy against 65%).
 FWD_VARIANTS = ("stream", "warp")
 FWD_VARIANT = os.environ.get("TECUPY_NORM_FWD", "stream")
 STREAM_MIN_ROW_BYTES = 4096
-# bytes of a row per warp (common.ring_group): an FP8 output does more work per byte and
+# bytes of a row per warp (ring.ring_group): an FP8 output does more work per byte and
 # takes 4096 (H200 8192 x 4096: 65% of copy against 61% at 2048; bf16 out 85% against 81%)
 STREAM_WARP_BYTES = {False: RING_WARP_BYTES, True: 4096}
 # at most 2 slots per warp (H200, LayerNorm with an FP8 output at 8192 x 4096: 70 -> 74-75%
@@ -121,7 +121,7 @@ def _grid(rows, threads, per_sm):
 
 def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, amax_out=None):
     """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y (maxed into
-    amax_out where given: common.amax_args)."""
+    amax_out where given: pools.amax_args)."""
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
@@ -141,7 +141,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     return out + (amax,) if fmt else out
 
 
-_plans = {}  # launch plans (common.planned; an eager LN at 8192 x 4096 was host-bound)
+_plans = {}  # launch plans (launch.planned; an eager LN at 8192 x 4096 was host-bound)
 
 
 def _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
@@ -158,7 +158,7 @@ def _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
 def _choose_fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
     kind, name, arg = _fwd_kernel(hidden, dtype, fmt, rms, zero_centered, hopper())
     k = loader.function(FWD_FILE, name)
-    if kind == "stream":  # (FP8 outputs keep the fixed split: common.RING_DYNAMIC_ROWS)
+    if kind == "stream":  # (FP8 outputs keep the fixed split: ring.RING_DYNAMIC_ROWS)
         slot, extra, group = arg
         return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS, dynamic=not fmt)
     if kind == "warp":  # 4 rows (warps) per block

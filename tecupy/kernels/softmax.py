@@ -4,15 +4,15 @@ import os
 import numpy as np
 
 from .. import backends, loader
-from .common import (CTYPE, LOW_PRECISION, RING_GROUPS, balanced_grid, cbool, grid_1d, hopper,
-                     launch, on_gpu_low_precision, planned, resident_blocks, ring_group,
-                     ring_launch, ring_plan, ring_portion, ring_settings, vec_width)
+from .dtypes import CTYPE, LOW_PRECISION, cbool, on_gpu_low_precision, vec_width
+from .launch import balanced_grid, hopper, launch, planned, resident_blocks
+from .ring import RING_GROUPS, ring_group, ring_launch, ring_plan, ring_portion, ring_settings
 
 FILE = "softmax.cu"
 _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 _VECS = {"float": 4, "__half": 8, "__nv_bfloat16": 8}
 # Forward: "stream" (Hopper): softmax_fwd_stream, rows streamed through per-warp rings of
-# shared memory by bulk copies (common.ring_launch), for 16-byte rows (with a mask: sk % 16 ==
+# shared memory by bulk copies (ring.ring_launch), for 16-byte rows (with a mask: sk % 16 ==
 # 0) and scale >= 0; other rows, and "block4" everywhere, take softmax_fwd_block with 4
 # chunks per thread (sk = 4096 bf16: 128 threads) for 16-byte rows of at most 2048 VEC
 # entries, else softmax_fwd (a block of 128 threads reading the row three times). The value:
@@ -55,7 +55,7 @@ def _block_launch(name, dtype, sk, rows, chunks, extra=""):
 
 
 def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
-    """The launch of softmax_fwd_stream (common.ring_launch), or None where it does not
+    """The launch of softmax_fwd_stream (ring.ring_launch), or None where it does not
     apply (not the variant, not Hopper, rows not of 16-byte vectors, a mask row not of
     16-byte multiples, a row too long for 2 slots, a scale that is negative or NaN: the
     kernel takes max(x scale) as max(x) scale)."""
@@ -73,7 +73,7 @@ def _stream_launch(dtype, sk, rows, has_mask, causal, scale):
     return ring_launch(k, rows, slot, extra, group, STREAM_MAX_SLOTS)
 
 
-_plans = {}  # launch plans (common.planned)
+_plans = {}  # launch plans (launch.planned)
 
 
 def _stream_plan(dtype, sk, rows, has_mask, causal, scale):
