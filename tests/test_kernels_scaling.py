@@ -106,3 +106,22 @@ def test_delayed_quantizer_wrap_keeps_subnormals(rng):
         st.fwd.scale[0] = 1.0
         assert t.scale_inv.get().tobytes() == (np.float32(1) / np.array([s], np.float32)
                                                ).tobytes()
+
+
+def test_update_copies_its_pointer_table_once(rng, monkeypatch):
+    """After the first step the update launches with the device table it made then (no
+    host-to-device copy per call: issue 21), and stays exact against the reference."""
+    import cupy
+    from tecupy.kernels import scaling
+    monkeypatch.setattr(scaling, "_tables", {})
+    metas = [random_meta(cupy, rng, n, 8, E4M3) for n in (3, 9)]
+    for step in range(3):
+        want = [to_numpy_meta(m) for m in metas]
+        ref_update(want, "max", 0)
+        backends.dispatch("delayed_scaling_update", metas, "max", 0)
+        for m, w in zip(metas, want):
+            np.testing.assert_array_equal(m.scale.get(), w.scale)
+            np.testing.assert_array_equal(m.amax_history.get(), w.amax_history)
+        for m in metas:  # this step's amax
+            m.amax_history[0] = cupy.asarray(rng.uniform(0.1, 10, m.scale.size), np.float32)
+    assert len(scaling._tables) == 1  # one table, made at the first step

@@ -13,13 +13,32 @@ def supported(metas, algo, margin):
     return bool(metas) and all(is_cupy(m.amax_history) for m in metas) and len(lengths) == 1
 
 
+# Device copies of the pointer tables, by content and device: a module's FP8 metas keep
+# their arrays from step to step, so after the first step the update makes no host-to-device
+# copy (a copy per call cost host time, and a CUDA graph capture refuses one). A table holds
+# only addresses and counts, so reusing one whose arrays were freed and reallocated at the
+# same addresses is still right. Bounded: the oldest table goes first.
+_tables = {}
+MAX_TABLES = 256
+
+
+def _device_table(values):
+    import cupy
+    key = (cupy.cuda.runtime.getDevice(), tuple(values))
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= MAX_TABLES:
+            _tables.pop(next(iter(_tables)))
+        table = _tables[key] = cupy.asarray(np.array(values, np.int64))
+    return table
+
+
 @backends.register("delayed_scaling_update", "cuda", supports=supported)
 def delayed_scaling_update(metas, algo, margin):
-    import cupy
     ptrs = [t.data.ptr for m in metas for t in (m.amax_history, m.scale, m.scale_inv,
                                                  m.fp8_max)]
     starts = np.cumsum([0] + [m.scale.size for m in metas])
-    table = cupy.asarray(np.array(ptrs + starts.tolist(), np.int64))  # one small H2D copy
+    table = _device_table(ptrs + starts.tolist())
     k = loader.function(FILE, "delayed_scaling_update")
     k((int(starts[-1]),), (128,), (table, np.int32(len(metas)),
       np.int32(metas[0].amax_history.shape[0]), np.int32(algo == "most_recent"),
