@@ -53,10 +53,39 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run(tree, shape):
+LINEAR = r"""
+import json, statistics, time
+import cupy, numpy as np, tecupy
+from tecupy.recipe import DelayedScaling
+lin = tecupy.nn.Linear(4096, 4096, params_dtype=tecupy.bfloat16, device="cuda", seed=0)
+x = cupy.asarray(np.random.default_rng(0).standard_normal((256, 4096)).astype(tecupy.bfloat16))
+r = DelayedScaling(amax_history_len=16)
+def fwd():
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+        lin(x)
+def fwd_bwd():
+    with tecupy.Tape() as t, tecupy.fp8_autocast(fp8_recipe=r):
+        y = lin(x)
+    t.gradient(y, lin, output_grad=y)
+out = {}
+for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+    for _ in range(5):
+        fn()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        fn()
+    host = (time.perf_counter() - t0) / 200 * 1e3
+    cupy.cuda.Device().synchronize()
+    out[name] = host
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run(tree, shape, child=CHILD):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree) + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape)], env=env,
+    proc = subprocess.run([sys.executable, "-c", child, json.dumps(shape)], env=env,
                           capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -69,10 +98,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("--linear", action="store_true",
+                   help="host ms per FP8 nn.Linear call instead (M=256, K=N=4096, issue 21)")
     p.add_argument("trees", nargs="*", default=["."])
     args = p.parse_args()
     import cupy
     print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    if args.linear:
+        for tree in [t for _ in range(args.rounds) for t in args.trees]:
+            r = run(tree, None, LINEAR)
+            print(f"FP8 Linear 256x4096x4096 {tree[-20:]:20s} host ms per call: fwd "
+                  f"{r['fwd']:.3f}, fwd+bwd {r['fwd+bwd']:.3f}", flush=True)
+        return
     print(f"{'size':8s}{'tree':28s}{'hp ms':>9s}{'host':>8s}{'fp8 ms':>9s}{'host':>8s}")
     for size in args.sizes.split(","):
         for tree in [t for _ in range(args.rounds) for t in args.trees]:
