@@ -97,20 +97,24 @@ class Tape:
             ids.update(id(a) for a in node.outputs)
         return ids
 
-    def gradient(self, outputs, wrt, output_grad=None):
+    def gradient(self, outputs, wrt, output_grad=None, retain_graph=False):
         """Gradients of `outputs` (weighted by `output_grad`, default ones) w.r.t. `wrt`.
 
         `wrt` may be one array, a list/tuple (a list comes back), a dict name -> array (a dict
         comes back) or a tecupy.nn module (a dict by parameter name comes back). Arrays that
         are on the tape but do not reach `outputs` get zeros.
 
-        May be called again on the same tape, except through ops whose backward may run
-        once (FP8 ops; see _check_once) and already ran: ask for every gradient in one call.
+        As in PyTorch, each node's backward releases what its op saved for it (FP8 codes,
+        norm statistics, attention's log-sum-exp, ...) as soon as it has run, so memory is
+        freed during the backward; a second gradient() through the same ops is then a clear
+        error, unless the first call passed retain_graph=True. Ops whose backward may run
+        only once (FP8 ops; see _check_once) refuse a second run even so.
         """
         if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
             wrt = wrt.named_parameters()
         if isinstance(wrt, dict):
-            return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad)))
+            return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad,
+                                               retain_graph)))
         outs, _ = _as_list(outputs)
         targets, many = _as_list(wrt)
         _check_arrays("outputs", outs)
@@ -121,7 +125,7 @@ class Tape:
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
         self._check_once(grads)
-        self._backprop(grads)
+        self._backprop(grads, bool(retain_graph))
         result = []
         for t in targets:
             g = grads.get(id(t))
@@ -169,15 +173,22 @@ class Tape:
         quantize with the new scales and record the amaxes again (a different result, a
         corrupted history). PyTorch likewise refuses a second backward through a freed
         graph. Checked before anything runs: nothing is half-applied."""
-        spent = next((n for n in self._reached(grads) if n.once and n.spent), None)
+        reached = self._reached(grads)
+        spent = next((n for n in reached if n.once and n.spent), None)
         if spent is not None:
             what, why = spent.once
             raise RuntimeError(
                 f"Tape.gradient: the backward of {what} on this tape already ran {why}. Ask "
                 "for every gradient in one call, tape.gradient(outputs, [a, b, ...]), or "
                 "record the forward again under a new Tape.")
+        if any(n.backward is None for n in reached):
+            raise RuntimeError(
+                "Tape.gradient: the backward of ops on this tape already ran and released what "
+                "they saved for it. Pass retain_graph=True to the first tape.gradient to run "
+                "it again (as in PyTorch), ask for every gradient in one call, "
+                "tape.gradient(outputs, [a, b, ...]), or record the forward again.")
 
-    def _backprop(self, grads):
+    def _backprop(self, grads, retain):
         hooks = {}  # fn -> {id(item): item}, in the order first met
         for node in reversed(self._nodes):
             if not any(id(o) in grads for o in node.outputs):
@@ -191,6 +202,8 @@ class Tape:
                 g = unbroadcast(g, x.shape)
                 grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
             node.spent = node.once is not None
+            if not retain:
+                node.backward = None  # the closure held the op's saved arrays: freed now
             for fn, item in node.after:
                 hooks.setdefault(fn, {}).setdefault(id(item), item)
         for fn, items in hooks.items():

@@ -56,7 +56,7 @@ def fd_check(f, inputs, rng, module=None, n=16, step=FD_STEP, rtol=RTOL, atol=AT
     if module is None:
         grads = tape.gradient(wrt_outs, inputs, output_grad=og)
     else:
-        grads = tape.gradient(wrt_outs, module, output_grad=og)
+        grads = tape.gradient(wrt_outs, module, output_grad=og, retain_graph=True)
         assert set(grads) == set(module.named_parameters())
         rest = {k: v for k, v in inputs.items() if k not in grads}
         if rest:

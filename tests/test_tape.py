@@ -52,7 +52,7 @@ def test_dict_and_module_wrt(rng):
     x = rng.standard_normal((3, 6))
     with tecupy.Tape() as tape:
         y = lin(x)
-    g = tape.gradient(y, lin)
+    g = tape.gradient(y, lin, retain_graph=True)  # a second call below
     assert set(g) == {"weight", "bias"}
     np.testing.assert_allclose(g["bias"], np.full(4, 3.0))
     g2 = tape.gradient(y, {"input": x})
@@ -65,7 +65,7 @@ def test_nested_tapes_both_record(rng):
         with tecupy.Tape() as inner:
             y = tecupy.relu(x)
         z = tecupy.gelu(y)
-    assert inner.gradient(y, x).shape == (4,)
+    assert inner.gradient(y, x, retain_graph=True).shape == (4,)  # relu's node is shared
     assert outer.gradient(z, x).shape == (4,)
     with pytest.raises(ValueError, match="not produced"):
         inner.gradient(z, x)
@@ -157,7 +157,7 @@ def test_second_gradient_elsewhere_is_fine(rng):
     lin = tecupy.nn.Linear(32, 16, device="cpu", params_dtype=np.float64, seed=2)
     with tecupy.Tape() as tape:
         y = lin(x)
-    np.testing.assert_array_equal(tape.gradient(y, x), tape.gradient(y, x))
+    np.testing.assert_array_equal(tape.gradient(y, x, retain_graph=True), tape.gradient(y, x))
     a, b = (tecupy.nn.Linear(32, 16, device="cpu", seed=s) for s in (3, 4))
     x32 = x.astype(np.float32)
     from tecupy.recipe import DelayedScaling
@@ -168,7 +168,8 @@ def test_second_gradient_elsewhere_is_fine(rng):
     current = tecupy.recipe.Float8CurrentScaling()
     with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=current):
         y = a(x32)  # current scaling: no state, nothing recorded twice
-    np.testing.assert_array_equal(tape.gradient(y, x32), tape.gradient(y, x32))
+    np.testing.assert_array_equal(tape.gradient(y, x32, retain_graph=True),
+                                  tape.gradient(y, x32))
 
 
 def test_gradient_wrt_a_string_is_a_clear_error(rng):
@@ -207,7 +208,7 @@ def test_after_backward_hooks_run_once_batched_after_the_backward(rng):
         y1 = _node(log, "n1", x, after=((fn, a),))
         y2 = _node(log, "n2", y1, after=((fn, b), (fn, a), (other, a)))
         _node(log, "unreached", x, after=((fn, object()),))
-    tape.gradient(y2, x)
+    tape.gradient(y2, x, retain_graph=True)
     assert log == ["n2", "n1", ("fn", ["b", "a"]), ("other", 1)]
     log.clear()
     tape.gradient(y2, x)  # no `once`: a second call runs the backward and the hooks again
@@ -250,3 +251,36 @@ def test_tape_imports_nothing_of_fp8_or_nn():
     bad = [n for n in names if any(part in banned or part.startswith("fp8")
                                    for part in n.split("."))]
     assert not bad, bad
+
+
+def test_backward_releases_what_each_op_saved(rng):
+    """Each node's backward drops its closure, and with it the arrays its op saved (here the
+    FP8 codes of a linear's input and weight), as soon as it has run: memory comes back
+    during the backward (issue 22), as in PyTorch without retain_graph."""
+    import weakref
+    from tecupy import fp8 as fp8_module
+    saved = []
+    real = fp8_module.FP8Tensor.made.__func__
+
+    def spy(cls, data, *args, **kwargs):
+        saved.append(weakref.ref(data))
+        return real(cls, data, *args, **kwargs)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    w = rng.standard_normal((16, 32)).astype(np.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_module.FP8Tensor, "made", classmethod(spy))
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(
+                fp8_recipe=tecupy.recipe.Float8CurrentScaling()):
+            y = tecupy.linear(x, w)
+    assert saved and all(r() is not None for r in saved)  # kept for the backward
+    tape.gradient(y, [x, w])
+    assert all(r() is None for r in saved), "the FP8 codes outlived their backward"
+
+
+def test_second_gradient_without_retain_graph_is_a_clear_error(rng):
+    x = rng.standard_normal((4, 8))
+    with tecupy.Tape() as tape:
+        y = tecupy.gelu(x)
+    tape.gradient(y, x)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        tape.gradient(y, x)
