@@ -16,6 +16,7 @@ there, all in one call) and may say its backward can run only once (once: FP8 op
 backward records amaxes).
 """
 import contextvars
+import types
 
 from ._array import unbroadcast, xp_of
 
@@ -63,6 +64,8 @@ def record(backward, inputs, outputs, after_backward=(), once=None):
     node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once)
     for tape in tapes:
         tape._nodes.append(node)
+        if tape.probe is not None:
+            tape.probe()
 
 
 def _as_list(x):
@@ -79,8 +82,12 @@ def _check_arrays(what, items):
 
 
 class Tape:
-    def __init__(self):
+    """probe: None, or a callable the tape calls after each op it records and after each
+    node's backward (a memory-peak sampler: tecupy.bench.memory)."""
+
+    def __init__(self, probe=None):
         self._nodes = []
+        self.probe = probe
 
     def __enter__(self):
         _active.set(_active.get() + (self,))
@@ -204,7 +211,61 @@ class Tape:
             node.spent = node.once is not None
             if not retain:
                 node.backward = None  # the closure held the op's saved arrays: freed now
+            if self.probe is not None:
+                self.probe()
             for fn, item in node.after:
                 hooks.setdefault(fn, {}).setdefault(id(item), item)
         for fn, items in hooks.items():
             fn(list(items.values()))
+
+
+def _arrays_in(obj, depth=3):
+    """Arrays (anything with an int nbytes and a shape) in obj, in a tuple or list, in the
+    closure of a function it wraps (a few levels), or one attribute down (an FP8 tensor's
+    codes, transposed codes and scale_inv)."""
+    if isinstance(obj, (tuple, list)):
+        return [a for item in obj for a in _arrays_in(item, depth)]
+    if isinstance(obj, types.FunctionType):
+        cells = obj.__closure__ or () if depth else ()
+        return [a for c in cells for a in _arrays_in(c.cell_contents, depth - 1)]
+    if _is_array(obj):
+        return [obj]
+    attrs = None if isinstance(obj, type) else getattr(obj, "__dict__", None)
+    return [] if attrs is None else [v for v in attrs.values() if _is_array(v)]
+
+
+def _is_array(obj):
+    return not isinstance(obj, type) and isinstance(getattr(obj, "nbytes", None), int) \
+        and hasattr(obj, "shape")
+
+
+def _root(a):
+    """The array that owns a view's memory (numpy and cupy both keep it as .base)."""
+    while _is_array(getattr(a, "base", None)):
+        a = a.base
+    return a
+
+
+def saved_bytes(tape, exclude=()):
+    """What `tape` keeps alive for the backward: ([(op, bytes)] per node whose backward has
+    not run, the memory its backward closure keeps; held bytes), where held is the memory
+    of the nodes' inputs and outputs that no closure keeps (alive only because the tape
+    holds them). Memory is counted once over the tape, by the array that owns it (a view
+    counts as its base); arrays whose id is in `exclude` (a module's parameters) are left
+    out. op is the function that recorded the node."""
+    seen, rows = set(exclude), []
+
+    def new_bytes(arrays):
+        size = 0
+        for a in map(_root, arrays):
+            if id(a) not in seen:
+                seen.add(id(a))
+                size += a.nbytes
+        return size
+    for node in tape._nodes:
+        if node.backward is not None:
+            op = node.backward.__qualname__.split(".<locals>")[0]
+            rows.append((op, new_bytes(_arrays_in(node.backward))))
+    held = new_bytes(a for node in tape._nodes for a in (*node.inputs, *node.outputs)
+                     if a is not None and id(a) not in set(exclude))
+    return rows, held

@@ -1,11 +1,13 @@
 """python -m tecupy.bench layer: Transformer Engine's quickstart layer (the main job's
 TransformerLayer, bf16), one forward + backward step in high precision and under FP8 delayed
-scaling, and where the FP8 step's GPU time goes: kernel time per kernel (summed over its
+scaling, its memory (bench/memory.py: the pool's peak, what is kept for the backward by op),
+and where the FP8 step's GPU time goes: kernel time per kernel (summed over its
 launches), from torch.profiler's CUPTI trace, which records CuPy's kernels too (skipped
 without torch). Everything that is not a GEMM, attention or a fused kernel shows up here.
 """
 import numpy as np
 
+from .memory import print_report, step_memory
 from .timing import gpu_name, time_ms
 
 
@@ -57,6 +59,9 @@ def run(args):
     for name, r in (("high precision", None), ("FP8 delayed scaling", recipe)):
         ms = time_ms(lambda: step(layer, x, dy, r), cupy, warmup=2, repeat=5)
         print(f"  {name:22s} {ms:8.2f} ms/step")
+    print("memory:")
+    for name, r in (("high precision", None), ("FP8 delayed scaling", recipe)):
+        print_report(name, *step_memory(layer, x, dy, r))
     table = kernel_table(lambda: step(layer, x, dy, recipe))
     if table is None:
         print("(torch is not importable: no kernel table)")

@@ -110,10 +110,12 @@ def _linear_fp8(x, weight, bias, q):
     if not tr:
         return y
 
+    x_shape, x_dtype = x.shape, x.dtype  # the backward keeps the FP8 codes, not x
+
     def backward(dy):
         dx, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, q.grad_output,
-                                         x.dtype)
-        return dx.reshape(x.shape), dw, db
+                                         x_dtype)
+        return dx.reshape(x_shape), dw, db
     record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
 
