@@ -64,8 +64,6 @@ def record(backward, inputs, outputs, after_backward=(), once=None):
     node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once)
     for tape in tapes:
         tape._nodes.append(node)
-        if tape.probe is not None:
-            tape.probe()
 
 
 def _as_list(x):
@@ -82,12 +80,8 @@ def _check_arrays(what, items):
 
 
 class Tape:
-    """probe: None, or a callable the tape calls after each op it records and after each
-    node's backward (a memory-peak sampler: tecupy.bench.memory)."""
-
-    def __init__(self, probe=None):
+    def __init__(self):
         self._nodes = []
-        self.probe = probe
 
     def __enter__(self):
         _active.set(_active.get() + (self,))
@@ -211,8 +205,6 @@ class Tape:
             node.spent = node.once is not None
             if not retain:
                 node.backward = None  # the closure held the op's saved arrays: freed now
-            if self.probe is not None:
-                self.probe()
             for fn, item in node.after:
                 hooks.setdefault(fn, {}).setdefault(id(item), item)
         for fn, items in hooks.items():

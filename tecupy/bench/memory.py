@@ -1,9 +1,8 @@
 """Memory of one training step on the GPU (issue 22): the CuPy pool's peak above what was
-allocated before the step (parameters, inputs), sampled by the tape after every op it
-records and after every node's backward (a lower bound: temporaries freed inside an op are
-not seen), and what the tape keeps for the backward at the end of the forward, by op (what
-the backward closures keep, and the inputs and outputs alive only because the tape holds
-them)."""
+allocated before the step (parameters, inputs), exact: CuPy's allocator is wrapped so that
+the pool's used bytes are read after every allocation (they only grow there); and what the
+tape keeps for the backward at the end of the forward, by op (what the backward closures
+keep, and the inputs and outputs alive only because the tape holds them)."""
 from tecupy.tape import saved_bytes
 
 GIB, MIB = 2.0 ** 30, 2.0 ** 20
@@ -19,14 +18,19 @@ def step_memory(layer, x, dy, recipe):
     start = pool.used_bytes()
     peak = [start]
 
-    def probe():
+    def malloc(size):
+        mem = pool.malloc(size)
         peak[0] = max(peak[0], pool.used_bytes())
-    with tecupy.Tape(probe=probe) as tape:
-        with tecupy.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            y = layer(x)
-    rows, held = saved_bytes(tape, {id(p) for p in layer.parameters()})
-    tape.gradient(y, dict(layer.named_parameters(), x=x), output_grad=dy)
-    probe()
+        return mem
+    cupy.cuda.set_allocator(malloc)
+    try:
+        with tecupy.Tape() as tape:
+            with tecupy.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                y = layer(x)
+        rows, held = saved_bytes(tape, {id(p) for p in layer.parameters()})
+        tape.gradient(y, dict(layer.named_parameters(), x=x), output_grad=dy)
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
     by_op = {}
     for op, size in rows:
         by_op[op] = by_op.get(op, 0) + size
@@ -34,8 +38,7 @@ def step_memory(layer, x, dy, recipe):
 
 
 def print_report(name, peak, by_op, held):
-    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs (sampled at op "
-          f"boundaries); kept for the backward {sum(by_op.values()) / GIB:.2f} GiB, held by "
+    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs; kept for the backward {sum(by_op.values()) / GIB:.2f} GiB, held by "
           f"the tape only {held / GIB:.2f} GiB")
     for op, size in sorted(by_op.items(), key=lambda kv: -kv[1]):
         if size:
