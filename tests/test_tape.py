@@ -272,7 +272,9 @@ def test_backward_releases_what_each_op_saved(rng):
         with tecupy.Tape() as tape, tecupy.fp8_autocast(
                 fp8_recipe=tecupy.recipe.Float8CurrentScaling()):
             y = tecupy.linear(x, w)
-    assert saved and all(r() is not None for r in saved)  # kept for the backward
+    alive = [r for r in saved if r() is not None]
+    # kept for the backward: the column-wise copies of x and w, not the row-wise codes
+    assert sorted(r().shape for r in alive) == [(32, 16), (32, 16)]
     tape.gradient(y, [x, w])
     assert all(r() is None for r in saved), "the FP8 codes outlived their backward"
 
@@ -297,8 +299,9 @@ def test_saved_bytes(rng):
         y = tecupy.gelu(lin(x))
     rows, held = saved_bytes(tape, {id(p) for p in lin.parameters()})
     ops = dict(rows)
-    # x's and w's FP8 codes and their transposes (1 byte each) and two scale_invs: not x
-    # (float32, issue 22: the FP8 backward keeps codes) and not the excluded parameters
-    assert ops["_linear_fp8"] == 2 * (16 * 32 + 16 * 32) + 2 * 4
+    # the column-wise FP8 copies of x and w (1 byte each) and two scale_invs: not x (float32)
+    # nor the row-wise codes (issue 22: the backward GEMMs read only the column-wise
+    # copies), nor the excluded parameters
+    assert ops["_linear_fp8"] == (16 * 32 + 16 * 32) + 2 * 4
     tape.gradient(y, x)
     assert saved_bytes(tape)[0] == []  # the closures are gone after the backward

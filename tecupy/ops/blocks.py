@@ -9,8 +9,8 @@ from .._array import array_module, check_float, check_shape
 from ..quantization import gemm_quantizers
 from ..tape import record
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from .linear import (check_fp8_dims, check_fp8_state, fp8_gemm, fp8_linear_backward, linear,
-                     linear_with)
+from .linear import (check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
+                     fp8_linear_backward, linear, linear_with)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -66,10 +66,11 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     qx = qi.wrap(codes)
     qw = q.weight.quantize(weight, transpose=True)
     y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+    qw_t = columnwise(qw)  # qx: the norm wrote row-wise codes only, transposed in backward
 
     def backward(dy):
-        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx, qw, bias, q.grad_output,
-                                           x.dtype)
+        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx.T, qw_t, bias,
+                                           q.grad_output, x.dtype)
         if rms:
             dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
             dbeta = None
@@ -158,10 +159,11 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     qa = qi.wrap(codes)
     qw = q.weight.quantize(fc2_weight, transpose=True)
     y = fp8_gemm(qa, qw, h.dtype, fc2_bias).reshape(h.shape[:-1] + (n,))
+    qw_t = columnwise(qw)  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
-        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa, qw, fc2_bias, q.grad_output,
-                                          h.dtype)
+        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa.T, qw_t, fc2_bias,
+                                          q.grad_output, h.dtype)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
         return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
     record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
