@@ -16,7 +16,9 @@ import sys
 SIZES = {"small": (1024, 4096, 16, 512, 2), "medium": (2048, 8192, 16, 2048, 2),
          "full": (4096, 16384, 32, 2048, 4)}
 
-CHILD = r"""
+# The main job's layer, x and dy in a child process (self-contained: it runs against older
+# trees too); the shape comes as JSON in argv[1]. Shared with scripts/peak_memory.py.
+LAYER = r"""
 import json, statistics, sys, time
 import cupy, numpy as np, tecupy
 from tecupy.recipe import DelayedScaling, Format
@@ -27,6 +29,9 @@ layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0,
 rng = np.random.default_rng(0)
 x = cupy.asarray(rng.standard_normal((seq, batch, hidden)).astype(tecupy.bfloat16))
 dy = cupy.asarray((rng.standard_normal((seq, batch, hidden)) * 1e-2).astype(tecupy.bfloat16))
+"""
+
+CHILD = LAYER + r"""
 recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 def step(r):
     with tecupy.Tape() as tape:
