@@ -205,6 +205,7 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
               T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk,
               float scale_log2, float p_drop, float factor, unsigned long long seed,
+              const unsigned long long* __restrict__ seed_ptr,
               long long q_b, long long q_s, long long k_b, long long k_s, long long v_b,
               long long v_s, long long o_b, long long o_s) {
     constexpr int BM = kFwdBM, NT = 256 / MW;
@@ -227,7 +228,7 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     }
     cp_async_commit();
     const int qrow = 16 * MW * (threadIdx.x >> 5), row = m0 + qrow + ((threadIdx.x & 31) >> 2);
-    const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
+    const Dropout dr{philox_key(seed, seed_ptr), p_drop, factor};
     const unsigned long long index0 = ((unsigned long long)(b * h + head) * sq + row) * skv;
     float acc[MW][D / 8][4] = {}, m[MW][2], l[MW][2];
 #pragma unroll
@@ -441,7 +442,8 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
               const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
               T* __restrict__ dv, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
-              float p_drop, float factor, unsigned long long seed, const BwdStrides st) {
+              float p_drop, float factor, unsigned long long seed,
+              const unsigned long long* __restrict__ seed_ptr, const BwdStrides st) {
     constexpr int BM = kBwdBM, BN = 16 * NW, NT = 32 * NW;
     using S = BwdSmem<D, NW>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -458,7 +460,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                              q_len, st);
     cp_async_commit();
     const int kv_row = n0 + 16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2);
-    const Dropout dr{make_uint2((unsigned)seed, (unsigned)(seed >> 32)), p_drop, factor};
+    const Dropout dr{philox_key(seed, seed_ptr), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
     float* dqb = dq_acc + b * st.dq_b;
     for (int it = 0; it < total; ++it) {

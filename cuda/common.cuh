@@ -250,6 +250,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait_group() {
 }
 
 // ---- Philox4x32-10 (dropout.cu, attention.cu; reference/dropout.py has the same maths)
+// The key: `seed`, or where `seed_ptr` is not null, the seed it points to (a launch captured
+// in a CUDA graph reads each replay's seed from the graph's seed table: tecupy/graphs.py).
+__device__ __forceinline__ uint2 philox_key(unsigned long long seed,
+                                            const unsigned long long* seed_ptr) {
+    if (seed_ptr) seed = *seed_ptr;
+    return make_uint2((unsigned)seed, (unsigned)(seed >> 32));
+}
+
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
 #pragma unroll
     for (int r = 0; r < 10; ++r) {

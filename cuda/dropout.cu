@@ -4,7 +4,8 @@
 // u = (word >> 8) 2^-24 in [0, 1); keep = u >= p;
 //   dropout_fwd: y[i] = x[i] keep factor (+ residual[i] when RES), keep[i] stored as a byte
 //   dropout_bwd: dx[i] = dy[i] keep[i] factor
-// factor = 1 / (1 - p) (0 when p = 1), computed on the host in float. Same bits as the
+// factor = 1 / (1 - p) (0 when p = 1), computed on the host in float; seed_ptr: see
+// philox_key (common.cuh). Same bits as the
 // NumPy reference (tecupy/reference/dropout.py). Launch: 1-D grid-stride over groups of
 // VEC = 4 elements (one Philox call each; n % 4 == 0) or single elements (VEC = 1).
 #include "common.cuh"
@@ -13,9 +14,10 @@ template <typename T, int VEC, bool RES>
 __global__ void dropout_fwd(const T* __restrict__ x, const T* __restrict__ residual,
                             T* __restrict__ y, unsigned char* __restrict__ keep, long long n,
                             float p, float factor, unsigned long long seed,
+                            const unsigned long long* __restrict__ seed_ptr,
                             unsigned long long offset) {
     PDL_WAIT();
-    const uint2 key = make_uint2((unsigned)seed, (unsigned)(seed >> 32));
+    const uint2 key = philox_key(seed, seed_ptr);
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const unsigned long long g = i >> 2;

@@ -14,6 +14,7 @@ from .ops import (activation, add, cross_entropy, dot_product_attention, dropout
                   geglu, gelu, layernorm, layernorm_linear, layernorm_mlp, linear, relu,
                   reshape, rmsnorm, softmax, split, swiglu)
 from .tape import Tape  # noqa: F401
+from .graphs import make_graphed_step  # noqa: F401
 from . import gemm  # noqa: F401,E402  (tecupy.gemm.tune)
 from . import nn  # noqa: F401,E402
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import bfloat16, is_cupy
+from ..graphs import seed_pointer
 from .dtypes import CTYPE, cbool
 from .launch import grid_1d, hopper, opt_in_smem
 from .tma import tma_desc
@@ -152,10 +153,11 @@ def _grad_buffers(q, k, v):
 
 
 def _dropout_args(p, seed):
-    """(p, 1 / (1 - p), seed) as the kernels take them. seed is None (no dropout: unused)
-    or in [0, 2**64), checked by dot_product_attention, so np.uint64 cannot overflow."""
+    """(p, 1 / (1 - p), seed, seed_ptr) as the kernels take them. seed is None (no dropout:
+    unused) or in [0, 2**64), checked by dot_product_attention, so np.uint64 cannot
+    overflow; seed_ptr: graphs.seed_pointer (a captured step reads its seed on the GPU)."""
     factor = np.float32(1 / (1 - p))  # rounded as the reference rounds it
-    return np.float32(p), factor, np.uint64(seed or 0)
+    return np.float32(p), factor, np.uint64(seed or 0), seed_pointer(seed)
 
 
 def _tma(t, rows):

@@ -4,6 +4,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
+from ..graphs import seed_pointer
 from .dtypes import CTYPE, LOW_PRECISION, cbool, on_gpu_low_precision
 from .launch import MANY_BLOCKS, grid_1d, launch
 
@@ -35,7 +36,7 @@ def dropout_fwd(x, p, seed, offset, residual=None):
     if x.size:
         launch(k, (grid_1d(x.size, vec, 256, MANY_BLOCKS),), (256,),
                (x, res, y, keep, np.int64(x.size), np.float32(p), _factor(p),
-                np.uint64(seed), np.uint64(offset)))  # in [0, 2**64): ops/elementwise.py
+                np.uint64(seed), seed_pointer(seed), np.uint64(offset)))  # [0, 2**64)
     return y, keep.view(np.bool_)
 
 

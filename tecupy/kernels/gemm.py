@@ -1,36 +1,88 @@
-"""High-precision GEMM on CuPy arrays through cuBLAS (cupy.matmul) in the inputs' own dtype:
-tensor cores for bf16/fp16 with float32 accumulation, instead of the reference's upcast to
-float32. (FP8 GEMMs are issue 4's CUTLASS kernels.)"""
+"""High-precision GEMM on CuPy arrays through cuBLAS (cublasGemmEx) in the inputs' own
+dtype: tensor cores for bf16/fp16 with float32 accumulation, instead of the reference's
+upcast to float32. (FP8 GEMMs are the CUTLASS kernels of fp8_gemm.py.)
+
+cuBLAS is called directly, on a handle of tecupy's own per thread and device, rather than
+through cupy.matmul: CuPy refuses cuBLAS inside a CUDA-graph capture (it raises when the
+handle's stream is set while the stream captures). Our handle's stream is set only when it
+changes, and make_graphed_step sets it to the capture stream before the capture begins
+(use_stream), so a captured step's GEMMs need no stream change.
+"""
+import threading
+
 import numpy as np
 
 from .. import backends
 from .._array import is_cupy
-from .dtypes import LOW_PRECISION
+from .dtypes import LOW_PRECISION, bfloat16
 
-_works = {}  # dtype -> whether cupy.matmul takes it on this install (bf16 support varies)
+CUDA_DTYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, bfloat16: 14}  # cudaDataType
+COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: float32 accumulation (no TF32 for float32 inputs)
+OP_N, OP_T = 0, 1
+GEMM_DEFAULT = -1
+_ALPHA, _BETA = np.ones(1, np.float32), np.zeros(1, np.float32)  # host pointer mode
+_local = threading.local()  # .handles: device -> [cuBLAS handle, the stream it is set to]
 
 
-def _matmul_ok(dtype):
-    if dtype not in _works:
+def _handle():
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    handles = getattr(_local, "handles", None)
+    if handles is None:
+        handles = _local.handles = {}
+    dev = cupy.cuda.runtime.getDevice()
+    h = handles.get(dev)
+    if h is None:
+        h = handles[dev] = [cublas.create(), None]
+    return h
+
+
+def use_stream(stream):
+    """Point this thread's handle at `stream` (its ptr); a no-op when it is already."""
+    from cupy_backends.cuda.libs import cublas
+    h = _handle()
+    if h[1] != stream.ptr:
+        cublas.setStream(h[0], stream.ptr)
+        h[1] = stream.ptr
+    return h[0]
+
+
+def _operand(t, transposed):
+    """(op, ld, t) for cuBLAS's column-major view of a row-major 2-D array t, giving t
+    (transposed=False) or t.T: a C-contiguous t is t.T in column-major memory, an
+    F-contiguous one (a transposed view such as dy.T) is t itself; others are copied."""
+    if not (t.flags.c_contiguous or t.flags.f_contiguous):
         import cupy
-        try:
-            a = cupy.ones((16, 16), dtype)
-            _works[dtype] = bool(abs(float((a @ a)[0, 0].astype(np.float32)) - 16) < 1e-3)
-        except Exception:
-            _works[dtype] = False
-    return _works[dtype]
+        t = cupy.ascontiguousarray(t)
+    if t.flags.c_contiguous:
+        return (OP_N if transposed else OP_T), max(1, t.shape[1]), t
+    return (OP_T if transposed else OP_N), max(1, t.shape[0]), t
 
 
 def supported(a, b, out_dtype, bias=None, trans_b=True):
     return (is_cupy(a) and a.dtype in LOW_PRECISION and b.dtype == a.dtype
-            and np.dtype(out_dtype) == a.dtype and _matmul_ok(a.dtype))
+            and np.dtype(out_dtype) == a.dtype and a.ndim == 2 and b.ndim == 2)
 
 
 @backends.register("gemm", "cuda", supports=supported)
 def gemm(a, b, out_dtype, bias=None, trans_b=True):
     """a [M, K] @ (b [N, K]).T or a @ b [K, N], + bias [N]; cuBLAS accumulates in float32
-    and rounds once to the output dtype, then the bias is added in that dtype."""
-    y = a @ (b.T if trans_b else b)
+    and rounds once to the output dtype, then the bias is added in that dtype.
+    Row-major C = A B is column-major C.T = B.T A.T: cuBLAS gets B.T as its first operand."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    m, k = a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    y = cupy.empty((m, n), a.dtype)
+    if k == 0:
+        y.fill(0)
+    elif m and n:
+        op_b, ld_b, b = _operand(b, transposed=not trans_b)
+        op_a, ld_a, a = _operand(a, transposed=True)
+        dt = CUDA_DTYPE[a.dtype]
+        cublas.gemmEx(use_stream(cupy.cuda.get_current_stream()), op_b, op_a, n, m, k,
+                      _ALPHA.ctypes.data, b.data.ptr, dt, ld_b, a.data.ptr, dt, ld_a,
+                      _BETA.ctypes.data, y.data.ptr, dt, n, COMPUTE_32F, GEMM_DEFAULT)
     if bias is not None:
         y += bias
     return y

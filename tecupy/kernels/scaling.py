@@ -3,6 +3,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
+from ..graphs import keep_alive
 
 FILE = "delayed_scaling.cu"
 loader.declare(FILE, ["delayed_scaling_update", "scale_inverse"])
@@ -39,6 +40,7 @@ def delayed_scaling_update(metas, algo, margin):
                                                  m.fp8_max)]
     starts = np.cumsum([0] + [m.scale.size for m in metas])
     table = _device_table(ptrs + starts.tolist())
+    keep_alive(table)  # a captured update reads it at every replay: not to be evicted then
     k = loader.function(FILE, "delayed_scaling_update")
     k((int(starts[-1]),), (128,), (table, np.int32(len(metas)),
       np.int32(metas[0].amax_history.shape[0]), np.int32(algo == "most_recent"),

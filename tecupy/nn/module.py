@@ -6,6 +6,7 @@ import numpy as np
 from .. import _check
 from .._array import FLOAT_DTYPES, gpu_available, to_numpy
 from ..fp8_state import FP8State, check_array, mismatch
+from ..graphs import draw_seed
 
 INIT_STD = 0.023  # Transformer Engine's default init_method: normal(0, 0.023)
 
@@ -163,7 +164,11 @@ class Module:
         return self.train(False)
 
     def next_seed(self):
-        """A fresh dropout seed from the module's own generator (reproducible from `seed`)."""
+        """A fresh dropout seed from the module's own generator (reproducible from `seed`;
+        drawn again before each replay of a captured step: graphs.draw_seed)."""
+        return draw_seed(self._draw_seed)
+
+    def _draw_seed(self):
         return int(self.rng.integers(0, 2**63))
 
 

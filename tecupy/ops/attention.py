@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _check, backends
 from .._array import array_module, check_float
+from ..graphs import fresh_seed
 from ..tape import record
 
 QKV_FORMATS = ("bshd", "sbhd")
@@ -111,7 +112,7 @@ def dot_product_attention(q, k, v, attn_mask_type="causal", qkv_format="bshd",
     scale = (1 / np.sqrt(q.shape[-1]) if softmax_scale is None
              else _check.real(op, "softmax_scale", softmax_scale))
     if p > 0 and dropout_seed is None:
-        dropout_seed = int(np.random.default_rng().integers(0, 2**63))
+        dropout_seed = fresh_seed()
     qb, kb, vb = (_to_bshd(t, qkv_format) for t in (q, k, v))
     args = (scale, mask, lq, lkv, p, dropout_seed)
     ob, lse = backends.dispatch("attention_fwd", qb, kb, vb, *args)

@@ -5,6 +5,7 @@ import numpy as np
 
 from .. import _check, backends
 from .._array import array_module, check_float
+from ..graphs import fresh_seed
 from ..tape import record
 
 
@@ -123,7 +124,7 @@ def dropout(x, p, seed=None, training=True, offset=0, residual=None):
     if not _check.flag("dropout", "training", training) or p == 0:
         return x if residual is None else add(x, residual)
     if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**63))
+        seed = fresh_seed()
     y, keep = backends.dispatch("dropout_fwd", x, p, seed, offset, residual)
 
     def backward(dy):
