@@ -13,6 +13,8 @@ def main(argv=None):
     p.add_argument("suite", choices=SUITES)
     p.add_argument("--cpu", action="store_true",
                    help="kernels: also time the NumPy reference at 8192x4096")
+    p.add_argument("--size", choices=("small", "medium", "full"), default="full",
+                   help="layer: the TransformerLayer's size (the main job's --size)")
     args = p.parse_args(argv)
     import tecupy
     if not tecupy.gpu_available():

@@ -1,29 +1,169 @@
-"""python -m tecupy.bench layer: Transformer Engine's quickstart layer (the main job's
-TransformerLayer, bf16), one forward + backward step in high precision and under FP8 delayed
-scaling, its memory (bench/memory.py: the pool's peak, what is kept for the backward by op),
-and where the FP8 step's GPU time goes: kernel time per kernel (summed over its
-launches), from torch.profiler's CUPTI trace, which records CuPy's kernels too (skipped
-without torch). Everything that is not a GEMM, attention or a fused kernel shows up here.
+"""python -m tecupy.bench layer [--size small|medium|full]: the main job's TransformerLayer
+(bf16, pre-LayerNorm, causal attention, GELU MLP), one forward + backward per step:
+
+- step time of tecupy eager and graphed (make_graphed_step), high precision and FP8 delayed
+  scaling, against PyTorch bf16 (the same layer from torch.nn, SDPA attention) eager and with
+  torch.cuda.make_graphed_callables, all in this run: GPU ms per step (CUDA events around
+  STEPS back-to-back steps, median of 3 rounds) and host ms per step (the wall time of issuing
+  them: near the GPU time, the step is host-bound), and the ratios;
+- whether graphed steps are bit-identical to eager ones (twin layers, 3 steps);
+- memory (bench/memory.py: the pool's peak, what is kept for the backward by op; a graph's
+  own pool);
+- at the full size, where the FP8 step's GPU time goes: kernel time per kernel (summed
+  over its launches), from torch.profiler's CUPTI trace, which records CuPy's kernels too.
+PyTorch rows are skipped without torch.
 """
+import statistics
+import time
+
 import numpy as np
 
-from .memory import print_report, step_memory
-from .timing import gpu_name, time_ms
+from .memory import GIB, print_report, step_memory
+from .timing import gpu_name
+
+STEPS, ROUNDS = 20, 3
 
 
-def _layer():
+def _recipe():
+    from tecupy.recipe import DelayedScaling, Format
+    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16,
+                          amax_compute_algo="max")
+
+
+def _rate(step, xp):
+    """(GPU ms, host ms) per step over STEPS back-to-back steps, median of ROUNDS."""
+    torch = xp.__name__ == "torch"
+    sync = xp.cuda.synchronize if torch else xp.cuda.Device().synchronize
+    for _ in range(3):
+        step()
+    sync()
+    gpu, host = [], []
+    for _ in range(ROUNDS):
+        kw = {"enable_timing": True} if torch else {}
+        start, stop = xp.cuda.Event(**kw), xp.cuda.Event(**kw)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            step()
+        host.append((time.perf_counter() - t0) * 1e3 / STEPS)
+        stop.record()
+        stop.synchronize()
+        ms = start.elapsed_time(stop) if torch else xp.cuda.get_elapsed_time(start, stop)
+        gpu.append(ms / STEPS)
+    return statistics.median(gpu), statistics.median(host)
+
+
+def _tecupy_rows(shape):
     import cupy
     import tecupy
+    from tecupy.__main__ import build, step
+    rows, pools = {}, {}
+    for name, r in (("HP", None), ("FP8", _recipe())):
+        layer, x, dy = build(shape, "cuda")
+        rows[f"tecupy {name} eager"] = _rate(lambda: step(layer, x, dy, r), cupy)
+        g = tecupy.make_graphed_step(layer, (x, dy), fp8_recipe=r)
+        rows[f"tecupy {name} graphed"] = _rate(lambda: g(x, dy), cupy)
+        pools[name] = g.pool.total_bytes()
+    return rows, pools
+
+
+def _torch_layer(hidden, ffn, heads):
+    """The same layer in torch.nn: pre-LayerNorm, causal SDPA, GELU (tanh) MLP, bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+            self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden,
+                                                                                       hidden)
+            self.fc1, self.fc2 = torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden)
+
+        def forward(self, x):  # x [seq, batch, hidden]
+            s, b, _ = x.shape
+            qkv = self.qkv(self.ln1(x)).view(s, b, 3, heads, hidden // heads)
+            q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)  # [b, heads, s, d]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = x + self.proj(o.permute(2, 0, 1, 3).reshape(s, b, hidden))
+            return h + self.fc2(F.gelu(self.fc1(self.ln2(h)), approximate="tanh"))
+    return Layer().cuda().to(torch.bfloat16)
+
+
+def _torch_rows(shape):
+    try:
+        import torch
+    except ImportError:
+        return {}
+    hidden, ffn, heads, seq, batch = shape
+    layer = _torch_layer(hidden, ffn, heads)
+    x = torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    dy = torch.randn_like(x) * 1e-2
+
+    def step(fn):
+        def run():
+            for p in (*layer.parameters(), x):
+                p.grad = None
+            fn(x).backward(dy)
+        return run
+    rows = {"PyTorch bf16 eager": _rate(step(layer), torch)}
+    graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    rows["PyTorch bf16 graphed"] = _rate(step(graphed), torch)
+    return rows
+
+
+def _graphs_match(shape):
+    """Twin layers, 3 steps each, eager and graphed (FP8): the last step's output and
+    gradients and the FP8 state bit-identical?"""
+    import tecupy
+    from tecupy.__main__ import build, step
+    r = _recipe()
+    (a, x, dy), (b, _, _) = build(shape, "cuda"), build(shape, "cuda")
+    for _ in range(3):
+        y, grads = step(a, x, dy, r)
+    g = tecupy.make_graphed_step(b, (x, dy), fp8_recipe=r)
+    for _ in range(2):
+        y_g, grads_g, (dx_g,) = g(x, dy)
+    want = [y, *grads.values()]
+    got = [y_g, *grads_g.values(), dx_g]
+    same = all(bool((u.view(np.uint16) == v.view(np.uint16)).all()) for u, v in zip(got, want))
+    sa, sb = a.state_dict(), b.state_dict()
+    return same and all(np.array_equal(sa[k], sb[k]) for k in sa if isinstance(sa[k],
+                                                                                  np.ndarray))
+
+
+def run(args):
     from tecupy.__main__ import SIZES
-    hidden, ffn, heads, seq, batch = SIZES["full"]
-    layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0,
-                                       attention_dropout=0.0, params_dtype=tecupy.bfloat16,
-                                       device="cuda", seed=0)
-    rng = np.random.default_rng(0)
-    x = cupy.asarray(rng.standard_normal((seq, batch, hidden)).astype(tecupy.bfloat16))
-    dy = cupy.asarray((rng.standard_normal((seq, batch, hidden)) * 1e-2)
-                      .astype(tecupy.bfloat16))
-    return layer, x, dy
+    size = getattr(args, "size", None) or "full"
+    shape = SIZES[size]
+    print(f"GPU: {gpu_name()}; TransformerLayer {size} (hidden, ffn, heads, seq, batch) = "
+          f"{shape}, bf16, forward + backward; {STEPS} steps back to back, median of "
+          f"{ROUNDS}")
+    rows, pools = _tecupy_rows(shape)
+    rows.update(_torch_rows(shape))
+    eager, graphed = rows.get("PyTorch bf16 eager"), rows.get("PyTorch bf16 graphed")
+    print(f"  {'':24s}{'ms/step':>9s}{'host ms':>9s}{'/ torch eager':>15s}"
+          f"{'/ torch graphed':>17s}")
+    for name, (ms, host) in rows.items():
+        ratios = "".join(f"{ms / ref[0]:>15.2f}" if ref else f"{'-':>15s}"
+                         for ref in (eager, graphed))
+        print(f"  {name:24s}{ms:9.3f}{host:9.3f}{ratios}")
+    print("  graphed FP8 steps bit-identical to eager ones (3 steps): "
+          f"{'yes' if _graphs_match(shape) else 'NO'}")
+    print("  memory kept by each graph (its pool): " +
+          ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in pools.items()))
+    _memory(shape)
+    if size == "full":
+        _kernel_time(shape)
+
+
+def _memory(shape):
+    from tecupy.__main__ import build
+    layer, x, dy = build(shape, "cuda")
+    print("memory:")
+    for name, r in (("high precision", None), ("FP8 delayed scaling", _recipe())):
+        print_report(name, *step_memory(layer, x, dy, r))
 
 
 def kernel_table(fn, rows=25):
@@ -47,22 +187,12 @@ def kernel_table(fn, rows=25):
     return sorted(((k, t, n) for k, (t, n) in totals.items()), key=lambda r: -r[1])[:rows]
 
 
-def run(args):
-    import cupy
-    from tecupy.__main__ import step
-    from tecupy.recipe import DelayedScaling, Format
-    layer, x, dy = _layer()
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16,
-                            amax_compute_algo="max")
-    print(f"GPU: {gpu_name()}; "
-          f"TransformerLayer {tuple(x.shape)} bf16, fwd+bwd")
-    for name, r in (("high precision", None), ("FP8 delayed scaling", recipe)):
-        ms = time_ms(lambda: step(layer, x, dy, r), cupy, warmup=2, repeat=5)
-        print(f"  {name:22s} {ms:8.2f} ms/step")
-    print("memory:")
-    for name, r in (("high precision", None), ("FP8 delayed scaling", recipe)):
-        print_report(name, *step_memory(layer, x, dy, r))
-    table = kernel_table(lambda: step(layer, x, dy, recipe))
+def _kernel_time(shape):
+    from tecupy.__main__ import build, step
+    layer, x, dy = build(shape, "cuda")
+    r = _recipe()
+    step(layer, x, dy, r)
+    table = kernel_table(lambda: step(layer, x, dy, r))
     if table is None:
         print("(torch is not importable: no kernel table)")
         return

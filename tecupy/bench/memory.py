@@ -38,8 +38,9 @@ def step_memory(layer, x, dy, recipe):
 
 
 def print_report(name, peak, by_op, held):
-    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs; kept for the backward {sum(by_op.values()) / GIB:.2f} GiB, held by "
-          f"the tape only {held / GIB:.2f} GiB")
+    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs; kept for the "
+          f"backward {sum(by_op.values()) / GIB:.2f} GiB, held by the tape only "
+          f"{held / GIB:.2f} GiB")
     for op, size in sorted(by_op.items(), key=lambda kv: -kv[1]):
         if size:
             print(f"    {op:28s} {size / MIB:9.1f} MiB")
