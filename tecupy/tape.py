@@ -6,7 +6,11 @@
 
 Every tecupy op calls `record(backward, inputs, outputs)` when a tape is active; the
 backward closure sits beside its forward in the op and captures what it saved. Arrays are
-identified by object identity (the tape keeps them alive, so ids stay unique). Arrays made
+identified by object identity: the tape keeps each array it saw, or a placeholder standing
+for it, alive, so ids stay unique. An array only the tape holds (no variable, no closure,
+no view refers to it) can never be passed to a later op nor asked for: a sweep (_sweep)
+swaps it for a placeholder with its shape and dtype and so frees its memory, every
+_SWEEP_EVERY records and when a backward starts (issue 22). Arrays made
 outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never saw: use
 tecupy.add / reshape / split, or ask for the gradient of the array that went into the op.
 
@@ -15,7 +19,9 @@ after the whole backward (after_backward: FP8 ops update their states' backward 
 there, all in one call) and may say its backward can run only once (once: FP8 ops, whose
 backward records amaxes).
 """
+import contextlib
 import contextvars
+import sys
 import types
 
 from ._array import unbroadcast, xp_of
@@ -25,14 +31,112 @@ from ._array import unbroadcast, xp_of
 # thread's ops never land on another thread's tape.
 _active = contextvars.ContextVar("tecupy_tapes", default=())
 
+# While recording, every _SWEEP_EVERY records the newest _SWEEP_WINDOW nodes are swept:
+# constant work per record, and a layer's intermediates are freed soon after its forward
+# returns; a sweep of the whole tape starts every backward.
+_SWEEP_EVERY, _SWEEP_WINDOW = 16, 32
+
+# The stand-in tape of discarding(): ops see a tape, but what they record is dropped.
+_DISCARD = object()
+
 
 class _Node:
-    __slots__ = ("inputs", "outputs", "backward", "after", "once", "spent")
+    __slots__ = ("after", "backward", "inputs", "once", "outputs", "spent")
 
     def __init__(self, inputs, outputs, backward, after, once):
         self.inputs, self.outputs, self.backward = inputs, outputs, backward
         self.after, self.once = after, once
         self.spent = False  # a run-once node whose backward has run (see Tape.gradient)
+
+
+class _Released:
+    """Stands, in the nodes, for an array that only the tape held (see _sweep): what the
+    backward still needs of it (shape for unbroadcasting, shape, dtype and array module for
+    zero gradients), with an identity of its own: a new array may reuse the freed one's id,
+    never this object's."""
+    __slots__ = ("dtype", "shape", "xp")
+
+    def __init__(self, a):
+        self.shape, self.dtype, self.xp = tuple(a.shape), a.dtype, xp_of(a)
+
+    def __repr__(self):
+        return f"<released {self.xp.__name__} array {self.shape} {self.dtype}>"
+
+
+def _zeros_like(a):
+    if isinstance(a, _Released):
+        return a.xp.zeros(a.shape, a.dtype)
+    return xp_of(a).zeros_like(a)
+
+
+def _refs(entry):
+    """References to entry[0] (its holders, the entry, the call's argument)."""
+    return sys.getrefcount(entry[0])
+
+
+# What _refs reads of an object held by nothing but its entry: measured, not assumed, as
+# the interpreter's own temporaries may differ between Python versions.
+_ALONE = _refs([object(), []])
+
+
+def _index(nodes):
+    """{id: [array, [the node of each reference to it from these nodes' tuples]]}. A
+    function of its own: its loop variables, which hold arrays, are gone when references
+    are counted."""
+    index = {}
+    for node in nodes:
+        for group in (node.inputs, node.outputs):
+            for a in group:
+                if hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, _Released):
+                    index.setdefault(id(a), [a, []])[1].append(node)
+    return index
+
+
+def _ids(node):
+    return [id(a) for a in (*node.inputs, *node.outputs)]
+
+
+def _bases(index, keys):
+    """The keys of `index` that are bases of the arrays of `keys` (a helper: no array stays
+    bound in the caller's frame)."""
+    return [id(b) for b in (getattr(index[k][0], "base", None) for k in keys)
+            if b is not None and id(b) in index]
+
+
+def _sweep(nodes):
+    """Free every array that nothing but `nodes` holds (see _release)."""
+    index = _index(nodes)
+    _release(index, list(index))
+    return index
+
+
+def _release(index, keys, grads=None):
+    """Of the arrays of `keys`, free each that nothing but its nodes' tuples holds: it is
+    swapped for a _Released in those tuples and dropped from `index` (its last reference).
+    Nothing else refers to such an array, so no later op can take it and no caller can ask
+    for it. Conservative: a reference from anywhere else (a variable, a backward closure
+    that saved it, a view's .base, a node not indexed, another tape's) keeps it. Repeats on
+    the bases of what was freed: freeing a view can leave its base alone. grads: a running
+    backward's {id: gradient}, whose keys move to the placeholders."""
+    while keys:
+        dead = {k: _Released(index[k][0]) for k in keys
+                if k in index and _refs(index[k]) - len(index[k][1]) == _ALONE}
+        holders = {id(n): n for k in dead for n in index[k][1]}
+        for node in holders.values():  # (the dead arrays are alive here: their ids are theirs)
+            node.inputs = _swapped(node.inputs, dead)
+            node.outputs = _swapped(node.outputs, dead)
+        for k, placeholder in dead.items():
+            if grads is not None and k in grads:
+                grads[id(placeholder)] = grads.pop(k)
+        keys = _bases(index, dead)
+        for k in dead:
+            del index[k]  # the last reference: the array is freed
+
+
+def _swapped(group, dead):
+    if any(id(a) in dead for a in group):
+        return tuple(dead.get(id(a), a) for a in group)
+    return group
 
 
 def _sum(a, b):
@@ -59,11 +163,33 @@ def record(backward, inputs, outputs, after_backward=(), once=None):
     its gradients): a second backward through the node is refused, before anything runs,
     with "the backward of <what> on this tape already ran <why>"."""
     tapes = _active.get()
+    if tapes and tapes[0] is _DISCARD:
+        tapes = tapes[1:]  # (a Tape opened inside discarding() still records)
     if not tapes:
         return
     node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once)
     for tape in tapes:
         tape._nodes.append(node)
+    nodes = tapes[0]._nodes  # the outermost tape: every node of the inner ones is on it
+    if len(nodes) % _SWEEP_EVERY == 0:
+        _sweep(nodes[-_SWEEP_WINDOW:])
+
+
+@contextlib.contextmanager
+def discarding():
+    """Inside, ops run as under a tape (they note their FP8 states for the forward update)
+    but nothing is kept for a backward: tecupy.checkpoint's first forward, whose backward
+    recomputes. (An op could ask keeping() to skip work only a backward needs.)"""
+    token = _active.set((_DISCARD,))
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def keeping():
+    """True when a recorded op's backward may run: a Tape records (not discarding())."""
+    return any(t is not _DISCARD for t in _active.get())
 
 
 def _as_list(x):
@@ -116,6 +242,9 @@ class Tape:
         if isinstance(wrt, dict):
             return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad,
                                                retain_graph)))
+        # the peak is at the start of the backward: free what only the tape holds first
+        # (what the caller passed here is referenced by this frame, so it stays)
+        index = _sweep(self._nodes)
         outs, _ = _as_list(outputs)
         targets, many = _as_list(wrt)
         _check_arrays("outputs", outs)
@@ -126,11 +255,12 @@ class Tape:
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
         self._check_once(grads)
-        self._backprop(grads, bool(retain_graph))
+        self._backprop(grads, None if retain_graph else index)
+        del index
         result = []
         for t in targets:
             g = grads.get(id(t))
-            result.append(xp_of(t).zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
+            result.append(_zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
         return result if many else result[0]
 
     def _seed(self, outs, output_grad, known):
@@ -189,26 +319,36 @@ class Tape:
                 "it again (as in PyTorch), ask for every gradient in one call, "
                 "tape.gradient(outputs, [a, b, ...]), or record the forward again.")
 
-    def _backprop(self, grads, retain):
+    def _backprop(self, grads, index):
+        """Run the reached nodes' backwards in reverse. index: None (retain_graph), else the
+        tape's _index: after each node's backward its closure is dropped, and what only the
+        tape then holds of its inputs and outputs is freed (issue 22: the tuples would keep
+        what the closure released alive until the tape dies)."""
         hooks = {}  # fn -> {id(item): item}, in the order first met
         for node in reversed(self._nodes):
             if not any(id(o) in grads for o in node.outputs):
                 continue
             ogs = [grads.get(id(o)) for o in node.outputs]
-            ogs = [xp_of(o).zeros_like(o) if g is None else g for o, g in zip(node.outputs, ogs)]
-            in_grads = node.backward(*ogs)
-            for x, g in zip(node.inputs, in_grads):
-                if x is None or g is None:
-                    continue
-                g = unbroadcast(g, x.shape)
-                grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
+            ogs = [_zeros_like(o) if g is None else g for o, g in zip(node.outputs, ogs)]
+            _accumulate(node, node.backward(*ogs), grads)
             node.spent = node.once is not None
-            if not retain:
+            if index is not None:
                 node.backward = None  # the closure held the op's saved arrays: freed now
+                _release(index, _ids(node), grads)
             for fn, item in node.after:
                 hooks.setdefault(fn, {}).setdefault(id(item), item)
         for fn, items in hooks.items():
             fn(list(items.values()))
+
+
+def _accumulate(node, in_grads, grads):
+    """Add a node's input gradients into grads (a function of its own: no input stays bound
+    in the backward's frame, where it would keep the input from being released)."""
+    for x, g in zip(node.inputs, in_grads):
+        if x is None or g is None:
+            continue
+        g = unbroadcast(g, x.shape)
+        grads[id(x)] = _sum(grads[id(x)], g) if id(x) in grads else g
 
 
 def _arrays_in(obj, depth=3):
@@ -241,10 +381,12 @@ def _root(a):
 def saved_bytes(tape, exclude=()):
     """What `tape` keeps alive for the backward: ([(op, bytes)] per node whose backward has
     not run, the memory its backward closure keeps; held bytes), where held is the memory
-    of the nodes' inputs and outputs that no closure keeps (alive only because the tape
-    holds them). Memory is counted once over the tape, by the array that owns it (a view
-    counts as its base); arrays whose id is in `exclude` (a module's parameters) are left
-    out. op is the function that recorded the node."""
+    of the nodes' inputs and outputs that no closure keeps. The tape is swept first (as a
+    backward starts: what only the tape held is freed), so held counts only arrays that
+    something else (the caller) holds too. Memory is counted once over the tape, by the
+    array that owns it (a view counts as its base); arrays whose id is in `exclude` (a
+    module's parameters) are left out. op is the function that recorded the node."""
+    _sweep(tape._nodes)
     seen, rows = set(exclude), []
 
     def new_bytes(arrays):
@@ -259,5 +401,5 @@ def saved_bytes(tape, exclude=()):
             op = node.backward.__qualname__.split(".<locals>")[0]
             rows.append((op, new_bytes(_arrays_in(node.backward))))
     held = new_bytes(a for node in tape._nodes for a in (*node.inputs, *node.outputs)
-                     if a is not None and id(a) not in set(exclude))
+                     if _is_array(a) and id(a) not in set(exclude))
     return rows, held
