@@ -17,5 +17,6 @@ from .tape import Tape  # noqa: F401
 from .graphs import make_graphed_step  # noqa: F401
 from . import gemm  # noqa: F401,E402  (tecupy.gemm.tune)
 from . import nn  # noqa: F401,E402
+from .checkpoint import checkpoint  # noqa: F401,E402
 
 __version__ = "0.1.0"
