@@ -6,8 +6,8 @@
     grads = tape.gradient(y, layer, output_grad=dy)   # the layer runs again here
 
 The first forward runs with nothing kept for a backward (tape.discarding); one node is
-recorded whose inputs are fn's array arguments and the parameters of every tecupy.nn
-Module found as fn, fn.__self__ or an argument. Its backward runs fn again under a fresh
+recorded whose inputs are fn's array arguments (positional and keyword) and the parameters
+of every tecupy.nn Module found as fn, fn.__self__ or an argument. Its backward runs fn again under a fresh
 Tape, as the first forward ran:
 - under the same autocast (enabled, recipe), re-entered without its exit's forward update;
 - with each FP8 state's forward scales, scale_inv and amax history as the first forward

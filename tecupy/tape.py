@@ -24,7 +24,9 @@ import contextvars
 import sys
 import types
 
-from ._array import unbroadcast, xp_of
+import numpy as np
+
+from ._array import is_cupy, unbroadcast, xp_of
 
 # The open tapes of this thread (a tuple, rebuilt on enter/exit): every op records into all
 # of them. A context variable, so each thread (and each asyncio task) has its own: one
@@ -87,7 +89,7 @@ def _index(nodes):
     for node in nodes:
         for group in (node.inputs, node.outputs):
             for a in group:
-                if hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, _Released):
+                if isinstance(a, np.ndarray) or is_cupy(a):  # (not None, not a _Released)
                     index.setdefault(id(a), [a, []])[1].append(node)
     return index
 
