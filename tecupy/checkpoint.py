@@ -7,8 +7,8 @@
 
 The first forward runs with nothing kept for a backward (tape.discarding); one node is
 recorded whose inputs are fn's array arguments (positional and keyword) and the parameters
-of every tecupy.nn Module found as fn, fn.__self__ or an argument. Its backward runs fn again under a fresh
-Tape, as the first forward ran:
+of every tecupy.nn Module found as fn, fn.__self__ or an argument. Its backward runs fn
+again under a fresh Tape, as the first forward ran:
 - under the same autocast (enabled, recipe), re-entered without its exit's forward update;
 - with each FP8 state's forward scales, scale_inv and amax history as the first forward
   left them (snapshot then), swapped in for the recompute and back out by in-place copies
