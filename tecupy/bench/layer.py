@@ -22,6 +22,9 @@ from .memory import GIB, print_report, step_memory
 from .timing import gpu_name
 
 STEPS, ROUNDS = 20, 3
+SIZES = {  # hidden, ffn, heads, seq, batch (issue 21's sizes; full: TE's quickstart layer)
+    "small": (1024, 4096, 16, 512, 2), "medium": (2048, 8192, 16, 2048, 2),
+    "full": (4096, 16384, 32, 2048, 4)}
 
 
 def _recipe():
@@ -134,7 +137,6 @@ def _graphs_match(shape):
 
 
 def run(args):
-    from tecupy.__main__ import SIZES
     size = getattr(args, "size", None) or "full"
     shape = SIZES[size]
     print(f"GPU: {gpu_name()}; TransformerLayer {size} (hidden, ffn, heads, seq, batch) = "

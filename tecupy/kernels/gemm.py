@@ -2,12 +2,12 @@
 dtype: tensor cores for bf16/fp16 with float32 accumulation, instead of the reference's
 upcast to float32. (FP8 GEMMs are the CUTLASS kernels of fp8_gemm.py.)
 
-cuBLAS is called directly, on a handle of tecupy's own per thread and device, rather than
-through cupy.matmul: CuPy refuses cuBLAS inside a CUDA-graph capture (it raises when the
-handle's stream is set while the stream captures). Our handle's stream is set only when it
-changes, and make_graphed_step sets it to the capture stream before the capture begins
-(use_stream), so a captured step's GEMMs need no stream change.
+cuBLAS is called directly through ctypes, on a handle of tecupy's own per thread and
+device, not through cupy.matmul or cupy_backends' cublas module: those set the handle's
+stream on every call and refuse to while the stream captures a CUDA graph, which cuBLAS
+itself allows (make_graphed_step captures whole steps, high-precision GEMMs included).
 """
+import ctypes
 import threading
 
 import numpy as np
@@ -22,28 +22,52 @@ OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 _ALPHA, _BETA = np.ones(1, np.float32), np.zeros(1, np.float32)  # host pointer mode
 _local = threading.local()  # .handles: device -> [cuBLAS handle, the stream it is set to]
+_lib = []  # [the loaded libcublas, through ctypes]
 
 
-def _handle():
+def _cublas():
+    """libcublas as CuPy loaded it (the path from /proc/self/maps; else by soname)."""
+    if not _lib:
+        import cupy
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+        path = None
+        try:
+            with open("/proc/self/maps") as maps:
+                path = next((line.split()[-1] for line in maps
+                             if "/libcublas.so" in line), None)
+        except OSError:
+            pass
+        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        lib = ctypes.CDLL(path or f"libcublas.so.{major}")
+        lib.cublasGemmEx.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _lib.append(lib)
+    return _lib[0]
+
+
+def _check(status, what):
+    if status:
+        raise RuntimeError(f"{what} failed: cuBLAS status {status}")
+
+
+def _handle(stream):
+    """This thread's handle on the current device, pointed at `stream` (a ptr)."""
     import cupy
-    from cupy_backends.cuda.libs import cublas
     handles = getattr(_local, "handles", None)
     if handles is None:
         handles = _local.handles = {}
     dev = cupy.cuda.runtime.getDevice()
     h = handles.get(dev)
     if h is None:
-        h = handles[dev] = [cublas.create(), None]
-    return h
-
-
-def use_stream(stream):
-    """Point this thread's handle at `stream` (its ptr); a no-op when it is already."""
-    from cupy_backends.cuda.libs import cublas
-    h = _handle()
-    if h[1] != stream.ptr:
-        cublas.setStream(h[0], stream.ptr)
-        h[1] = stream.ptr
+        handle = ctypes.c_void_p()
+        _check(_cublas().cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        h = handles[dev] = [handle, None]
+    if h[1] != stream:
+        _check(_cublas().cublasSetStream_v2(h[0], stream), "cublasSetStream")
+        h[1] = stream
     return h[0]
 
 
@@ -70,7 +94,6 @@ def gemm(a, b, out_dtype, bias=None, trans_b=True):
     and rounds once to the output dtype, then the bias is added in that dtype.
     Row-major C = A B is column-major C.T = B.T A.T: cuBLAS gets B.T as its first operand."""
     import cupy
-    from cupy_backends.cuda.libs import cublas
     m, k = a.shape
     n = b.shape[0] if trans_b else b.shape[1]
     y = cupy.empty((m, n), a.dtype)
@@ -80,9 +103,10 @@ def gemm(a, b, out_dtype, bias=None, trans_b=True):
         op_b, ld_b, b = _operand(b, transposed=not trans_b)
         op_a, ld_a, a = _operand(a, transposed=True)
         dt = CUDA_DTYPE[a.dtype]
-        cublas.gemmEx(use_stream(cupy.cuda.get_current_stream()), op_b, op_a, n, m, k,
-                      _ALPHA.ctypes.data, b.data.ptr, dt, ld_b, a.data.ptr, dt, ld_a,
-                      _BETA.ctypes.data, y.data.ptr, dt, n, COMPUTE_32F, GEMM_DEFAULT)
+        _check(_cublas().cublasGemmEx(
+            _handle(cupy.cuda.get_current_stream().ptr), op_b, op_a, n, m, k,
+            _ALPHA.ctypes.data, b.data.ptr, dt, ld_b, a.data.ptr, dt, ld_a, _BETA.ctypes.data,
+            y.data.ptr, dt, n, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
     if bias is not None:
         y += bias
     return y
