@@ -11,9 +11,9 @@ for it, alive, so ids stay unique. An array only the tape holds (no variable, no
 no view refers to it) can never be passed to a later op nor asked for: a sweep (_sweep)
 swaps it for a placeholder with its shape and dtype and so frees its memory, every
 _SWEEP_EVERY records, when a backward starts and after each node's backward (issue 22).
-Arrays made
-outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never saw: use
-tecupy.add / reshape / split, or ask for the gradient of the array that went into the op.
+Arrays made outside tecupy ops (slicing, reshape, arithmetic) are new objects the tape never
+saw: use tecupy.add / reshape / split, or ask for the gradient of the array that went into
+the op.
 
 The tape runs nodes and hooks and knows nothing of what they do: a node may ask for work
 after the whole backward (after_backward: FP8 ops update their states' backward scales
