@@ -9,10 +9,10 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
-from .launch import grid_1d, launch, resident_blocks, sm_count
-from .pools import amax_args, amax_grid
 from .colsum import col_sum
+from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
+from .launch import grid_1d, launch, planned, resident_blocks, sm_count
+from .pools import amax_args, amax_grid
 from .scaling import scale_inverse
 
 FILE = "cast.cu"
@@ -55,10 +55,15 @@ def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
     vec = vec_width(x.dtype, x.size)
     if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
         vec *= 2
-    kernel = loader.function(FILE, f"cast_to_fp8<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, {vec}>")
-    launch(kernel, (amax_grid(kernel, x.size, vec),), (256,),
-           (x, scale, q, inv, amax, slot, np.int64(x.size)))
+    k, grid = planned(_plans, (x.size, vec, x.dtype, fmt.name, _device()), _cast_plan,
+                      x.size, vec, x.dtype, fmt.name)
+    launch(k, grid, (256,), (x, scale, q, inv, amax, slot, np.int64(x.size)))
     return q, amax
+
+
+def _cast_plan(n, vec, dtype, fmt):
+    k = loader.function(FILE, f"cast_to_fp8<{CTYPE[dtype]}, {FP8TYPE[fmt]}, {vec}>")
+    return k, (amax_grid(k, n, vec),)
 
 
 @backends.register("fp8_dequantize", "cuda", supports=on_gpu)
@@ -95,18 +100,32 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out):
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
     amax, slot = amax_args(amax_out, x.size)
     inv = _inv_arg(scale, scale_inv_out, x.size)
-    blocks = -(-rows // 128)
-    part = cupy.empty((blocks, cols), np.float32) if dbias_dtype is not None else amax
-    if x.size:  # 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80% of copy on an H200)
-        k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[x.dtype]}, "
-                                  f"{FP8TYPE[fmt.name]}, 1, {cbool(dbias_dtype is not None)}, "
-                                  f"{cbool(rows % 16 != 0 or cols % 8 != 0)}>")
-        tiles = blocks * -(-cols // 64)  # a grid-stride over them: at most the resident blocks
-        grid = min(tiles, sm_count() * resident_blocks(k, 256, 0))
-        launch(k, (grid,), (256,), (x, scale, q, qt, inv, amax, slot, part,
-                                    np.int32(rows), np.int32(cols)))
-    if dbias_dtype is None:
+    dbias = dbias_dtype is not None
+    part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
+    if x.size:
+        k, grid = planned(_plans, (rows, cols, x.dtype, fmt.name, dbias, _device()),
+                          _ct_plan, rows, cols, x.dtype, fmt.name, dbias)
+        launch(k, grid, (256,), (x, scale, q, qt, inv, amax, slot, part, np.int32(rows),
+                                 np.int32(cols)))
+    if not dbias:
         return q, qt, amax
     if not x.size:
         return q, qt, amax, cupy.zeros((cols,), dbias_dtype)
     return q, qt, amax, col_sum(part).astype(dbias_dtype, copy=False)
+
+
+_plans = {}  # launch plans (launch.planned): the kernel and grid per call shape
+
+
+def _device():
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
+def _ct_plan(rows, cols, dtype, fmt, dbias):
+    """(kernel, grid) of cast_transpose: 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80%
+    of copy on an H200), a grid-stride over them with at most the resident blocks."""
+    k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[dtype]}, {FP8TYPE[fmt]}, 1, "
+                              f"{cbool(dbias)}, {cbool(rows % 16 != 0 or cols % 8 != 0)}>")
+    tiles = -(-rows // 128) * -(-cols // 64)
+    return k, (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)

@@ -19,7 +19,7 @@ from .. import backends, loader
 from .._array import is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
-from .launch import hopper, sm_count
+from .launch import hopper, planned, sm_count
 from .tma import tma_desc as tma_encode
 
 FILE = "fp8_gemm.cu"
@@ -126,19 +126,27 @@ def tma_desc(t, box_rows):
                       (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
 
 
-_ready = set()  # kernels whose shared-memory limit was raised
-
-
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
              gelu=False):
-    config = tuple(_tuned().get(_tune_key(a.shape[0], b.shape[0], a.shape[1], a_fmt.name,
-                                          b_fmt.name, split_accumulator), ()))
-    if config not in CANDIDATES[split_accumulator]:  # not tuned, or a stale table entry
-        config = default_config(a.shape[0], b.shape[0], split_accumulator)
-    return launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv,
-                  out_dtype, bias, out, accumulate, out_scale, amax_out, gelu)
+    _check_fp8_out(out_dtype, out_scale, amax_out)
+    m, k = a.shape
+    n = b.shape[0]
+    # the configuration per shape (tuned, else the default), kept with the launch plan:
+    # the table's version changes with every remember()
+    key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
+           accumulate, gelu, _device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
+    plan = planned(_plans, key, _shape_plan, m, n, k, a_fmt, b_fmt, split_accumulator,
+                   out_dtype, bias is None, accumulate, gelu)
+    return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
+
+
+def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, gelu):
+    config = tuple(_tuned().get(_tune_key(m, n, k, a_fmt.name, b_fmt.name, split), ()))
+    if config not in CANDIDATES[split]:  # not tuned, or a stale table entry
+        config = default_config(m, n, split)
+    return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n)
 
 
 _defaults = {}  # (M, N, split, SMs) -> config
@@ -160,28 +168,56 @@ def default_config(m, n, split, sms=None):
 def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out=None,
            accumulate=False, out_scale=None, amax_out=None, gelu=False):
     """Run the kernel of `config` (BN, stages, promote, cluster)."""
+    _check_fp8_out(out_dtype, out_scale, amax_out)
+    m, n = a.shape[0], b.shape[0]
+    key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n,
+           _device())
+    plan = planned(_plans, key, _plan, config, a_fmt, b_fmt, out_dtype, bias is None,
+                   accumulate, gelu, m, n)
+    return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
+
+
+_plans = {}  # launch plans (launch.planned): what a call of one shape and kind launches
+
+
+def _check_fp8_out(out_dtype, out_scale, amax_out):
+    if isinstance(out_dtype, FP8Format) and (out_scale is None or amax_out is None):
+        raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
+
+
+def _device():
     import cupy
-    m, k = a.shape
-    n = b.shape[0]
+    return cupy.cuda.runtime.getDevice()
+
+
+def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n):
+    """(kernel, grid, shared bytes, staged output?, output dtype, BN, gelu) of `config` for
+    an M x N output."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
         cluster = 1
     fp8_out = isinstance(out_dtype, FP8Format)
-    if fp8_out and (out_scale is None or amax_out is None):
-        raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
-    epi = 2 if gelu else int(bias is not None)
+    epi = 2 if gelu else int(not no_bias)
     name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config)
     staged = not fp8_out and tma_store(out_dtype, gelu, accumulate, bn)
     smem = smem_bytes(config, staged)
-    if name not in _ready:  # first call of this kernel: declare a tuned config, raise smem
-        if name not in loader.declared().get(FILE, ()):
-            loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
-        loader.function(FILE, name).max_dynamic_shared_size_bytes = smem
-        _ready.add(name)
+    if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
+        loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
     fn = loader.function(FILE, name)
+    fn.max_dynamic_shared_size_bytes = smem  # (per kernel and device: once per plan)
+    units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
+    grid = (min(units, sm_count() // cluster) * cluster,)
+    return fn, grid, smem, staged, out_dtype, bn, gelu
+
+
+def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out):
+    import cupy
+    fn, grid, smem, staged, out_dtype, bn, gelu = plan
+    m, k = a.shape
+    n = b.shape[0]
     if out is None:
         out = cupy.empty((m, n), out_dtype)
     elif out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous:
@@ -192,8 +228,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
     pre_gelu = cupy.empty_like(out) if gelu else out  # out is a stand-in: unused
-    units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
-    fn((min(units, sm_count() // cluster) * cluster,), (THREADS,),
+    fn(grid, (THREADS,),
        (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, pre_gelu, np.int32(m),
         np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn),
         tma_desc(out, 64) if staged else tma_desc(a, BM)), shared_mem=smem)
@@ -202,6 +237,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
 
 # ---- the tuned table: tecupy.gemm.tune's winners (it times the candidates), on disk ----
 _tuned_cache = {}  # TECUPY_CACHE_DIR's value -> {shape key: config}
+_version = [0]  # remember() calls so far
 
 
 def _tune_file():
@@ -228,6 +264,7 @@ def remember(m, n, k, a_fmt, b_fmt, split, config):
     (written whole under another name, then renamed: no reader sees half a file)."""
     table = _tuned()
     table[_tune_key(m, n, k, a_fmt, b_fmt, split)] = list(config)
+    _version[0] += 1  # the launch plans made from the table are stale
     tmp = _tune_file().with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     tmp.replace(_tune_file())

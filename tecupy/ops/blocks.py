@@ -9,7 +9,7 @@ from .._array import array_module, check_float, check_shape
 from ..quantization import gemm_quantizers
 from ..tape import record
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from .linear import (check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
+from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
                      fp8_linear_backward, linear, linear_with)
 from .normalization import NORMALIZATIONS, normalize
 
@@ -20,7 +20,7 @@ def _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma, normalizati
     weight); -> (xp, eps, zero_centered_gamma, return_layernorm_output)."""
     _check.choice(op, "normalization", normalization, NORMALIZATIONS)
     xp = array_module(op, x=x, ln_weight=ln_weight, ln_bias=ln_bias, **linear_arrays)
-    for name, a in dict(x=x, ln_weight=ln_weight, **linear_arrays).items():
+    for name, a in (("x", x), ("ln_weight", ln_weight), *linear_arrays.items()):
         if a is None and not name.endswith("bias"):
             _check.fail(op, name, "an array", None, TypeError)
     if normalization == "LayerNorm" and ln_bias is None:
@@ -55,7 +55,7 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("layernorm_linear", m, n, k)
-    x2, qi = x.reshape(m, k), q.input
+    x2, qi = as_2d(x, m, k), q.input
     if rms:  # (amax_out: the kernels max into the amax history row)
         codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
                                              qi.scale, qi.fmt, amax_out=qi.amax_out)
@@ -65,11 +65,11 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
                                                  amax_out=qi.amax_out)
     qx = qi.wrap(codes)
     qw = q.weight.quantize(weight, transpose=True)
-    y = fp8_gemm(qx, qw, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+    y = as_nd(fp8_gemm(qx, qw, x.dtype, bias), x.shape[:-1] + (n,))
     qw_t = columnwise(qw)  # qx: the norm wrote row-wise codes only, transposed in backward
 
     def backward(dy):
-        d_ln, dw, db = fp8_linear_backward(dy.reshape(m, n), qx.T, qw_t, bias,
+        d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), qx.T, qw_t, bias,
                                            q.grad_output, x.dtype)
         if rms:
             dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
@@ -77,7 +77,7 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
         else:
             dx, dg, dbeta = backends.dispatch("layernorm_bwd", d_ln, x2, mu, rsigma, ln_weight,
                                               zcg)
-        return dx.reshape(x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
+        return as_nd(dx, x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
     record(backward, (x, ln_weight, ln_bias, weight, bias), (y,),
            after_backward=q.after_backward, once=q.once)
     return y
@@ -153,19 +153,19 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     n, k = fc2_weight.shape
     m = h.size // h.shape[-1]
     check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
-    h2, qi = h.reshape(m, h.shape[-1]), q.input
+    h2, qi = as_2d(h, m, h.shape[-1]), q.input
     codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)  # (maxed into the amax history row)
     qa = qi.wrap(codes)
     qw = q.weight.quantize(fc2_weight, transpose=True)
-    y = fp8_gemm(qa, qw, h.dtype, fc2_bias).reshape(h.shape[:-1] + (n,))
+    y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias), h.shape[:-1] + (n,))
     qw_t = columnwise(qw)  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
-        da, dw, db2 = fp8_linear_backward(dy.reshape(m, n), qa.T, qw_t, fc2_bias,
+        da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), qa.T, qw_t, fc2_bias,
                                           q.grad_output, h.dtype)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
-        return dh.reshape(h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
+        return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
     record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
            after_backward=q.after_backward, once=q.once)
     return y
