@@ -169,18 +169,16 @@ def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     # A fresh scale_inv, not a view of the state's: the forward update at autocast exit
     # rewrites the state's scales before backward uses this tensor (TE saves them too).
     # The cast kernel writes it (IEEE 1 / scale): no launch of its own.
+    # (amax_out and scale_inv_out passed by position: keywords cost a dict per call level)
     inv = xp_of(x).empty((1,), np.float32)
     data_t = dbias = None
     if dbias_dtype is not None:
-        data, data_t, _, dbias = backends.dispatch(
-            "cast_transpose_dbias", x, scale, fmt, dbias_dtype, amax_out=amax_out,
-            scale_inv_out=inv)
+        data, data_t, _, dbias = backends.dispatch("cast_transpose_dbias", x, scale, fmt,
+                                                   dbias_dtype, amax_out, inv)
     elif transpose:
-        data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt,
-                                            amax_out=amax_out, scale_inv_out=inv)
+        data, data_t, _ = backends.dispatch("cast_transpose", x, scale, fmt, amax_out, inv)
     else:
-        data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out=amax_out,
-                                    scale_inv_out=inv)
+        data, _ = backends.dispatch("cast_to_fp8", x, scale, fmt, amax_out, inv)
     t = FP8Tensor.made(data, fmt, inv, data_t)
     return t if dbias_dtype is None else (t, dbias)
 

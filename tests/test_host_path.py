@@ -128,3 +128,21 @@ def test_cast_transpose_plan(monkeypatch):
     k, grid = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
                                      False)  # a tail: 40 % 16
     assert k.name.endswith("false, true>") and grid == (1,)
+
+
+def test_fp8_gemm_tma_descriptors_are_kept(monkeypatch):
+    class Array:  # what tma_desc reads of a CuPy array
+        def __init__(self, ptr, shape, dtype):
+            self.data = type("Mem", (), {"ptr": ptr})()
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.itemsize = self.dtype.itemsize
+    calls = []
+    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: calls.append(args) or
+                        len(calls))
+    monkeypatch.setattr(gemm_kernels, "_descs", {})
+    a = Array(1 << 20, (256, 4096), np.uint8)
+    assert gemm_kernels.tma_desc(a, 128) == gemm_kernels.tma_desc(a, 128) == 1
+    assert calls == [(1 << 20, np.dtype(np.uint8), (4096, 256), (4096,), (128, 128))]
+    out = Array(1 << 20, (256, 64), tecupy.bfloat16)  # same address, another array
+    assert gemm_kernels.tma_desc(out, 64) == 2
+    assert calls[1] == (1 << 20, np.dtype(tecupy.bfloat16), (64, 256), (128,), (64, 64))

@@ -119,11 +119,22 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
 
 
+_descs = {}  # (address, shape, dtype, box rows) -> descriptor: three per GEMM call
+
+
 def tma_desc(t, box_rows):
     """TMA descriptor of a row-major matrix t [rows, cols] (uint8 codes or a 16-bit output),
-    box of 128 bytes x box_rows."""
-    return tma_encode(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
-                      (t.shape[1] * t.itemsize,), (128 // t.itemsize, box_rows))
+    box of 128 bytes x box_rows. Kept here by the array's own address, shape and dtype
+    (tma.tma_desc's key costs a few tuples and a dtype's name more per call)."""
+    key = (t.data.ptr, t.shape, t.dtype, box_rows)
+    desc = _descs.get(key)
+    if desc is None:
+        if len(_descs) > 512:  # many addresses: start over rather than grow
+            _descs.clear()
+        desc = _descs[key] = tma_encode(t.data.ptr, t.dtype, (t.shape[1], t.shape[0]),
+                                        (t.shape[1] * t.itemsize,),
+                                        (128 // t.itemsize, box_rows))
+    return desc
 
 
 @backends.register("fp8_gemm", "cutlass", supports=supported)
