@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .memory import GIB, print_report, step_memory
+from .memory import GIB, print_report, step_memory, torch_step_peak
 from .timing import gpu_name
 
 STEPS, ROUNDS = 20, 3
@@ -162,10 +162,25 @@ def run(args):
 
 def _memory(shape):
     from tecupy.__main__ import build
+    ref = None
+    try:
+        import torch
+        hidden, ffn, heads, seq, batch = shape
+        t_layer = _torch_layer(hidden, ffn, heads)
+        x = torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        torch_step_peak(t_layer, x, torch.randn_like(x))  # (its first step makes .grad)
+        ref = torch_step_peak(t_layer, x, torch.randn_like(x))
+        del t_layer, x
+        torch.cuda.empty_cache()
+        print(f"memory: PyTorch bf16 peak {ref / GIB:.2f} GiB above parameters and inputs")
+    except ImportError:
+        print("memory:")
     layer, x, dy = build(shape, "cuda")
-    print("memory:")
-    for name, r in (("high precision", None), ("FP8 delayed scaling", _recipe())):
-        print_report(name, *step_memory(layer, x, dy, r))
+    for name, r, ckpt in (("high precision", None, False), ("FP8 delayed scaling", _recipe(),
+                                                            False),
+                          ("FP8, checkpoint(layer, x)", _recipe(), True)):
+        print_report(name, *step_memory(layer, x, dy, r, ckpt), ref=ref)
 
 
 def kernel_table(fn, rows=25):

@@ -8,9 +8,10 @@ from tecupy.tape import saved_bytes
 GIB, MIB = 2.0 ** 30, 2.0 ** 20
 
 
-def step_memory(layer, x, dy, recipe):
+def step_memory(layer, x, dy, recipe, checkpointed=False):
     """(peak bytes above the start, {op: bytes kept for its backward}, bytes held by the
-    tape) of one forward + backward of `layer` under `recipe` (None: high precision)."""
+    tape) of one forward + backward of `layer` under `recipe` (None: high precision),
+    through tecupy.checkpoint when `checkpointed` (activation recompute)."""
     import cupy
     import tecupy
     pool = cupy.get_default_memory_pool()
@@ -26,7 +27,7 @@ def step_memory(layer, x, dy, recipe):
     try:
         with tecupy.Tape() as tape:
             with tecupy.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-                y = layer(x)
+                y = tecupy.checkpoint(layer, x) if checkpointed else layer(x)
         rows, held = saved_bytes(tape, {id(p) for p in layer.parameters()})
         tape.gradient(y, dict(layer.named_parameters(), x=x), output_grad=dy)
     finally:
@@ -37,9 +38,25 @@ def step_memory(layer, x, dy, recipe):
     return peak[0] - start, by_op, held
 
 
-def print_report(name, peak, by_op, held):
-    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs; kept for the "
-          f"backward {sum(by_op.values()) / GIB:.2f} GiB, held by the tape only "
+def torch_step_peak(layer, x, dy):
+    """PyTorch's peak above what was allocated before one forward + backward (its caching
+    allocator's exact count), the gradients included."""
+    import torch
+    for p in (*layer.parameters(), x):
+        p.grad = None
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    layer(x).backward(dy)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def print_report(name, peak, by_op, held, ref=None):
+    """ref: PyTorch bf16's peak, for the ratio."""
+    ratio = f" ({peak / ref:.2f}x PyTorch bf16)" if ref else ""
+    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs{ratio}; kept for "
+          f"the backward {sum(by_op.values()) / GIB:.2f} GiB, of which the tape alone holds "
           f"{held / GIB:.2f} GiB")
     for op, size in sorted(by_op.items(), key=lambda kv: -kv[1]):
         if size:
