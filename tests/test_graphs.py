@@ -185,3 +185,29 @@ def test_host_sync_in_the_step_is_a_clear_error():
         tecupy.make_graphed_step(lambda x: (x + 1, 3.0), (a,))
     assert not graphs.capturing()
     assert float((a + 1).sum()) == 32.0  # the device works after the failed capture
+
+
+@gpu
+def test_checkpointed_step_with_dropout():
+    """A step function around tecupy.checkpoint(layer, x), FP8 delayed scaling, dropout: the
+    recompute draws the first forward's seeds again (one slot each), so replays equal eager
+    steps."""
+    import cupy
+    r = RECIPES["delayed"]
+    data = _inputs(4)
+
+    def make(layer):
+        def fn(x, dy):
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=r):
+                y = tecupy.checkpoint(layer, x)
+            return y, tape.gradient(y, layer, output_grad=dy)
+        return fn
+    eager, twin = _layer("cuda", 0.1), _layer("cuda", 0.1)
+    fn_e = make(eager)
+    want = [[a.get() for a in (y, *g.values())] for y, g in (fn_e(x, dy) for x, dy in data)]
+    sx, sdy = cupy.array(data[0][0]), cupy.array(data[0][1])
+    step = tecupy.make_graphed_step(make(twin), (sx, sdy))
+    for n, (x, dy) in enumerate(data[1:], 1):
+        y, g = step(x, dy)
+        for i, (a, b) in enumerate(zip([y, *g.values()], want[n])):
+            assert a.get().tobytes() == b.tobytes(), f"step {n + 1}, array {i} differs"
