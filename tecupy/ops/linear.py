@@ -12,7 +12,7 @@ from .._array import FLOAT_SET, array_module, check_float, check_shape
 from ..fp8 import FP8Tensor
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
-from ..tape import record, recording
+from ..tape import keeping, record
 
 FP8_ALIGN = 16
 
@@ -122,7 +122,7 @@ def _linear_fp8(x, weight, bias, q):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("linear", m, n, k)
-    tr = recording()  # the backward needs the transposed FP8 copies
+    tr = keeping()  # the backward needs the transposed FP8 copies (none in a checkpoint)
     qx = q.input.quantize(as_2d(x, m, k), transpose=tr)
     qw = q.weight.quantize(weight, transpose=tr)
     y = as_nd(fp8_gemm(qx, qw, x.dtype, bias), x.shape[:-1] + (n,))
