@@ -51,6 +51,17 @@ def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centere
                             normalization == "RMSNorm", q)
 
 
+def released(saved):
+    """The FP8 operands a fused block's backward saved, taken out of its closure: the node
+    lives until its whole backward returns, and its second part (the norm's or activation's
+    backward, which allocates as much again) needs the memory of codes only the GEMMs read
+    (issue 22: fc2's input codes and weight are 192 MiB at the quickstart layer). Safe as
+    the node runs once (FP8 ops refuse a second backward: quantization.FP8_ONCE)."""
+    items = tuple(saved)
+    saved.clear()
+    return items
+
+
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     n, k = weight.shape
     m = x.size // k
@@ -66,11 +77,14 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     qx = qi.wrap(codes)
     qw = q.weight.quantize(weight, transpose=True)
     y = as_nd(fp8_gemm(qx, qw, x.dtype, bias), x.shape[:-1] + (n,))
-    qw_t = columnwise(qw)  # qx: the norm wrote row-wise codes only, transposed in backward
+    # qx: the norm wrote row-wise codes only, transposed in backward
+    saved = [qx, columnwise(qw)]
 
     def backward(dy):
+        qx, qw_t = released(saved)
         d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), qx.T, qw_t, bias,
                                            q.grad_output, x.dtype)
+        del qx, qw_t  # the norm's backward has their memory
         if rms:
             dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
             dbeta = None
@@ -159,11 +173,13 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     qa = qi.wrap(codes)
     qw = q.weight.quantize(fc2_weight, transpose=True)
     y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias), h.shape[:-1] + (n,))
-    qw_t = columnwise(qw)  # qa: the activation wrote row-wise codes only
+    saved = [qa, columnwise(qw)]  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
+        qa, qw_t = released(saved)
         da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), qa.T, qw_t, fc2_bias,
                                           q.grad_output, h.dtype)
+        del qa, qw_t  # the activation's backward (dh beside da and h) has their memory
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
         return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
     record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
