@@ -4,9 +4,10 @@ one or more source trees in the same run (A/B of a change's cost on the eager pa
     python scripts/step_times.py [--rounds R] [--sizes small,medium] [TREE ...]
 
 Each tree runs in its own process (PYTHONPATH=TREE), the trees taking turns for R rounds
-(host-bound steps vary by tens of percent from process to process on the lent machines). Per size and precision: GPU ms per step
-(CUDA events around one step, median of 30) and host ms per step (wall time of issuing the
-step, before synchronising: where it is near the GPU time, the step is host-bound).
+(host-bound steps vary by tens of percent from process to process on the lent machines).
+Per size and precision: GPU ms per step (CUDA events around one step, median of 30) and
+host ms per step (wall time of issuing the step, before synchronising: where it is near the
+GPU time, the step is host-bound).
 """
 import json
 import os
@@ -87,10 +88,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run(tree, shape, child=CHILD):
+def run(tree, shape, child=CHILD, extra=()):
+    """The child's RESULT (JSON) for `tree`; extra: more argv strings for the child."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree) + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", child, json.dumps(shape)], env=env,
+    proc = subprocess.run([sys.executable, "-c", child, json.dumps(shape), *extra], env=env,
                           capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
