@@ -13,6 +13,7 @@ from .fp8 import FP8Tensor, dequantize, quantize  # noqa: F401
 from .ops import (activation, add, cross_entropy, dot_product_attention, dropout,  # noqa: F401
                   geglu, gelu, layernorm, layernorm_linear, layernorm_mlp, linear, relu,
                   reshape, rmsnorm, softmax, split, swiglu)
+from .ops import apply_rotary_pos_emb, embedding  # noqa: F401
 from .tape import Tape  # noqa: F401
 from .graphs import make_graphed_step  # noqa: F401
 from . import gemm  # noqa: F401,E402  (tecupy.gemm.tune)
