@@ -29,7 +29,8 @@ class SGD:
     def step(self, grads):
         for k, g in grads.items():
             self.buf[k] = self.momentum * self.buf[k] + g.astype(np.float32)
-            self.params[k][...] -= (self.lr * self.buf[k]).astype(self.params[k].dtype)
+            p = self.params[k]
+            p[...] = (p.astype(np.float32) - self.lr * self.buf[k]).astype(p.dtype)
         self.steps += 1
 
     def state_dict(self):
@@ -47,10 +48,24 @@ class SGD:
             b[...] = xp_of(b).asarray(sd["buf." + k])
 
 
-def make(seed, dtype=None, dropout=0.1, device="cpu"):
-    return tecupy.nn.TransformerLayer(32, 64, 2, hidden_dropout=dropout,
-                                      attention_dropout=dropout, params_dtype=dtype,
-                                      device=device, seed=seed)
+class MLPBlock(tecupy.nn.Module):
+    """dropout(LayerNormMLP(x)) + x: FP8 and dropout without attention, whose GPU backward
+    sums dQ with atomics (a whole layer's run is not bit-reproducible on the GPU)."""
+
+    def __init__(self, params_dtype=None, device=None, seed=None):
+        super().__init__(params_dtype, device, seed)
+        self.mlp = tecupy.nn.LayerNormMLP(32, 64, **self._child_kwargs())
+
+    def forward(self, x):
+        return tecupy.dropout(self.mlp(x), 0.1, self.next_seed(), training=self.training,
+                              residual=x)
+
+
+def make(seed, dtype=None, device="cpu", kind="layer"):
+    if kind == "mlp":
+        return MLPBlock(dtype, device, seed)
+    return tecupy.nn.TransformerLayer(32, 64, 2, hidden_dropout=0.1, attention_dropout=0.1,
+                                      params_dtype=dtype, device=device, seed=seed)
 
 
 def step(layer, opt, i, recipe, xp=np):
@@ -77,18 +92,18 @@ def assert_same(a, b):
             assert a[k] == b[k], k
 
 
-def resume_matches(tmp_path, recipe, dtype=None, device="cpu", make_opt=SGD):
+def resume_matches(tmp_path, recipe, dtype=None, device="cpu", make_opt=SGD, kind="layer"):
     """10 steps == 5 steps, save, load into a fresh module (other seed), 5 steps."""
     xp = np if device == "cpu" else __import__("cupy")
-    ref = make(0, dtype, device=device)
+    ref = make(0, dtype, device, kind)
     ref_opt = make_opt(ref)
     outs = [step(ref, ref_opt, i, recipe, xp) for i in range(10)]
-    first = make(0, dtype, device=device)
+    first = make(0, dtype, device, kind)
     opt = make_opt(first)
     for i in range(5):
         step(first, opt, i, recipe, xp)
     tecupy.save(tmp_path / "ckpt.npz", first, opt, extra={"step": 5})
-    fresh = make(123, dtype, device=device)  # other weights, generators, no FP8 state yet
+    fresh = make(123, dtype, device, kind)  # other weights, generators, no FP8 state yet
     fresh_opt = make_opt(fresh)
     extra = tecupy.load(tmp_path / "ckpt.npz", fresh, fresh_opt)
     assert extra == {"step": 5}
@@ -118,10 +133,15 @@ def test_resume_adamw(tmp_path):
     resume_matches(tmp_path, RECIPE, make_opt=lambda m: optim.AdamW(m.parameters(), lr=1e-3))
 
 
+def test_resume_mlp_block(tmp_path):
+    resume_matches(tmp_path, RECIPE, kind="mlp")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, tecupy.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("recipe", [RECIPE, None], ids=["fp8", "high precision"])
-def test_resume_is_bit_identical_gpu(tmp_path, recipe):
-    resume_matches(tmp_path, recipe, dtype=tecupy.bfloat16, device="cuda")
+def test_resume_is_bit_identical_gpu(tmp_path, recipe, dtype):
+    resume_matches(tmp_path, recipe, dtype, device="cuda", kind="mlp")
 
 
 def test_data_position_resumes(tmp_path):
