@@ -42,9 +42,10 @@ tecupy checkpoint, a missing or other format version, or a state that does not f
 module (missing or unexpected keys, shapes, dtypes, FP8 format or history length) or the
 optimizer is a ValueError that names the keys, and nothing is loaded.
 """
+import contextlib
 import json
 import os
-import tempfile
+import uuid
 import zipfile
 
 import ml_dtypes
@@ -68,7 +69,7 @@ def save(path, module, optimizer=None, extra=None):
     header = {"format": FORMAT, "version": VERSION, "tecupy_version": __version__,
               "module_type": type(module).__name__,
               "module": _split("module", module.state_dict(), arrays, views),
-              "optimizer": None, "extra": _json_check("extra", {} if extra is None else extra)}
+              "optimizer": None, "extra": _check_extra({} if extra is None else extra)}
     if optimizer is not None:
         _check_optimizer(optimizer)
         header["optimizer"] = _split("optimizer", optimizer.state_dict(), arrays, views)
@@ -76,6 +77,13 @@ def save(path, module, optimizer=None, extra=None):
     text = json.dumps(header, default=_json_default)
     arrays[HEADER] = np.frombuffer(text.encode("utf-8"), np.uint8)
     _write_atomic(os.fspath(path), arrays)
+
+
+def _check_extra(extra):
+    if not (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)):
+        raise TypeError("tecupy.save: extra must be a dict with str keys (JSON values), got "
+                        f"{extra!r:.80}")
+    return _json_check("extra", extra)
 
 
 def _check_optimizer(optimizer):
@@ -141,27 +149,28 @@ def _json_check(what, v):
 
 
 def _write_atomic(path, arrays):
-    """np.savez into a temporary file in path's folder, fsync, rename over path."""
+    """np.savez into a new temporary file in path's folder, fsync, rename over path. The
+    file gets the mode a plain open() gives (0666 less the umask), or the old file's."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
-    try:  # make the rename itself durable (POSIX; not possible on every system)
+    with contextlib.suppress(OSError):  # make the rename durable (POSIX; not everywhere)
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except OSError:
-        pass
 
 
 # ---- load -------------------------------------------------------------------------------

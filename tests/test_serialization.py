@@ -282,6 +282,8 @@ def test_save_refuses_what_it_cannot_store(tmp_path, monkeypatch):
     tecupy.save(tmp_path / "c", layer, extra={"step": 1})
     with pytest.raises(TypeError, match="extra cannot be stored as JSON"):
         tecupy.save(tmp_path / "c", layer, extra={"x": object()})
+    with pytest.raises(TypeError, match="extra must be a dict with str keys"):
+        tecupy.save(tmp_path / "c", layer, extra={1: 2})
     with pytest.raises(TypeError, match="optimizer must have state_dict"):
         tecupy.save(tmp_path / "c", layer, optimizer=object())
 
@@ -293,6 +295,13 @@ def test_save_refuses_what_it_cannot_store(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["c"]
     assert tecupy.load(tmp_path / "c", layer) == {"step": 1}
+    os.chmod(tmp_path / "c", 0o640)
+    tecupy.save(tmp_path / "c", layer)  # replaces the file, keeps its mode
+    assert os.stat(tmp_path / "c").st_mode & 0o777 == 0o640
+    tecupy.save(tmp_path / "d", layer)  # a new file: the mode open() would give
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "d").st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_json_values_round_trip(tmp_path):
