@@ -206,3 +206,29 @@ def test_release_off_fixture_keeps_everything(no_release, rng):
     del a
     tape.gradient(y, x)
     assert _alive(ref)
+
+
+def test_intermediate_gradients_die_once_their_producer_ran(rng):
+    """The gradient of an intermediate array is handed to the node that made it and not
+    kept (as in PyTorch's autograd); one asked for is kept and returned."""
+    x, z = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    with tecupy.Tape() as tape:
+        a = tecupy.linear(x, z)   # a [3, 3]
+        b = tecupy.relu(a)
+        c = tecupy.add(b, b)
+    refs, seen = [], []
+
+    def keep_ref(*grads):  # runs as relu's backward: takes d(b) and keeps a weakref
+        refs.append(weakref.ref(grads[0]))
+        return relu_bwd(*grads)
+
+    def probe(*grads):  # runs as linear's backward: d(b) must be dead by now
+        seen.append(_alive(refs[0]))
+        return lin_bwd(*grads)
+    relu_bwd, lin_bwd = tape._nodes[1].backward, tape._nodes[0].backward
+    tape._nodes[1].backward, tape._nodes[0].backward = keep_ref, probe
+    ga, gx = tape.gradient(c, [a, x])
+    assert seen == [False]
+    want_a = 2.0 * (a > 0)
+    np.testing.assert_array_equal(ga, want_a)  # asked for: kept, though a node consumed it
+    np.testing.assert_allclose(gx, want_a @ z, rtol=1e-12)
