@@ -41,7 +41,7 @@ def embedding_fwd(weight, ids):
     (V, D), n = weight.shape, flat.size
     out = cupy.empty((n, D), weight.dtype)
     vec = _VEC[CTYPE[weight.dtype]]
-    vec = vec if D % vec == 0 else 1
+    vec = vec if D % vec == 0 and weight.data.ptr % 16 == 0 else 1  # (a view may be offset)
     bx = min(_THREADS, 32 * -(-(D // vec) // 32))  # whole warps over a row's vectors
     by = _THREADS // bx
     k = loader.function(FILE, f"embedding_fwd<{CTYPE[weight.dtype]}, {_IDS[flat.dtype]}, "

@@ -4,7 +4,7 @@ Constructors check every option (sizes, head counts, dropout, formats, mask type
 making parameters; forwards check the inputs' shapes against the module's sizes.
 """
 from .. import _check
-from ..ops import dot_product_attention, reshape, split
+from ..ops import apply_rotary_pos_emb_qkv, dot_product_attention, reshape, split
 from ..ops.attention import QKV_FORMATS, parse_mask
 from .layers import LayerNormLinear, Linear, check_norm_options
 from .module import Module
@@ -116,15 +116,19 @@ class MultiheadAttention(Module):
             attn_mask_type, **kw())
         self.proj = Linear(self.heads * self.kv_channels, hidden_size, bias, **kw())
 
-    def forward(self, hidden_states, attn_mask_type=None, seqlens=None):
+    def forward(self, hidden_states, attn_mask_type=None, seqlens=None, rotary_pos_emb=None):
         """hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd); seqlens [b] for
-        padding masks."""
+        padding masks; rotary_pos_emb: RotaryPositionEmbedding's freqs [>= s, 1, 1, d2] (or
+        a pair for q and k), applied to q and k after the QKV projection, as TE does."""
         op = "MultiheadAttention"
         check_hidden_states(op, hidden_states, self.hidden_size)
         mask = call_mask(op, "attn_mask_type", attn_mask_type, self.core_attention.mask,
                          seqlens)
         qkv = (self.layernorm_qkv if self.input_layernorm else self.qkv)(hidden_states)
         qkv = reshape(qkv, qkv.shape[:2] + (self.heads + 2 * self.groups, self.kv_channels))
+        if rotary_pos_emb is not None:  # one kernel, packed in and out (ops/rope.py)
+            qkv = apply_rotary_pos_emb_qkv(qkv, rotary_pos_emb, self.heads, self.groups,
+                                           self.core_attention.qkv_format)
         q, k, v = split(qkv, [self.heads, self.groups, self.groups], axis=2)
         ctx = self.core_attention(q, k, v, mask, seqlens, seqlens)
         return self.proj(ctx)

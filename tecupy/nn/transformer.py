@@ -58,12 +58,14 @@ class TransformerLayer(Module):
         return dropout(x, self.hidden_dropout, self.next_seed(), training=self.training,
                        residual=residual)
 
-    def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None):
-        """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd')."""
+    def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None,
+                rotary_pos_emb=None):
+        """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd'); rotary_pos_emb:
+        RoPE freqs for the self-attention's q and k (MultiheadAttention.forward)."""
         op = "TransformerLayer"
         check_hidden_states(op, hidden_states, self.hidden_size)
         mask = call_mask(op, "self_attn_mask_type", self_attn_mask_type,
                          self.self_attention.core_attention.mask, seqlens)
-        attn = self.self_attention(hidden_states, mask, seqlens)
+        attn = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb)
         h = self._dropout_add(attn, hidden_states)
         return self._dropout_add(self.layernorm_mlp(h), h)
