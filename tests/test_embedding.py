@@ -10,7 +10,7 @@ from tecupy import Tape, backends
 from tecupy._array import bfloat16
 from tecupy.nn import Embedding
 
-from conftest import asnp, poison_gpu_pool, run
+from conftest import asnp, assert_within_2x_reference, poison_gpu_pool, run
 from test_gradients import fd_check
 
 DTYPES = [np.float32, bfloat16, np.float64]
@@ -243,3 +243,64 @@ def test_tied_lm_head_on_gpu_matches_cpu(rng):
         grads.append(asnp(tape.gradient(loss, e, output_grad=xp.ones((), np.float32))
                           ["weight"]))
     np.testing.assert_allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+# ---- GPU: cross_entropy's kernels on an LM head's logits ---------------------------------
+
+def _max_allocation(fn):
+    """(fn(), the largest single CuPy allocation made while it ran)."""
+    import cupy
+    pool, sizes = cupy.get_default_memory_pool(), []
+
+    def malloc(size):
+        sizes.append(size)
+        return pool.malloc(size)
+    with cupy.cuda.using_allocator(malloc):
+        out = fn()
+    return out, max(sizes, default=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.float16], ids=str)
+@pytest.mark.parametrize("vocab", [5, 1001, 50257])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cross_entropy_kernels(rng, dtype, vocab, eps):
+    """Loss, lse and dlogits against the float64 reference (2x the same-precision
+    reference's error); ignored targets give 0, bad ones NaN, with no host sync."""
+    rows = int(rng.integers(30, 90))
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(dtype)
+    target = rng.integers(0, vocab, size=rows)
+    target[:3] = [-100, vocab, -1]  # ignored, out of range, out of range
+    dloss = rng.standard_normal(rows).astype(np.float32)
+    args = (-100, eps)
+    got = run("cross_entropy_fwd", (logits, target, *args), on_gpu=True)
+    want = backends.dispatch("cross_entropy_fwd", logits.astype(np.float64), target, *args)
+    ref = backends.dispatch("cross_entropy_fwd", logits, target, *args)
+    loss = asnp(got[0])
+    assert loss[0] == 0 and np.all(np.isnan(loss[1:3]))
+    for g, w, r, name in zip(got, want, ref, ("loss", "lse")):
+        assert_within_2x_reference(asnp(g)[3:], w[3:], r[3:], name, atol=1e-6)
+    lse = asnp(got[1])
+    dx = asnp(run("cross_entropy_bwd", (dloss, logits, target, lse, *args), on_gpu=True))
+    want = backends.dispatch("cross_entropy_bwd", dloss, logits.astype(np.float64), target,
+                             lse.astype(np.float64), *args)
+    ref = backends.dispatch("cross_entropy_bwd", dloss, logits, target, lse, *args)
+    assert dx.dtype == logits.dtype and np.all(dx[0].astype(np.float64) == 0)
+    assert np.all(np.isnan(dx[1:3].astype(np.float64)))
+    assert_within_2x_reference(dx[3:], want[3:], ref[3:], "dlogits", atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_allocates_no_float32_copy_of_the_logits(rng):
+    """At vocab 50257 the forward and backward allocate nothing of the logits' size but
+    dlogits (bf16): no float32 [tokens, vocab] temporary."""
+    import cupy
+    logits = cupy.asarray(rng.standard_normal((512, 50257)).astype(bfloat16))
+    target = cupy.asarray(rng.integers(0, 50257, size=512))
+
+    def step():
+        with Tape() as tape:
+            loss = tecupy.cross_entropy(logits, target)
+        return tape.gradient(loss, logits, output_grad=cupy.ones((), np.float32))
+    dx, biggest = _max_allocation(step)
+    assert dx.dtype == logits.dtype and biggest <= logits.nbytes
