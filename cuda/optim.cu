@@ -90,7 +90,7 @@ __device__ __forceinline__ double block_sum_double(double v) {
 // warmup_cosine (tecupy/optim/schedule.py) at the 0-based step s, in double.
 __device__ double warmup_cosine(long long s, double base, double min_lr, long long warmup,
                                 long long total) {
-    if (s < warmup) return base * (double)(s + 1) / (double)warmup;
+    if (s < warmup) return base * ((double)(s + 1) / (double)warmup);
     if (s >= total) return min_lr;
     const double progress = (double)(s - warmup) / (double)(total - warmup);
     return min_lr + 0.5 * (base - min_lr) * (1.0 + cos(3.141592653589793 * progress));

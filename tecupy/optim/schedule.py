@@ -20,7 +20,7 @@ def warmup_cosine(step, base_lr, warmup_steps, total_steps, min_lr=0.0):
     _check_args("warmup_cosine", base_lr, warmup_steps, total_steps, min_lr)
     step = _check.integer("warmup_cosine", "step", step, 0)
     if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
+        return base_lr * ((step + 1) / warmup_steps)  # (exactly base_lr at the end)
     if step >= total_steps:
         return float(min_lr)
     progress = (step - warmup_steps) / (total_steps - warmup_steps)
