@@ -92,10 +92,10 @@ __global__ void act_fwd(const T* __restrict__ x, const T* __restrict__ bias,
     finish_amax<OUT>(m, amax, slot);
 }
 
+// dx may be dy (in place: each element read, then written, by one thread): no __restrict__
 template <typename T, int VEC, typename ACT, bool BIAS>
-__global__ void act_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                        const T* __restrict__ bias, T* __restrict__ dx, long long n,
-                        int ncols) {
+__global__ void act_bwd(const T* dy, const T* __restrict__ x, const T* __restrict__ bias,
+                        T* dx, long long n, int ncols) {
     PDL_WAIT();
     GRID_STRIDE(i, n, ncols, pos) {
         const Vec<T, VEC> a = load_vec<VEC>(x + i), d = load_vec<VEC>(dy + i);

@@ -39,6 +39,9 @@ _active = contextvars.ContextVar("tecupy_tapes", default=())
 # returns; a sweep of the whole tape starts every backward.
 _SWEEP_EVERY, _SWEEP_WINDOW = 16, 32
 
+# True while a backward runs with retain_graph=True (see retaining()).
+_retain = contextvars.ContextVar("tecupy_retain", default=False)
+
 # The stand-in tape of discarding(): ops see a tape, but what they record is dropped.
 _DISCARD = object()
 
@@ -195,6 +198,13 @@ def keeping():
     return any(t is not _DISCARD for t in _active.get())
 
 
+def retaining():
+    """True inside a backward that may run again (retain_graph=True): a node's backward
+    must then leave what it saved in place; otherwise it may drop each saved array as soon
+    as it is used (the node runs once)."""
+    return _retain.get()
+
+
 def _as_list(x):
     return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
 
@@ -258,7 +268,11 @@ class Tape:
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
         self._check_once(grads)
-        self._backprop(grads, None if retain_graph else index, {id(t) for t in targets})
+        token = _retain.set(bool(retain_graph))
+        try:
+            self._backprop(grads, None if retain_graph else index, {id(t) for t in targets})
+        finally:
+            _retain.reset(token)
         del index
         result = []
         for t in targets:

@@ -56,3 +56,49 @@ def test_norm_linear_releases_its_codes_before_the_norm_backward(monkeypatch):
     refs, alive = _watch(monkeypatch, "layernorm_fwd_fp8", "layernorm_bwd")
     _step(lambda *a, fp8_state: tecupy.layernorm_linear(*a, fp8_state=fp8_state), x, g, b, w)
     assert len(refs) == 1 and alive == [0]
+
+
+def _gemm_operands(monkeypatch):
+    """At each FP8 GEMM, whether the B operand (codes) of each earlier GEMM is alive."""
+    refs, alive = [], []
+    real = backends.dispatch
+
+    def dispatch(op, *args, **kwargs):
+        if op == "fp8_gemm":
+            gc.collect()
+            alive.append([r() is not None for r in refs])
+            refs.append(weakref.ref(args[3]))
+        return real(op, *args, **kwargs)
+    monkeypatch.setattr(backends, "dispatch", dispatch)
+    return alive
+
+
+def test_linear_backward_drops_x_copy_before_dgrad(monkeypatch):
+    """wgrad first, then x's column-wise copy dies, then dgrad allocates its output."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 48)).astype(np.float32)
+    w = rng.standard_normal((64, 48)).astype(np.float32) * 0.1
+    alive = _gemm_operands(monkeypatch)
+    state = tecupy.FP8State()
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling()):
+        y = tecupy.linear(x, w, fp8_state=state)
+    tape.gradient(y, [x, w], output_grad=np.ones_like(y))
+    # forward (B: w's codes), wgrad (B: x's copy), dgrad (B: w's copy)
+    assert len(alive) == 3 and alive[2][1] is False
+
+
+def test_mlp_fc2_activation_codes_die_before_its_dgrad(monkeypatch):
+    """The activation's row-wise codes die once transposed (before fc2's backward GEMMs);
+    the transposed copy once wgrad read it (before dgrad)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 48)).astype(np.float32)
+    g, b = np.ones(48, np.float32), np.zeros(48, np.float32)
+    w1 = rng.standard_normal((64, 48)).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((48, 64)).astype(np.float32) * 0.1
+    refs, alive = _watch(monkeypatch, "gelu_fwd", "fp8_gemm")
+    grads = _gemm_operands(monkeypatch)
+    _step(lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state), x, g, b, w1,
+          None, w2, None)
+    # GEMMs: fc1 fwd, fc2 fwd, fc2 wgrad, fc2 dgrad, fc1 wgrad, fc1 dgrad
+    assert alive == [0, 1, 0, 0, 0, 0]
+    assert grads[3][2] is False  # fc2's wgrad B (the activation's copy) dead at its dgrad

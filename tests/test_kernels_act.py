@@ -85,3 +85,19 @@ def test_bias_view_off_16_byte_alignment(rng):
         for g, w in zip(got if isinstance(got, tuple) else (got,),
                         want if isinstance(want, tuple) else (want,)):
             assert (asnp(g) == asnp(w)).all(), op
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not TABLE[n].gated])
+@pytest.mark.parametrize("dtype", [np.float32, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_backward_in_place(rng, name, dtype):
+    """out=dy (layernorm_mlp's FP8 backward writes dh over da): bit-identical to a new
+    array, dbias too, and dy's buffer holds dx."""
+    import cupy
+    from tecupy import backends
+    x, bias, dy = inputs(rng, name, dtype, (257, 1000), True)
+    want_dx, want_db = run(f"{name}_bwd", [dy, x, bias], True)
+    g = cupy.asarray(dy)
+    dx, db = backends.dispatch(f"{name}_bwd", g, cupy.asarray(x), cupy.asarray(bias), out=g)
+    assert dx is g
+    np.testing.assert_array_equal(asnp(dx), asnp(want_dx))
+    np.testing.assert_array_equal(asnp(db), asnp(want_db))

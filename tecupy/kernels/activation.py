@@ -70,12 +70,13 @@ def _fwd(name, gated, x, bias, scale, fmt, amax_out=None):
     return (y, amax) if fmt else y
 
 
-def _bwd(name, gated, dy, x, bias):
+def _bwd(name, gated, dy, x, bias, out=None):
+    """out: where dx goes (None: a new array); may be dy itself (plain activations)."""
     import cupy
     dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
     n = x.shape[-1] // 2 if gated else x.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
-    dx = cupy.empty_like(x)
+    dx = cupy.empty_like(x) if out is None else _out(out, x)
     vec = vec_width(x.dtype, n)
     k = _kernel("gated_bwd" if gated else "act_bwd", name, x, vec, bias=bias)
     b = x if bias is None else _aligned(bias)
@@ -88,12 +89,19 @@ def _bwd(name, gated, dy, x, bias):
     return dx, db.astype(bias.dtype)
 
 
+def _out(out, x):
+    if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"activation backward: out must be a contiguous {x.dtype} array of "
+                         f"shape {x.shape} (x's), got {out.dtype} {out.shape}")
+    return out
+
+
 def _register(name, gated):
     backends.register(f"{name}_fwd", "cuda", supports=supported)(
         lambda x, bias=None, scale=None, fmt=None, amax_out=None:
         _fwd(name, gated, x, bias, scale, fmt, amax_out))
     backends.register(f"{name}_bwd", "cuda", supports=supported)(
-        lambda dy, x, bias=None: _bwd(name, gated, dy, x, bias))
+        lambda dy, x, bias=None, out=None: _bwd(name, gated, dy, x, bias, out))
 
 
 for _a in TABLE.values():

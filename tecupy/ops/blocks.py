@@ -7,10 +7,10 @@ two (fc1, fc2) for layernorm_mlp.
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..quantization import gemm_quantizers
-from ..tape import record
+from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
-                     fp8_linear_backward, linear, linear_with)
+                     fp8_linear_backward, linear, linear_with, transposed)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -52,14 +52,17 @@ def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centere
 
 
 def released(saved):
-    """The FP8 operands a fused block's backward saved, taken out of its closure: the node
-    lives until its whole backward returns, and its second part (the norm's or activation's
-    backward, which allocates as much again) needs the memory of codes only the GEMMs read
-    (issue 22: fc2's input codes and weight are 192 MiB at the quickstart layer). Safe as
-    the node runs once (FP8 ops refuse a second backward: quantization.FP8_ONCE)."""
-    items = tuple(saved)
-    saved.clear()
-    return items
+    """The FP8 operands a fused block saved, [row-wise input codes, the weight's column-wise
+    copy], taken out of its closure as fp8_linear_backward takes them: [the input's
+    column-wise copy, the weight's]. The producer (norm, activation) wrote row-wise codes
+    only; they die once transposed, and both copies once the GEMMs read them, not when the
+    node's whole backward returns: its second part (the norm's or activation's backward)
+    allocates as much again (issue 22: fc2's input codes are 128 MiB at the quickstart
+    layer). Unless the tape retains the graph for another backward (current scaling)."""
+    operands = [transposed(saved[0]), saved[1]]
+    if not retaining():
+        saved.clear()
+    return operands
 
 
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
@@ -81,10 +84,8 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     saved = [qx, columnwise(qw)]
 
     def backward(dy):
-        qx, qw_t = released(saved)
-        d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), qx.T, qw_t, bias,
+        d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), released(saved), bias,
                                            q.grad_output, x.dtype)
-        del qx, qw_t  # the norm's backward has their memory
         if rms:
             dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
             dbeta = None
@@ -176,11 +177,12 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     saved = [qa, columnwise(qw)]  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
-        qa, qw_t = released(saved)
-        da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), qa.T, qw_t, fc2_bias,
+        da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), released(saved), fc2_bias,
                                           q.grad_output, h.dtype)
-        del qa, qw_t  # the activation's backward (dh beside da and h) has their memory
-        dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias)
+        # dh in da's place where shapes allow (plain activations): no third [M, ffn] array
+        # beside h and da (issue 22)
+        dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias,
+                                    out=None if activation in GATED else da)
         return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
     record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
            after_backward=q.after_backward, once=q.once)

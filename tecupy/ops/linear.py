@@ -12,7 +12,7 @@ from .._array import FLOAT_SET, array_module, check_float, check_shape
 from ..fp8 import FP8Tensor
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
-from ..tape import keeping, record
+from ..tape import keeping, record, retaining
 
 FP8_ALIGN = 16
 
@@ -130,11 +130,10 @@ def _linear_fp8(x, weight, bias, q):
         return y
 
     x_shape, x_dtype = x.shape, x.dtype  # the backward keeps the FP8 codes, not x
-    qx_t, qw_t = columnwise(qx), columnwise(qw)  # and of those, the column-wise copies only
+    saved = [columnwise(qx), columnwise(qw)]  # and of those, the column-wise copies only
 
     def backward(dy):
-        dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), qx_t, qw_t, bias, q.grad_output,
-                                         x_dtype)
+        dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
         return as_nd(dx, x_shape), dw, db
     record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
@@ -159,14 +158,26 @@ def columnwise(q):
     return FP8Tensor.made(q.data_t, q.fmt, q.scale_inv)
 
 
-def fp8_linear_backward(dy2, qx_t, qw_t, bias, q_dy, x_dtype):
-    """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias) from the column-wise FP8 copies of x
-    (qx_t [K, M]) and w (qw_t [K, N]): dy cast by the quantizer q_dy to the backward format
-    (with its transposed copy and, with a bias, dbias from the same read of dy),
-    dgrad = dy8 @ w8, wgrad = dy8.T @ x8."""
+def transposed(q):
+    """q's column-wise copy (made now) as a tensor of its own: q.T refers to q's codes."""
+    return FP8Tensor.made(q.T.data, q.fmt, q.scale_inv)
+
+
+def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype):
+    """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias) from saved = [qx_t, qw_t], the column-wise
+    FP8 copies of x ([K, M]) and w ([K, N]), taken out of the list (unless the tape is
+    retaining the graph for another backward):
+    dy cast by the quantizer q_dy to the backward format (with its transposed copy and,
+    with a bias, dbias from the same read of dy), wgrad = dy8.T @ x8 first, then x's copy
+    dies and dgrad = dy8 @ w8 (issue 22: x's copy is the activation's, often the largest
+    operand; dgrad's output the largest result: they need not live at once)."""
+    qx_t, qw_t = saved
+    if not retaining():
+        saved.clear()
     qdy = q_dy.quantize(dy2, transpose=True,
                         dbias_dtype=None if bias is None else bias.dtype)
     qdy, db = (qdy, None) if bias is None else qdy
-    dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
     dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
+    del qx_t
+    dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
     return dx, dw, db

@@ -28,6 +28,17 @@ def _dbias(dxf, bias):
     return None if bias is None else dxf.sum(axis=tuple(range(dxf.ndim - 1))).astype(bias.dtype)
 
 
+def _into(out, dx):
+    """dx, written into `out` when one is given (the CUDA kernels' in-place backward)."""
+    if out is None:
+        return dx
+    if out.shape != dx.shape or out.dtype != dx.dtype:
+        raise ValueError(f"activation backward: out must be a {dx.dtype} array of shape "
+                         f"{dx.shape}, got {out.dtype} {out.shape}")
+    out[...] = dx
+    return out
+
+
 def _plain(name, f, df):
     @backends.register(f"{name}_fwd", "reference")
     def fwd(x, bias=None, scale=None, fmt=None, amax_out=None):
@@ -36,11 +47,12 @@ def _plain(name, f, df):
                        amax_out)
 
     @backends.register(f"{name}_bwd", "reference")
-    def bwd(dy, x, bias=None):
-        """-> (dx, dbias or None); dbias sums the float dx over the rows."""
+    def bwd(dy, x, bias=None, out=None):
+        """-> (dx, dbias or None); dbias sums the float dx over the rows. out: where dx goes
+        (None: a new array; may be dy itself)."""
         xp, ct = xp_of(x), compute_dtype(x.dtype)
         dxf = dy.astype(ct) * df(_input(x, bias, ct), xp)
-        return dxf.astype(x.dtype), _dbias(dxf, bias)
+        return _into(out, dxf.astype(x.dtype)), _dbias(dxf, bias)
     return fwd, bwd
 
 
@@ -52,12 +64,12 @@ def _gated(name, f, df):
         return _output(f(a, xp) * b, x.dtype, scale, fmt, amax_out)
 
     @backends.register(f"{name}_bwd", "reference")
-    def bwd(dy, x, bias=None):
+    def bwd(dy, x, bias=None, out=None):
         xp, ct = xp_of(x), compute_dtype(x.dtype)
         a, b = xp.split(_input(x, bias, ct), 2, axis=-1)
         dyf = dy.astype(ct)
         dxf = xp.concatenate([dyf * b * df(a, xp), dyf * f(a, xp)], axis=-1)
-        return dxf.astype(x.dtype), _dbias(dxf, bias)
+        return _into(out, dxf.astype(x.dtype)), _dbias(dxf, bias)
     return fwd, bwd
 
 
