@@ -261,7 +261,7 @@ def test_sgd_and_schedule_errors():
 @pytest.mark.parametrize("grads, err, match", [
     ([], ValueError, r"one array per parameter \(2\), got 0"),
     ("g", TypeError, "grads must be a list of arrays"),
-    ({"0": 1}, TypeError, "grads must be a list of arrays .the parameters were a list"),
+    ({"a": np.zeros((2, 3), np.float32)}, ValueError, r"one array per parameter \(2\)"),
     ([np.zeros((2, 3), np.float32), np.zeros(4, np.float32)], ValueError,
      r"grads\[1\] must be an array of shape \(5,\) and dtype float32"),
     ([np.zeros((2, 3), np.float16), np.zeros(5, np.float32)], ValueError,

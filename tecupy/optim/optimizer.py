@@ -81,8 +81,9 @@ class Optimizer:
         self.lr_array.fill(lr)
 
     def step(self, grads):
-        """Update every parameter in place from `grads` (a list in the order of the
-        parameters, or a dict by their names when they were given as a dict)."""
+        """Update every parameter in place from `grads`: a list in the order of the
+        parameters, or a dict: by name when the parameters were a dict, else its values in
+        the parameters' order (tape.gradient(loss, module) for module.parameters())."""
         grads = self._check_grads(grads)
         if self.fused:
             kernels.step(self.kind, self._table, [grads[i] for i in self._order], self._dtypes,
@@ -113,10 +114,9 @@ class Optimizer:
     def _check_grads(self, grads):
         """grads as a list in parameter order, each checked against its parameter."""
         op = f"{type(self).__name__}.step"
-        if isinstance(grads, dict):
-            if not self._keyed:
-                _check.fail(op, "grads", "a list of arrays (the parameters were a list)", grads,
-                            TypeError)
+        if isinstance(grads, dict) and not self._keyed:  # tape.gradient(loss, module) for
+            grads = list(grads.values())                 # params=module.parameters()
+        elif isinstance(grads, dict):
             missing = [k for k in self.names if k not in grads]
             extra = [k for k in grads if k not in self.names]
             if missing or extra:
