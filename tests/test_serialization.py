@@ -126,22 +126,34 @@ def test_resume_bfloat16_parameters(tmp_path):
     assert ref.layernorm_mlp.fc1_weight.dtype == tecupy.bfloat16
 
 
-def test_resume_adamw(tmp_path):
-    optim = pytest.importorskip("tecupy.optim")
-    if not hasattr(optim, "AdamW"):  # (being written beside this test)
-        pytest.skip("tecupy.optim has no AdamW yet")
-    resume_matches(tmp_path, RECIPE, make_opt=lambda m: optim.AdamW(m.parameters(), lr=1e-3))
+def adamw(module):
+    """tecupy.optim.AdamW with everything that has state: master weights and bf16 moments
+    (bf16 parameters), clipping, weight decay and a warm-up + cosine schedule."""
+    from tecupy import optim
+    return optim.AdamW(module.named_parameters(), lr=1e-3, weight_decay=0.1,
+                       moments_dtype=tecupy.bfloat16, max_grad_norm=1.0,
+                       schedule=optim.WarmupCosine(1e-3, 3, 10, 1e-4))
+
+
+def sgd(module):
+    from tecupy import optim
+    return optim.SGD(module.named_parameters(), lr=0.05, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize("make_opt", [adamw, sgd], ids=["AdamW", "SGD"])
+def test_resume_tecupy_optim(tmp_path, make_opt):
+    resume_matches(tmp_path, RECIPE, dtype=tecupy.bfloat16, make_opt=make_opt)
 
 
 def test_resume_mlp_block(tmp_path):
-    resume_matches(tmp_path, RECIPE, kind="mlp")
+    resume_matches(tmp_path, RECIPE, kind="mlp", make_opt=adamw)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, tecupy.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("recipe", [RECIPE, None], ids=["fp8", "high precision"])
 def test_resume_is_bit_identical_gpu(tmp_path, recipe, dtype):
-    resume_matches(tmp_path, recipe, dtype, device="cuda", kind="mlp")
+    resume_matches(tmp_path, recipe, dtype, device="cuda", kind="mlp", make_opt=adamw)
 
 
 def test_data_position_resumes(tmp_path):
