@@ -219,6 +219,10 @@ def test_load_state_dict_lists_mismatches_and_loads_nothing(rng):
     assert all(np.array_equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="schedule"):
         AdamW(params, schedule=WarmupCosine(1.0, 1, 2)).load_state_dict(sd)
+    clipped = AdamW(params, max_grad_norm=1.0).load_state_dict(sd)  # takes the saved None
+    assert clipped.max_grad_norm is None
+    opt.load_state_dict(dict(sd, max_grad_norm=2.0)).step(steps[0])  # now clips
+    assert opt.last_grad_norm[0] == pytest.approx(clip_grads(steps[0], 1.0)[1])
 
 
 # ---- CPU: errors --------------------------------------------------------------------------

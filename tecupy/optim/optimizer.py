@@ -39,8 +39,14 @@ class Optimizer:
         self.step_array = sxp.zeros((1,), np.int32 if self.fused else np.int64)
         self.lr_array = sxp.full((1,), self.schedule(0) if self.schedule else lr, self._ct)
         self._sc = sxp.asarray(np.array([0, 1, 0, 1, 1, np.nan], self._ct))
-        self._norm = None if self.max_grad_norm is None else (
-            self._sc[5:6] if self.fused else self.xp.full((1,), np.nan, self._ct))
+        self._norm = None
+        self._set_clip(self.max_grad_norm)
+
+    def _set_clip(self, max_grad_norm):
+        """max_grad_norm, and the array of the last norm when clipping (made once)."""
+        self.max_grad_norm = max_grad_norm
+        if max_grad_norm is not None and self._norm is None:
+            self._norm = self._sc[5:6] if self.fused else self.xp.full((1,), np.nan, self._ct)
 
     def _build_table(self):
         """The fused path's device table, in table order (parameters grouped by dtype, so
@@ -196,7 +202,7 @@ class Optimizer:
             a[...] = self.xp.asarray(state_dict[k])
         self.step_array.fill(state_dict["step"])
         self.lr_array.fill(state_dict["lr"])
-        self.max_grad_norm = state_dict["max_grad_norm"]
+        self._set_clip(state_dict["max_grad_norm"])
         self._set_hyper(state_dict)
         if self.schedule is not None:
             self.schedule = WarmupCosine(**{k: state_dict[f"schedule.{k}"]
