@@ -16,9 +16,16 @@
 //   Launch: 1-D grid-stride over VEC-wide chunks (16-byte loads; n % VEC == 0 when
 //   VEC > 1), blockDim 256; one atomicMax per block. amax must hold a value >= 0 before.
 // fp8_dequantize<F8, T>: y[i] = T(float(F8 q[i]) * scale_inv[0]).
-// cast_transpose_tiled<T, F8, G, DBIAS, RAGGED>: the cast, also writing the transpose
-//   (below); scale_inv as in cast_to_fp8.
+// cast_transpose_tiled<T, F8, G, DBIAS, RAGGED, DACT>: the cast, also writing the transpose
+//   (below); scale_inv as in cast_to_fp8. DACT (a struct of act_math.cuh, or NoAct): the
+//   tensor cast is an activation's backward, x = T(dy * f'(h + hbias)), dy the kernel's x
+//   input (Transformer Engine's cast_transpose_dbias_dgelu).
+#include "act_math.cuh"
 #include "common.cuh"
+
+struct NoAct {};  // cast_transpose_tiled casts x itself
+template <typename A> struct IsNoAct { static constexpr bool value = false; };
+template <> struct IsNoAct<NoAct> { static constexpr bool value = true; };
 
 // ---- cast ------------------------------------------------------------------------------
 // scale_inv[0] = 1 / s from the first thread of the grid (nullptr: the caller has none)
@@ -123,13 +130,27 @@ __device__ void store_ragged(const unsigned* tt, unsigned char* q, unsigned char
             if (r0 + i < rows) qt[(long long)(c0 + col) * rows + r0 + i] = tt_byte<G>(tt, col, i);
 }
 
-template <typename T, typename F8, int G, bool DBIAS, bool RAGGED>
+// The value cast at element j of a row's 8 columns: x itself, or with DACT the activation's
+// backward, dy f'(h + hbias) rounded to T as act.cu's act_bwd writes dx (same FAST maths).
+template <typename DACT, typename T>
+__device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>& h,
+                                            const float* hb, int j) {
+    if constexpr (IsNoAct<DACT>::value) {
+        return to_float(x.v[j]);
+    } else {
+        const float d = DACT::template df<(sizeof(T) < 4)>(to_float(h.v[j]) + hb[j]);
+        return to_float(from_float<T>(to_float(x.v[j]) * d));
+    }
+}
+
+template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT = NoAct>
 __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                      float* __restrict__ scale_inv, float* __restrict__ amax,
                      unsigned* __restrict__ slot, float* __restrict__ part, int rows,
-                     int cols) {
+                     int cols, const T* __restrict__ h, const T* __restrict__ hbias) {
+    constexpr bool ACT = !IsNoAct<DACT>::value;
     PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
@@ -140,7 +161,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
     float m = 0.f;
     // every load of a tile issued before any is used; the next tile's as soon as this
     // one's are converted, so they are in flight while this tile's transpose is written
-    Vec<T, 8> in[G][4];
+    Vec<T, 8> in[G][4], hin[ACT ? G : 1][4];  // hin: h, with DACT only
     auto load = [&](int tile) {
         const int r0 = tile / tiles_x * 128 * G, c = (tile % tiles_x) * 64 + 8 * b;
 #pragma unroll
@@ -148,8 +169,10 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = r0 + 128 * g + 4 * a + i;
-                if ((RAGGED || r < rows) && c < cols)
+                if ((RAGGED || r < rows) && c < cols) {
                     in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols);
+                    if constexpr (ACT) hin[g][i] = load_tile_row<RAGGED>(h, r, c, rows, cols);
+                }
             }
     };
     if (blockIdx.x < tiles) load(blockIdx.x);
@@ -157,6 +180,10 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
         const int by = tile / tiles_x, r0 = by * 128 * G, c0 = (tile % tiles_x) * 64;
         const int c = c0 + 8 * b;
         float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // this thread's rows, columns c .. c + 7
+        float hb[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // DACT: hbias of columns c .. c + 7
+        if (ACT && hbias != nullptr)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) hb[j] = c + j < cols ? to_float(hbias[c + j]) : 0.f;
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const int r = r0 + 128 * g + 4 * a;  // rows % 16 == 0: all 4 rows or none
@@ -167,7 +194,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                 float f[8];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    f[j] = to_float(in[g][i].v[j]);
+                    f[j] = cast_input<DACT>(in[g][i], hin[ACT ? g : 0][i], hb, j);
                     m = fmaxf(m, fabsf(f[j]));
                     if (DBIAS) cs[j] += f[j];
                 }

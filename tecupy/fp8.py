@@ -183,6 +183,17 @@ def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     return t if dbias_dtype is None else (t, dbias)
 
 
+def dact_cast(dy, x, bias, name, scale, fmt, amax_out, dbias_dtype=None):
+    """cast(dx, ..., transpose=True, dbias_dtype) of the activation `name`'s backward
+    dx = dy * f'(x + bias) (in dy's dtype), in one pass where a kernel has it: dx is never
+    in memory (Transformer Engine's cast_transpose_dbias_dgelu) -> (FP8Tensor, dbias or
+    None)."""
+    inv = xp_of(dy).empty((1,), np.float32)
+    data, data_t, _, dbias = backends.dispatch("dact_cast_transpose", dy, x, bias, name, scale,
+                                               fmt, dbias_dtype, amax_out, inv)
+    return FP8Tensor.made(data, fmt, inv, data_t), dbias
+
+
 def _float_dtype(op, name, value):
     """np.dtype(value) when it is float16, bfloat16, float32 or float64: an integer dtype
     would truncate silently. None is refused (numpy would read it as float64)."""

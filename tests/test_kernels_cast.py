@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tecupy
+from tecupy.activation_table import TABLE
 from tecupy.fp8 import E4M3, E5M2
 from tecupy.reference import fp8 as ref
 from conftest import poison_gpu_pool
@@ -195,3 +196,36 @@ def test_quantize_scale_inv_keeps_subnormals_on_gpu(rng):
             t = t[0] if "dbias_dtype" in kw else t
             want = (np.float32(1) / np.array([s], np.float32)).tobytes()
             assert t.scale_inv.get().tobytes() == want, (s, kw)
+
+
+@pytest.mark.parametrize("name", [n for n, a in TABLE.items() if not a.gated])
+@pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("shape,bias", [((16, 8), True), ((272, 136), False),
+                                        ((1008, 520), True)], ids=str)
+def test_dact_cast_transpose_matches_act_bwd_then_cast(rng, name, dtype, shape, bias):
+    """The activation's backward cast in the same pass: the codes of the CUDA act_bwd's dx
+    (the same maths, rounded to the dtype) cast by the reference, bit for bit, its amax,
+    scale_inv, and dbias within float32 summation error of dx's float64 column sums."""
+    import cupy
+    dy = rng.standard_normal(shape).astype(dtype)
+    h = (rng.standard_normal(shape) * 3).astype(dtype)
+    b = rng.standard_normal(shape[1]).astype(dtype) if bias else None
+    g = [None if a is None else cupy.asarray(a) for a in (dy, h, b)]
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    dx, _ = tecupy.backends.dispatch(f"{name}_bwd", *g)
+    dx = cupy.asnumpy(dx)
+    poison_gpu_pool()
+    inv = cupy.full((1,), np.nan, np.float32)
+    args = (*g, name, scale, E5M2, np.dtype(dtype), None, inv)
+    assert tecupy.backends.chosen("dact_cast_transpose", *args) == "cuda"
+    q, qt, amax, db = tecupy.backends.dispatch("dact_cast_transpose", *args)
+    q_ref, qt_ref, amax_ref = ref.cast_transpose(dx, cupy.asnumpy(scale), E5M2)
+    assert_same_codes(cupy.asnumpy(q), q_ref, E5M2)
+    assert_same_codes(cupy.asnumpy(qt), qt_ref, E5M2)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+    assert float(inv[0]) == np.float32(1) / cupy.asnumpy(scale)[0]
+    want = dx.astype(np.float64).sum(0)
+    tol = float(np.finfo(np.float32).eps) * shape[0] * np.abs(dx.astype(np.float64)).sum(0)
+    tol += np.abs(want) * float(ml_dtypes.finfo(dtype).eps)
+    assert db.dtype == np.dtype(dtype)
+    assert (np.abs(cupy.asnumpy(db).astype(np.float64) - want) <= tol).all()

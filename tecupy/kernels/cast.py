@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
+from ..activation_table import TABLE
 from .colsum import col_sum
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
 from .launch import grid_1d, launch, planned, resident_blocks, sm_count
@@ -26,7 +27,10 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
     + [f"fp8_dequantize<{f}, {t}>" for t, f in itertools.product(CTYPE.values(),
                                                                  FP8TYPE.values())]
     + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}, {r}>" for d in LOW_PRECISION
-       for f in FP8TYPE.values() for b in ("false", "true") for r in ("false", "true")])
+       for f in FP8TYPE.values() for b in ("false", "true") for r in ("false", "true")]
+    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}, false, {a.cuda}>" for d in LOW_PRECISION
+       for f in FP8TYPE.values() for b in ("false", "true") for a in TABLE.values()
+       if not a.gated])
 
 
 def _inv_arg(scale, scale_inv_out, n):
@@ -93,7 +97,29 @@ def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_ou
     return _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
 
 
-def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out):
+def _dact_supported(dy, x, bias, name, *args, **kwargs):
+    """Plain activations, 2-D, rows % 16 and cols % 8 (the FP8 GEMMs' shapes: no ragged
+    variant is built)."""
+    return (_ct_supported(dy, None, None) and not TABLE[name].gated and x.shape == dy.shape
+            and x.dtype == dy.dtype and dy.shape[0] % 16 == 0 and dy.shape[1] % 8 == 0
+            and (bias is None or bias.dtype == dy.dtype))
+
+
+@backends.register("dact_cast_transpose", "cuda", supports=_dact_supported)
+def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_out=None,
+                        scale_inv_out=None):
+    """The activation `name`'s backward, dx = dy * f'(x + bias) rounded to dy's dtype, cast
+    and transposed in the same pass (cast_transpose_dbias of dx without dx in memory:
+    Transformer Engine's cast_transpose_dbias_dgelu) -> (q, qt, amax, dbias or None)."""
+    import cupy
+    act = (TABLE[name].cuda, cupy.ascontiguousarray(x),
+           None if bias is None else cupy.ascontiguousarray(bias))
+    out = _cast_transpose(dy, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act)
+    return out if dbias_dtype is not None else out + (None,)
+
+
+def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=None):
+    """act: None, or (struct of act_math.cuh, h, hbias or None): x is dy, cast is dx."""
     import cupy
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
@@ -103,10 +129,12 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out):
     dbias = dbias_dtype is not None
     part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
     if x.size:
-        k, grid = planned(_plans, (rows, cols, x.dtype, fmt.name, dbias, _device()),
-                          _ct_plan, rows, cols, x.dtype, fmt.name, dbias)
+        name = None if act is None else act[0]
+        k, grid = planned(_plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()),
+                          _ct_plan, rows, cols, x.dtype, fmt.name, dbias, name)
+        h, hb = (np.uint64(0), np.uint64(0)) if act is None else act[1:]
         launch(k, grid, (256,), (x, scale, q, qt, inv, amax, slot, part, np.int32(rows),
-                                 np.int32(cols)))
+                                 np.int32(cols), h, np.uint64(0) if hb is None else hb))
     if not dbias:
         return q, qt, amax
     if not x.size:
@@ -122,10 +150,13 @@ def _device():
     return cupy.cuda.runtime.getDevice()
 
 
-def _ct_plan(rows, cols, dtype, fmt, dbias):
+def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
     """(kernel, grid) of cast_transpose: 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80%
-    of copy on an H200), a grid-stride over them with at most the resident blocks."""
+    of copy on an H200), a grid-stride over them with at most the resident blocks. act: the
+    struct of an activation whose backward is cast (dact_cast_transpose), or None."""
+    tail = "" if act is None else f", {act}"
     k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[dtype]}, {FP8TYPE[fmt]}, 1, "
-                              f"{cbool(dbias)}, {cbool(rows % 16 != 0 or cols % 8 != 0)}>")
+                              f"{cbool(dbias)}, {cbool(rows % 16 != 0 or cols % 8 != 0)}"
+                              f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
     return k, (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)

@@ -9,8 +9,9 @@ from .._array import array_module, check_float, check_shape
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
+from ..fp8 import dact_cast
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
-                     fp8_linear_backward, linear, linear_with, transposed)
+                     fp8_grads, fp8_linear_backward, linear, linear_with, transposed)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -65,33 +66,48 @@ def released(saved):
     return operands
 
 
+def _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, qi):
+    """The norm of x2 [M, K] written as FP8 codes by its kernel with the quantizer qi's scale
+    (its amax maxed into qi's history row) -> (FP8Tensor, the statistics its backward
+    reads: (rsigma,) or (mu, rsigma))."""
+    if rms:
+        codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
+                                             qi.scale, qi.fmt, amax_out=qi.amax_out)
+        return qi.wrap(codes), (rsigma,)
+    codes, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias, eps,
+                                             zcg, qi.scale, qi.fmt, amax_out=qi.amax_out)
+    return qi.wrap(codes), (mu, rsigma)
+
+
+def _norm_bwd(d_ln, x2, stats, ln_weight, zcg):
+    """-> (dx, dgamma, dbeta or None) of _norm_fp8."""
+    if len(stats) == 1:
+        dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, stats[0], ln_weight, zcg)
+        return dx, dg, None
+    return backends.dispatch("layernorm_bwd", d_ln, x2, *stats, ln_weight, zcg)
+
+
+def _gemm_fp8(qx, weight, q, out_dtype, bias):
+    """qx @ weight.T (+ bias) with weight cast by q.weight -> (y, what its backward keeps:
+    [qx, the weight's column-wise copy]; qx row-wise, a producer's codes)."""
+    qw = q.weight.quantize(weight, transpose=True)
+    return fp8_gemm(qx, qw, out_dtype, bias), [qx, columnwise(qw)]
+
+
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("layernorm_linear", m, n, k)
-    x2, qi = as_2d(x, m, k), q.input
-    if rms:  # (amax_out: the kernels max into the amax history row)
-        codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
-                                             qi.scale, qi.fmt, amax_out=qi.amax_out)
-    else:
-        codes, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias,
-                                                 eps, zcg, qi.scale, qi.fmt,
-                                                 amax_out=qi.amax_out)
-    qx = qi.wrap(codes)
-    qw = q.weight.quantize(weight, transpose=True)
-    y = as_nd(fp8_gemm(qx, qw, x.dtype, bias), x.shape[:-1] + (n,))
-    # qx: the norm wrote row-wise codes only, transposed in backward
-    saved = [qx, columnwise(qw)]
+    x2 = as_2d(x, m, k)
+    qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q.input)
+    y, saved = _gemm_fp8(qx, weight, q, x.dtype, bias)
+    y = as_nd(y, x.shape[:-1] + (n,))
+    del qx
 
     def backward(dy):
         d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), released(saved), bias,
                                            q.grad_output, x.dtype)
-        if rms:
-            dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, rsigma, ln_weight, zcg)
-            dbeta = None
-        else:
-            dx, dg, dbeta = backends.dispatch("layernorm_bwd", d_ln, x2, mu, rsigma, ln_weight,
-                                              zcg)
+        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg)
         return as_nd(dx, x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
     record(backward, (x, ln_weight, ln_bias, weight, bias), (y,),
            after_backward=q.after_backward, once=q.once)
@@ -146,6 +162,10 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
         fc2_weight=fc2_weight, fc2_bias=fc2_bias)
     _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_state)
     # fc1's bias is added inside the activation's pass, not by the GEMM
+    q1, q2 = _fused_mlp_quantizers(xp, fp8_state, activation, ret)
+    if q1 is not None:
+        return _mlp_fp8(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, eps,
+                        zcg, normalization == "RMSNorm", activation, q1, q2)
     if ret:
         ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
         h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0)
@@ -154,6 +174,60 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
                               normalization, fp8_state, gemm=0)
     y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state)
     return (y, ln_out) if ret else y
+
+
+def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
+    """fc1's and fc2's quantizers where layernorm_mlp runs as one node (_mlp_fp8): a plain
+    activation, and the norm's, the activation's and the activation's backward's outputs
+    cast by their producers (each scale known before the data: delayed scaling); else
+    (None, None)."""
+    if ret or activation in GATED:
+        return None, None
+    q1 = gemm_quantizers(fp8_state, 0, xp)
+    if q1 is None or not (q1.input.fused_ok and q1.grad_output.fused_ok):
+        return None, None
+    q2 = gemm_quantizers(fp8_state, 1, xp)
+    return (q1, q2) if q2.input.fused_ok else (None, None)
+
+
+def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q1, q2):
+    """layernorm_mlp as one node, each cast in its producer's pass: the norm writes fc1's
+    input codes, the activation (with fc1's bias) fc2's, and in the backward the
+    activation's backward writes fc1's dy codes with their transposed copy and dbias
+    (fp8.dact_cast): dh never exists in high precision (issue 21: one pass over [M, ffn]
+    less; issue 22: h dies as soon as that cast has read it)."""
+    hidden, ffn = x.shape[-1], w1.shape[0]
+    m = x.size // hidden
+    check_fp8_dims("layernorm_mlp", m, ffn, hidden)
+    check_fp8_dims("layernorm_mlp (fc2)", m, hidden, ffn)
+    x2 = as_2d(x, m, hidden)
+    qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q1.input)
+    h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None)
+    del qx
+    qi = q2.input
+    codes, _ = backends.dispatch(f"{activation}_fwd", h, b1, qi.scale, qi.fmt,
+                                 amax_out=qi.amax_out)
+    y, saved2 = _gemm_fp8(qi.wrap(codes), w2, q2, x.dtype, b2)
+    kept = [h]
+    del h, codes
+
+    def backward(dy):
+        da, dw2, db2 = fp8_linear_backward(as_2d(dy, m, hidden), released(saved2), b2,
+                                           q2.grad_output, x.dtype)
+        h = kept[0] if retaining() else kept.pop()
+        g = q1.grad_output
+        qdh, db1 = dact_cast(da, h, b1, activation, g.scale, g.fmt, g.amax_out,
+                             None if b1 is None else b1.dtype)
+        del da, h
+        d_ln, dw1 = fp8_grads(qdh, released(saved1), x.dtype)
+        del qdh
+        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg)
+        return (as_nd(dx, x.shape), dg, dbeta, dw1.astype(w1.dtype, copy=False), db1,
+                dw2.astype(w2.dtype, copy=False), db2)
+    y = as_nd(y, x.shape)
+    record(backward, (x, ln_weight, ln_bias, w1, b1, w2, b2), (y,),
+           after_backward=q1.after_backward + q2.after_backward, once=q1.once)
+    return y
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):

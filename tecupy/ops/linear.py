@@ -171,13 +171,19 @@ def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype):
     with a bias, dbias from the same read of dy), wgrad = dy8.T @ x8 first, then x's copy
     dies and dgrad = dy8 @ w8 (issue 22: x's copy is the activation's, often the largest
     operand; dgrad's output the largest result: they need not live at once)."""
-    qx_t, qw_t = saved
-    if not retaining():
-        saved.clear()
     qdy = q_dy.quantize(dy2, transpose=True,
                         dbias_dtype=None if bias is None else bias.dtype)
     qdy, db = (qdy, None) if bias is None else qdy
+    dx, dw = fp8_grads(qdy, saved, x_dtype)
+    return dx, dw, db
+
+
+def fp8_grads(qdy, saved, x_dtype):
+    """(dx, dw) of fp8_linear_backward from dy's FP8 tensor (with its transposed copy)."""
+    qx_t, qw_t = saved
+    if not retaining():
+        saved.clear()
     dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
     del qx_t
     dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
-    return dx, dw, db
+    return dx, dw

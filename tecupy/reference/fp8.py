@@ -78,6 +78,17 @@ def cast_transpose(x, scale, fmt, amax_out=None, scale_inv_out=None):
     return q, xp_of(q).ascontiguousarray(q.T), a
 
 
+@backends.register("dact_cast_transpose", "reference")
+def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_out=None,
+                        scale_inv_out=None):
+    """The activation `name`'s backward (its <name>_bwd: dx in dy's dtype), then
+    cast_transpose(_dbias) of dx -> (q, qt, amax, dbias or None)."""
+    dx, _ = backends.dispatch(f"{name}_bwd", dy, x, bias)
+    if dbias_dtype is None:
+        return cast_transpose(dx, scale, fmt, amax_out, scale_inv_out) + (None,)
+    return cast_transpose_dbias(dx, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
+
+
 @backends.register("cast_transpose_dbias", "reference")
 def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
