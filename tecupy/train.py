@@ -315,7 +315,9 @@ class Trainer:
         """Read the losses back, validate and save when due (host syncs only here)."""
         a = self.args
         last = step == self.stop
-        evaluate = step % a.eval_every == 0 or last
+        # not at --stop-after: validation is part of the run (it draws dropout seeds, its
+        # FP8 amaxes reach the next scale update), so it runs where an uninterrupted run's does
+        evaluate = step % a.eval_every == 0 or step == a.steps
         save = a.save and (last or (a.save_every and step % a.save_every == 0))
         if not (evaluate or save or step % a.log_every == 0):
             return
@@ -386,8 +388,9 @@ def main(argv=None):
         print(f"nothing to do: the run is at step {trainer.start} of {trainer.stop}")
         return
     h = trainer.run()
-    print(f"step {h['step'][-1]}: train loss {h['train_loss'][-1]:.4f}, val loss "
-          f"{h['val_loss'][-1]:.4f}, {h['tokens_per_s']:,.0f} tokens/s")
+    val = f", val loss {h['val_loss'][-1]:.4f}" if h["val_loss"] else ""
+    print(f"step {h['step'][-1]}: train loss {h['train_loss'][-1]:.4f}{val}, "
+          f"{h['tokens_per_s']:,.0f} tokens/s")
     for what, path in (("loss curve", args.csv), ("checkpoint", args.save)):
         if path:
             print(f"{what}: {path}")
