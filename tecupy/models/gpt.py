@@ -82,6 +82,9 @@ class GPT(Module):
                 **kw()))
         self.final_norm = LayerNorm(c.hidden_size, **kw())
         self.rope = RotaryPositionEmbedding(c.hidden_size // c.num_heads, device=self.device)
+        # RotaryPositionEmbedding takes no seed: its (unused) generator would be seeded from
+        # the OS, and two runs' checkpoints would differ in rope.rng_state
+        self.rope.rng = np.random.default_rng(kw()["seed"])
         self._freqs = {}
 
     @property
