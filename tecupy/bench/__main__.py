@@ -1,14 +1,20 @@
 """python -m tecupy.bench SUITE: time tecupy on the GPU against the copy bandwidth and
 PyTorch's ops (when torch is importable), measured in the same run. Suites: kernels
 (memory-bound kernels), gemm (FP8 GEMM), attention (fused attention), layer (the main job's
-TransformerLayer step). Each suite's module (tecupy/bench/SUITE.py) says what it measures."""
+TransformerLayer step), and train (a GPT trained in tecupy bf16, FP8 and as a PyTorch twin;
+its own options: python -m tecupy.bench train --help). Each suite's module
+(tecupy/bench/SUITE.py) says what it measures."""
 import argparse
 import importlib
+import sys
 
 SUITES = ("kernels", "gemm", "attention", "layer")
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # a suite with its own options (bench/train.py parses them)
+        return importlib.import_module("tecupy.bench.train").main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
     p.add_argument("suite", choices=SUITES)
     p.add_argument("--cpu", action="store_true",
