@@ -1,4 +1,4 @@
-"""Run the notebooks (quickstart, FP8 primer) end to end at TECUPY_NOTEBOOK_SIZE=small and fail
+"""Run the notebooks (quickstart, FP8 primer, train_gpt) end to end at TECUPY_NOTEBOOK_SIZE=small and fail
 on any cell error; check that each is stored as valid nbformat 4 without outputs.
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 TECUPY_ROOT = Path(tecupy.__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 # notebook -> text its run must print
-NOTEBOOKS = {"quickstart.ipynb": "TransformerLayer in FP8", "fp8_primer.ipynb": "fp8_gemm runs on"}
+NOTEBOOKS = {"quickstart.ipynb": "TransformerLayer in FP8", "fp8_primer.ipynb": "fp8_gemm runs on",
+             "train_gpt.ipynb": "trained bf16 and FP8"}
 CELL_TIMEOUT_S = 600
 
 
