@@ -1,5 +1,6 @@
-"""Run the notebooks (quickstart, FP8 primer, train_gpt) end to end at TECUPY_NOTEBOOK_SIZE=small and fail
-on any cell error; check that each is stored as valid nbformat 4 without outputs.
+"""Run the notebooks (quickstart, FP8 primer, train_gpt) end to end at
+TECUPY_NOTEBOOK_SIZE=small and fail on any cell error; check that each is stored as valid
+nbformat 4 without outputs.
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
 JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
