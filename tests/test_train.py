@@ -142,3 +142,26 @@ def test_gpu_graph_equals_eager(fp8):
     eager, graphed = _run(argv), _run(argv + ["--graph"])
     np.testing.assert_allclose(graphed["train_loss"], eager["train_loss"], rtol=2e-2)
     np.testing.assert_allclose(graphed["val_loss"], eager["val_loss"], rtol=2e-2)
+
+
+# ---- the PyTorch twin (tecupy/bench/train.py) --------------------------------------------
+BENCH_TINY = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq",
+              "16", "--batch", "4", "--log-every", "2"]
+
+
+def test_bench_train_runs_on_the_reference(capsys):
+    from tecupy.bench import train as bench_train
+    bench_train.main(BENCH_TINY + ["--steps", "4", "--no-fp8"])
+    out = capsys.readouterr().out
+    assert "tecupy bf16" in out and "final val loss" in out
+
+
+def test_torch_twin_is_the_same_model():
+    """The twin computes tecupy's loss from tecupy's weights (trained ones: at the initial
+    weights every loss is near log(vocab) and a mapping mistake would not show)."""
+    pytest.importorskip("torch")
+    from tecupy.bench import train as bench_train
+    args = bench_train.parse(BENCH_TINY + ["--steps", "10", "--lr", "1e-2"])
+    _, model = bench_train.tecupy_run(args, False)
+    ours, theirs = bench_train.twin_check(args, model)
+    assert abs(ours - theirs) < 2e-3 * ours, (ours, theirs)

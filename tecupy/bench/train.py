@@ -53,13 +53,10 @@ def train_argv(args, fp8):
 
 
 def tecupy_run(args, fp8):
-    """(history, tokens/s) of a python -m tecupy.train run."""
+    """(history, trained model) of a python -m tecupy.train run."""
     from tecupy import train
     trainer = train.Trainer(*train.parse(train_argv(args, fp8)))
-    h = trainer.run()
-    del trainer
-    _free_cupy(args.device)
-    return h
+    return trainer.run(), trainer.model
 
 
 def _free_cupy(device):
@@ -176,20 +173,28 @@ def torch_run(args, tecupy_init):
             "tokens_per_s": timed * targs.batch * targs.seq / t_total if t_total else np.nan}
 
 
-def initial_losses(args):
-    """(tecupy's loss, the twin's loss) of the first batch at the initial weights: the twin
-    is the same model when they agree to bf16 rounding (checked before any training)."""
+def initial_model(args):
+    """A fresh tecupy GPT as the runs start from (same seed: the same weights)."""
     from tecupy import train
     targs, _ = train.parse(train_argv(args, False))
-    tok, batches, _ = train.data(targs, train.device_xp(args.device))
-    model, _, _ = train.build(targs, tok.vocab_size)
-    x, y = batches.batch_at(0)
-    ours = float(model(x, y))
+    tok, _, _ = train.data(targs, train.device_xp(args.device))
+    return train.build(targs, tok.vocab_size)[0]
+
+
+def twin_check(args, model):
+    """(tecupy's val loss, the twin's) of `model`'s weights on the validation batches: the
+    twin is the same model when they agree to bf16 rounding (a trained model, so that a
+    mapping mistake shows; at the initial weights every loss is near log(vocab))."""
     import torch
+    from tecupy import train
+    targs, _ = train.parse(train_argv(args, False))
+    _, _, val = train.data(targs, train.device_xp(args.device))
+    twin = torch_twin(model, args.device)
     with torch.no_grad():
-        theirs = float(torch_twin(model, args.device)(_torch_ids(x, args.device),
-                                                      _torch_ids(y, args.device)))
-    return model, ours, theirs
+        theirs = np.mean([float(twin(_torch_ids(x, args.device), _torch_ids(y, args.device)))
+                          for x, y in val])
+    ours = np.mean([float(model(x, y)) for x, y in val])
+    return ours, theirs
 
 
 def run(args):
@@ -200,16 +205,19 @@ def run(args):
     name = gpu_name() if args.device == "cuda" else "CPU (NumPy reference)"
     print(f"{name}: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq "
           f"{args.seq}, batch {args.batch}, {args.steps} steps, lr {args.lr}, seed {args.seed}")
-    rows = {"tecupy bf16": tecupy_run(args, False)}
-    if not args.no_fp8:
-        rows["tecupy FP8"] = tecupy_run(args, True)
+    rows, models = {}, {}
+    for name, fp8 in (("tecupy bf16", False), ("tecupy FP8", True)):
+        if not (fp8 and args.no_fp8):
+            rows[name], models[name] = tecupy_run(args, fp8)
     if torch is None:
         print("PyTorch is not importable: no PyTorch twin (pip install torch to compare)")
     else:
-        init, ours, theirs = initial_losses(args)
-        print(f"initial loss, first batch: tecupy {ours:.4f}, PyTorch twin {theirs:.4f} "
-              f"(the same weights: they agree to bf16 rounding)")
-        rows["PyTorch bf16 eager"] = torch_run(args, init)
+        ours, theirs = twin_check(args, models["tecupy bf16"])
+        print(f"tecupy's trained bf16 weights, val loss: tecupy {ours:.4f}, PyTorch twin "
+              f"{theirs:.4f} (the same model: they agree to bf16 rounding)")
+        models.clear()
+        _free_cupy(args.device)
+        rows["PyTorch bf16 eager"] = torch_run(args, initial_model(args))
     report(rows)
 
 
