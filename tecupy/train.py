@@ -145,9 +145,9 @@ def _check_args(p, args):
         p.error("--weight-decay and --grad-clip must be >= 0, --dropout in [0, 1)")
     if args.save_every is not None and not args.save:
         p.error("--save-every needs --save PATH")
-    if args.fp8 and (args.batch * args.seq) % 8:
-        p.error(f"--fp8: batch * seq ({args.batch * args.seq}) must be a multiple of 8 "
-                "(FP8 GEMMs' shape rule)")
+    if args.fp8 and ((args.batch * args.seq) % 8 or args.hidden % 16):
+        p.error(f"--fp8: batch * seq ({args.batch * args.seq}) must be a multiple of 8 and "
+                f"--hidden ({args.hidden}) of 16 (FP8 GEMMs' shape rule)")
 
 
 # ---- the run's objects -------------------------------------------------------------------

@@ -90,6 +90,7 @@ def test_cli_runs(tmp_path):
     (["--save-every", "2"], "--save-every needs --save"),
     (["--stop-after", "50", "--steps", "10"], "--stop-after must be in"),
     (["--graph"], "--graph needs a GPU"),
+    (["--fp8", "--hidden", "40", "--heads", "2"], "FP8 GEMMs' shape rule"),
     (["--resume", "/nonexistent.ckpt"], "no such file"),
 ])
 def test_bad_arguments(argv, message, capsys):
@@ -117,6 +118,27 @@ def test_gpt_shapes_and_errors():
         model(np.zeros((3, 9), np.int32))
     with pytest.raises(ValueError, match="hidden_size"):
         GPTConfig(hidden_size=30, num_heads=4)
+
+
+def test_graph_falls_back_to_eager(monkeypatch, capsys):
+    """A step the capture refuses: the warm-up step counts, the next steps run eagerly, and
+    the message says so; a failing warm-up step is an error of its own."""
+    calls = []
+
+    def refuse(fn, sample_args):
+        fn(*sample_args)
+        raise RuntimeError("make_graphed_step: the step could not be captured")
+    monkeypatch.setattr(tecupy, "make_graphed_step", refuse)
+    stepper = train.Stepper(lambda x, y: calls.append(int(x)) or np.float32(len(calls)), True)
+    a = [np.array(v) for v in range(4)]
+    assert [stepper(a[1], a[2]), stepper(a[3], a[0])] == [1, 2] and calls == [1, 3]
+    assert "could not be captured in a CUDA graph, continuing with eager" in \
+        capsys.readouterr().err
+
+    def broken(x, y):
+        raise ValueError("a bug in the step")
+    with pytest.raises(ValueError, match="a bug"):
+        train.Stepper(broken, True)(a[1], a[2])
 
 
 # ---- GPU ---------------------------------------------------------------------------------
