@@ -35,15 +35,20 @@ DEFAULTS = {
 }
 MODEL_ARGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
               "seq": "seq_len", "dropout": "dropout"}
+COMMON = dict(weight_decay=0.1, grad_clip=1.0, amax_history=1024, seed=0, dropout=0.0)
 CSV_FIELDS = ("step", "train_loss", "val_loss", "lr")
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m tecupy.train", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tecupy.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="per-device defaults:\n" + "\n".join(
+                                    f"  {d}: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                           for k, v in kw.items())
+                                    for d, kw in DEFAULTS.items()))
     a = p.add_argument
     a("--device", choices=("auto", "cuda", "cpu"), default="auto",
-      help="auto: cuda when CuPy sees a usable GPU, else the NumPy reference on the CPU")
+      help="auto (default): cuda when CuPy sees a usable GPU, else the NumPy reference")
     for name, what in (("steps", "optimizer steps in all (the lr schedule's length)"),
                        ("batch", "sequences per step"), ("seq", "tokens per sequence"),
                        ("layers", "TransformerLayers"), ("hidden", "hidden size"),
@@ -54,12 +59,14 @@ def parser():
     a("--lr", type=float, default=None, help="peak lr (default: 1e-3 GPU, 1e-2 CPU)")
     a("--min-lr", type=float, default=None, help="final lr of the cosine (default: lr / 10)")
     a("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10))")
-    a("--weight-decay", type=float, default=0.1)
-    a("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    a("--weight-decay", type=float, default=None, help="AdamW's (default 0.1)")
+    a("--grad-clip", type=float, default=None, help="max global gradient norm (0: off; "
+      "default 1)")
     a("--dropout", type=float, default=None, help="hidden and attention dropout (default 0)")
     a("--fp8", action="store_true", default=None,
       help="FP8 delayed scaling (HYBRID) around the model's forward")
-    a("--amax-history", type=int, default=1024, help="DelayedScaling's amax_history_len")
+    a("--amax-history", type=int, default=None,
+      help="DelayedScaling's amax_history_len (default 1024, TE's)")
     a("--seed", type=int, default=None, help="init and data order (default 0)")
     a("--csv", help="write the loss curve here (step, train_loss, val_loss, lr)")
     a("--save", help="checkpoint path, written every --save-every steps and at the end")
@@ -67,7 +74,7 @@ def parser():
     a("--resume", help="continue the run saved in this checkpoint, bit for bit")
     a("--stop-after", type=int, default=None,
       help="stop after this step (the schedule still spans --steps; resume later)")
-    a("--log-every", type=int, default=10, help="steps between loss read-backs (host syncs)")
+    a("--log-every", type=int, default=10, help="steps between loss read-backs (default 10)")
     a("--graph", action="store_true", help="replay each step as one CUDA graph (GPU only)")
     a("--quiet", action="store_true", help="no progress bar")
     return p
@@ -114,12 +121,10 @@ def _fill_defaults(p, args, saved):
                 p.error(f"--{name.replace('_', '-')} {given}: the run in {args.resume} used "
                         f"{value}; leave the option out to continue it")
             setattr(args, name, value)
-    for name, value in DEFAULTS[args.device].items():
+    for name, value in dict(DEFAULTS[args.device], **COMMON).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.seed = 0 if args.seed is None else args.seed
     args.fp8 = bool(args.fp8)
-    args.dropout = 0.0 if args.dropout is None else args.dropout
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     if args.warmup is None:
         args.warmup = min(100, args.steps // 10)

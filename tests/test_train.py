@@ -101,10 +101,12 @@ def test_bad_arguments(argv, message, capsys):
 
 def test_resume_refuses_another_model(tmp_path, capsys):
     path = tmp_path / "r.ckpt"
-    _run(TINY + ["--steps", "2", "--save", str(path)])
+    _run(TINY + ["--steps", "2", "--save", str(path), "--weight-decay", "0.05"])
     with pytest.raises(SystemExit):
         train.parse(["--device", "cpu", "--resume", str(path), "--layers", "3"])
     assert "leave the option out" in capsys.readouterr().err
+    args, saved = train.parse(["--device", "cpu", "--resume", str(path), "--steps", "2"])
+    assert (args.weight_decay, args.layers, saved["step"]) == (0.05, 1, 2)
 
 
 def test_gpt_shapes_and_errors():
