@@ -333,11 +333,19 @@ def _three(rng, opt_fn, dtype, sizes, steps=3, grad_dtype=None):
     return fused, ref, ref64
 
 
-def _close(got, want, dtype):
+def _close(got, want, dtype, atol=1e-5):
     from conftest import asnp
-    tol = {np.dtype(np.float32): (1.3e-6, 1e-5), BF16: (1.6e-2, 1e-5)}[np.dtype(dtype)]
+    rtol = {np.dtype(np.float32): 1.3e-6, BF16: 1.6e-2}[np.dtype(dtype)]
     np.testing.assert_allclose(asnp(got).astype(np.float64), asnp(want).astype(np.float64),
-                               rtol=tol[0], atol=tol[1])
+                               rtol=rtol, atol=atol)
+
+
+def _master_atol(opt):
+    """bf16 moments: a moment rounded to the other side of a bf16 tie (float32 arithmetic
+    on the GPU, float64 in the reference) moves that step's update by up to lr 2^-8 (seen on
+    an H100: 4 in 10^6 elements off by 3.4e-5 at lr 1e-2): allow 2 such steps."""
+    bf16 = getattr(opt, "moments_dtype", None) == BF16
+    return 2 * 1e-2 * 2.0 ** -8 if bf16 else 1e-5
 
 
 def _compare(fused, ref, ref64):
@@ -346,7 +354,7 @@ def _compare(fused, ref, ref64):
     for i, p in enumerate(fused.params):
         main = fused.masters[i] if fused.masters[i] is not None else p
         ref_main = ref.masters[i] if ref.masters[i] is not None else ref.params[i]
-        _close(main, ref_main, np.float32)
+        _close(main, ref_main, np.float32, _master_atol(fused))
         if main.size:
             assert_within_2x_reference(main, ref64.params[i], ref_main, f"param {i}", 1e-6)
         _close(p, ref.params[i], p.dtype)
