@@ -3,6 +3,7 @@
 //
 //   D[M, N] = alpha * A[M, K] . B[N, K]^T  (+ bias[N])  (+ D when ACCUM),  alpha = *sa * *sb
 //   EPI 2: D = gelu(that), and aux = that (the value before gelu, for the backward).
+//   EPI 3: D = T(that) * gelu'(aux + bias) (gelu's backward, aux read; no bias on D).
 //   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
@@ -136,9 +137,33 @@ __device__ __forceinline__ void amax_atomic(float* amax_out, float v) {
 // inlined 128 times, tanhf makes the epilogue too big to unroll, and the accumulator would
 // move to local memory.
 __device__ __noinline__ float gelu(float x) { return Gelu::f<false>(x); }
+// gelu' as act.cu's act_bwd computes it for 16-bit results (the fast sigmoid)
+__device__ __noinline__ float dgelu(float x) { return Gelu::df<true>(x); }
+
+template <class T> __device__ __forceinline__ float2 load2(const T* p);
+template <> __device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+template <> __device__ __forceinline__ float2 load2(const __half* p) {
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+template <> __device__ __forceinline__ float2 load2(const float* p) {
+    return *reinterpret_cast<const float2*>(p);
+}
+
+// v as T holds it (the rounding of a 16-bit output), back in float
+template <class T> __device__ __forceinline__ float round_to(float v) { return v; }
+template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+template <> __device__ __forceinline__ float round_to<__half>(float v) {
+    return __half2float(__float2half_rn(v));
+}
 
 // What the epilogue needs besides the fragment. EPI: 0 none, 1 + bias, 2 gelu(+ bias) with
-// the value before gelu stored in aux (backward needs it).
+// the value before gelu stored in aux (backward needs it), 3 gelu's backward: D = that *
+// gelu'(aux + bias), aux the forward's value before gelu (Transformer Engine's DGELU
+// epilogue: the dgrad of fc2 leaves as fc1's dy, with no [M, ffn] array between them).
 template <class TOut>
 struct Epilogue {
     const float* bias;
@@ -168,7 +193,8 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
             const int r = r0 + 8 * h;
             if (r >= e.M) continue;
             const long long at = (long long)r * e.N + c;
-            float v0 = e.alpha * acc[4 * j + 2 * h] + b0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + b1;
+            const float a0 = EPI == 3 ? 0.f : b0, a1 = EPI == 3 ? 0.f : b1;  // (3: aux's bias)
+            float v0 = e.alpha * acc[4 * j + 2 * h] + a0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + a1;
             if (ACCUM) {
                 const float2 o = *reinterpret_cast<const float2*>(e.d + at);
                 v0 += o.x;
@@ -178,6 +204,11 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
                 store2(e.aux + at, v0, v1);
                 v0 = gelu(v0);
                 v1 = gelu(v1);
+            }
+            if constexpr (EPI == 3) {  // rounded to TOut first, as fc2's dgrad output was
+                const float2 x = load2(e.aux + at);
+                v0 = round_to<TOut>(v0) * dgelu(x.x + b0);
+                v1 = round_to<TOut>(v1) * dgelu(x.y + b1);
             }
             if constexpr (is_fp8<TOut>) {
                 amax = fmaxf(amax, fmaxf(fabsf(v0), fabsf(v1)));

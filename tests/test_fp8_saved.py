@@ -102,3 +102,32 @@ def test_mlp_fc2_activation_codes_die_before_its_dgrad(monkeypatch):
     # GEMMs: fc1 fwd, fc2 fwd, fc2 wgrad, fc2 dgrad, fc1 wgrad, fc1 dgrad
     assert alive == [0, 1, 0, 0, 0, 0]
     assert grads[3][2] is False  # fc2's wgrad B (the activation's copy) dead at its dgrad
+
+
+def test_mlp_dgelu_epilogue_path_equals_the_activation_cast_path(monkeypatch):
+    """bf16 gelu: fc2's dgrad applies gelu' in its epilogue (h dies before dh's cast); the
+    reference gives the same gradients bit for bit as the one-pass dact cast path."""
+    from tecupy.ops import blocks
+    rng = np.random.default_rng(0)
+    bf16 = tecupy.bfloat16
+    x = rng.standard_normal((32, 48)).astype(bf16)
+    g, b = np.ones(48, bf16), np.zeros(48, bf16)
+    w1 = (rng.standard_normal((64, 48)) * 0.1).astype(bf16)
+    b1 = (rng.standard_normal(64) * 0.1).astype(bf16)
+    w2 = (rng.standard_normal((48, 64)) * 0.1).astype(bf16)
+
+    def grads():
+        return _step(lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state),
+                     x, g, b, w1, b1, w2, None)
+    seen = []
+    real = backends.dispatch
+    monkeypatch.setattr(backends, "dispatch", lambda op, *a, **k: (
+        seen.append("dgelu_aux" in k), real(op, *a, **k))[1])
+    with_epilogue = grads()
+    assert any(seen)
+    monkeypatch.setattr(blocks, "DGELU_EPILOGUE", ())
+    seen.clear()
+    without = grads()
+    assert not any(seen)
+    for got, want in zip(with_epilogue, without):
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -157,6 +157,32 @@ def test_fp8_gemm_bias_gelu_epilogue(rng, fa, fb, out_dtype):
 
 
 @needs_hopper
+@pytest.mark.parametrize("fa,fb", [(E5M2, E4M3), (E4M3, E4M3)], ids=lambda f: f.name)
+@pytest.mark.parametrize("out_dtype", [np.float16, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_fp8_gemm_dgelu_epilogue(rng, fa, fb, out_dtype, with_bias):
+    """gelu's backward as the dgrad epilogue: T(y) * gelu'(aux + bias), aux read (the
+    forward's pre-gelu values), with M, N, K tails; against the float64 maths (2x rule)."""
+    m, n, k = 200, 272, 1040
+    a, sa, b, sb = _operands(rng, m, n, k, fa, fb)
+    aux = (rng.standard_normal((m, n)) * 2).astype(out_dtype)
+    bvec = (rng.standard_normal(n)).astype(out_dtype) if with_bias else None
+    args = [a, fa, sa, b, fb, sb, out_dtype, bvec]
+    kw = dict(split_accumulator=True)
+    impl = backends.candidates("fp8_gemm", *_gpu(*args), dgelu_aux=_gpu(aux)[0], **kw)[0]
+    assert impl.kind == "cutlass"
+    poison_gpu_pool()
+    got = impl.fn(*_gpu(*args), dgelu_aux=_gpu(aux)[0], **kw)
+    ref = backends.dispatch("fp8_gemm", *args, dgelu_aux=aux, **kw)
+    h = aux.astype(np.float64) + (0 if bvec is None else bvec.astype(np.float64))
+    u = np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)
+    du = np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * h ** 2)
+    t = np.tanh(u)
+    want = _want64(a, fa, sa, b, fb, sb, None) * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * du)
+    _check(got, want, ref, True, "dgelu")
+
+
+@needs_hopper
 def test_fp8_gemm_reads_scales_from_device_memory(rng):
     """Changing the scale arrays on the device changes the next result (no cached value)."""
     import cupy

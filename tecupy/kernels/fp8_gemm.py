@@ -49,7 +49,8 @@ _OUT = ("float", "__half", "__nv_bfloat16")
 
 
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
-    """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output."""
+    """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
+    3 gelu's backward (D * gelu'(aux + bias), aux read)."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
@@ -68,6 +69,9 @@ def _names():
                 yield kernel_name(*fmts, "float", 0, True, config)
         for out in _OUT:  # gelu: forward GEMMs, fast accumulation
             yield kernel_name(*fmts, out, 2, False, CONFIGS[False])
+        for config, _ in DEFAULTS[True]:  # gelu's backward: dgrad GEMMs, split accumulation
+            for out in _OUT[1:]:
+                yield kernel_name(*fmts, out, 3, False, config)
         for out in FP8TYPE.values():  # FP8 output: forward GEMMs, fast accumulation
             for epi in (0, 1):
                 yield kernel_name(*fmts, out, epi, False, CONFIGS[False])
@@ -82,10 +86,10 @@ def smem_bytes(config, staging=True):
     return stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0) + 2 * stages * 8
 
 
-def tma_store(out_dtype, gelu, accumulate, bn):
+def tma_store(out_dtype, act, accumulate, bn):
     """Whether the kernel's epilogue stages D in shared memory for TMA stores (as the
-    template decides: 16-bit D, no gelu aux output, no accumulation, 64-column boxes)."""
-    return (np.dtype(out_dtype).itemsize == 2 and not gelu and not accumulate
+    template decides: 16-bit D, no gelu (aux), no accumulation, 64-column boxes)."""
+    return (np.dtype(out_dtype).itemsize == 2 and not act and not accumulate
             and bn % 64 == 0)
 
 
@@ -94,7 +98,7 @@ _warned = []
 
 def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
               accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-              gelu=False):
+              gelu=False, dgelu_aux=None):
     if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM):
         return False
     if not hopper():
@@ -112,6 +116,11 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     else:
         out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
     out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
+    if dgelu_aux is not None:  # built for dgrad: split accumulation, a 16-bit D, no more
+        out_ok = (out_ok and split_accumulator and not (gelu or accumulate) and out is None
+                  and np.dtype(out_dtype).itemsize == 2 and is_cupy(dgelu_aux)
+                  and dgelu_aux.dtype == np.dtype(out_dtype) and dgelu_aux.flags.c_contiguous
+                  and dgelu_aux.shape == (a.shape[0], b.shape[0]))
     # TMA: 16-byte aligned bases and row strides (K codes; N values of a 16-bit D)
     ok = out_ok and b.shape[1] == k and k % 16 == 0 and k > 0 and b.shape[0] % 8 == 0
     ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0
@@ -140,24 +149,28 @@ def tma_desc(t, box_rows):
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-             gelu=False):
+             gelu=False, dgelu_aux=None):
+    """dgelu_aux: [M, N] in out_dtype, the values gelu saw in the forward: D becomes
+    T(D) * gelu'(dgelu_aux + bias) (bias None: 0), the epilogue of gelu's backward."""
     _check_fp8_out(out_dtype, out_scale, amax_out)
     m, k = a.shape
     n = b.shape[0]
+    act = "dgelu" if dgelu_aux is not None else "gelu" if gelu else None
     # the configuration per shape (tuned, else the default), kept with the launch plan:
     # the table's version changes with every remember()
     key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
-           accumulate, gelu, _device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
+           accumulate, act, _device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
     plan = planned(_plans, key, _shape_plan, m, n, k, a_fmt, b_fmt, split_accumulator,
-                   out_dtype, bias is None, accumulate, gelu)
-    return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
+                   out_dtype, bias is None, accumulate, act)
+    return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
+                dgelu_aux)
 
 
-def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, gelu):
+def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, act):
     config = tuple(_tuned().get(_tune_key(m, n, k, a_fmt.name, b_fmt.name, split), ()))
     if config not in CANDIDATES[split]:  # not tuned, or a stale table entry
         config = default_config(m, n, split)
-    return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n)
+    return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n)
 
 
 _defaults = {}  # (M, N, split, SMs) -> config
@@ -180,6 +193,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
            accumulate=False, out_scale=None, amax_out=None, gelu=False):
     """Run the kernel of `config` (BN, stages, promote, cluster)."""
     _check_fp8_out(out_dtype, out_scale, amax_out)
+    gelu = "gelu" if gelu else None
     m, n = a.shape[0], b.shape[0]
     key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n,
            _device())
@@ -201,9 +215,9 @@ def _device():
     return cupy.cuda.runtime.getDevice()
 
 
-def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n):
-    """(kernel, grid, shared bytes, staged output?, output dtype, BN, gelu) of `config` for
-    an M x N output."""
+def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n):
+    """(kernel, grid, shared bytes, staged output?, output dtype, BN, act) of `config` for
+    an M x N output; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -211,9 +225,9 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n):
     fp8_out = isinstance(out_dtype, FP8Format)
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
-    epi = 2 if gelu else int(not no_bias)
+    epi = {"gelu": 2, "dgelu": 3}.get(act, int(not no_bias))
     name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config)
-    staged = not fp8_out and tma_store(out_dtype, gelu, accumulate, bn)
+    staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
     smem = smem_bytes(config, staged)
     if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
@@ -221,12 +235,13 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, gelu, m, n):
     fn.max_dynamic_shared_size_bytes = smem  # (per kernel and device: once per plan)
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     grid = (min(units, sm_count() // cluster) * cluster,)
-    return fn, grid, smem, staged, out_dtype, bn, gelu
+    return fn, grid, smem, staged, out_dtype, bn, act
 
 
-def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out):
+def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
+         dgelu_aux=None):
     import cupy
-    fn, grid, smem, staged, out_dtype, bn, gelu = plan
+    fn, grid, smem, staged, out_dtype, bn, act = plan
     m, k = a.shape
     n = b.shape[0]
     if out is None:
@@ -236,14 +251,17 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out):
                          f"{(m, n)}, got {out.dtype} {out.shape}")
     # unused pointers get a_scale_inv: the kernel neither reads nor writes them
     bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)
+    if act == "dgelu" and bias is None:  # EPI 3 reads its bias
+        bias32 = cupy.zeros((n,), np.float32)
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
-    pre_gelu = cupy.empty_like(out) if gelu else out  # out is a stand-in: unused
+    # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
+    aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
     fn(grid, (THREADS,),
-       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, pre_gelu, np.int32(m),
+       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, aux, np.int32(m),
         np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn),
         tma_desc(out, 64) if staged else tma_desc(a, BM)), shared_mem=smem)
-    return (out, pre_gelu) if gelu else out
+    return (out, aux) if act == "gelu" else out
 
 
 # ---- the tuned table: tecupy.gemm.tune's winners (it times the candidates), on disk ----

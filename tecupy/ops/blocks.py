@@ -4,12 +4,14 @@ Composed from the tecupy ops (each records its own backward); a backend with a f
 kernel can take over the pieces. FP8: `fp8_state` holds one GEMM for layernorm_linear and
 two (fc1, fc2) for layernorm_mlp.
 """
+import numpy as np
+
 from .. import _check, backends
-from .._array import array_module, check_float, check_shape
+from .._array import array_module, bfloat16, check_float, check_shape
+from ..fp8 import dact_cast
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from ..fp8 import dact_cast
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
                      fp8_grads, fp8_linear_backward, linear, linear_with, transposed)
 from .normalization import NORMALIZATIONS, normalize
@@ -176,6 +178,10 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
     return (y, ln_out) if ret else y
 
 
+# dtypes whose FP8 GEMM has gelu's backward as an epilogue (16-bit outputs)
+DGELU_EPILOGUE = (np.dtype(np.float16), bfloat16)
+
+
 def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
     """fc1's and fc2's quantizers where layernorm_mlp runs as one node (_mlp_fp8): a plain
     activation, and the norm's, the activation's and the activation's backward's outputs
@@ -212,13 +218,21 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     del h, codes
 
     def backward(dy):
-        da, dw2, db2 = fp8_linear_backward(as_2d(dy, m, hidden), released(saved2), b2,
-                                           q2.grad_output, x.dtype)
         h = kept[0] if retaining() else kept.pop()
-        g = q1.grad_output
-        qdh, db1 = dact_cast(da, h, b1, activation, g.scale, g.fmt, g.amax_out,
-                             None if b1 is None else b1.dtype)
-        del da, h
+        dy2, g, db_dtype = as_2d(dy, m, hidden), q1.grad_output, None if b1 is None else b1.dtype
+        if activation == "gelu" and x.dtype in DGELU_EPILOGUE:
+            # gelu's backward in fc2's dgrad epilogue (TE's DGELU): h dies before dh's cast
+            dh, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
+                                               x.dtype, dgelu=(h, b1))
+            del h
+            qdh = g.quantize(dh, transpose=True, dbias_dtype=db_dtype)
+            qdh, db1 = (qdh, None) if b1 is None else qdh
+            del dh
+        else:  # the activation's backward cast in one pass, from fc2's dgrad output
+            da, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
+                                               x.dtype)
+            qdh, db1 = dact_cast(da, h, b1, activation, g.scale, g.fmt, g.amax_out, db_dtype)
+            del da, h
         d_ln, dw1 = fp8_grads(qdh, released(saved1), x.dtype)
         del qdh
         dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg)

@@ -28,13 +28,14 @@ def check_fp8_dims(op, m, n, k):
             f"16-byte rows for wgrad's transposed FP8 copies); got M={m}, N={n}, K={k}")
 
 
-def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False):
+def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False, **epilogue):
     """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype. split_accumulator:
     accumulate in float32 rather than the tensor cores' faster, shorter accumulator
-    (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad)."""
+    (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad). epilogue: the
+    GEMM op's epilogue options (dgelu_aux)."""
     return backends.dispatch(qa.gemm_op, qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
                              qb.scale_inv, out_dtype, bias,
-                             split_accumulator=split_accumulator)
+                             split_accumulator=split_accumulator, **epilogue)
 
 
 def _check_args(op, x, weight, bias):
@@ -163,27 +164,32 @@ def transposed(q):
     return FP8Tensor.made(q.T.data, q.fmt, q.scale_inv)
 
 
-def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype):
+def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype, dgelu=None):
     """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias) from saved = [qx_t, qw_t], the column-wise
     FP8 copies of x ([K, M]) and w ([K, N]), taken out of the list (unless the tape is
     retaining the graph for another backward):
     dy cast by the quantizer q_dy to the backward format (with its transposed copy and,
     with a bias, dbias from the same read of dy), wgrad = dy8.T @ x8 first, then x's copy
     dies and dgrad = dy8 @ w8 (issue 22: x's copy is the activation's, often the largest
-    operand; dgrad's output the largest result: they need not live at once)."""
+    operand; dgrad's output the largest result: they need not live at once). dgelu:
+    (h, bias) of a gelu that made x, whose backward dgrad's epilogue then applies (dx is
+    gelu's input gradient)."""
     qdy = q_dy.quantize(dy2, transpose=True,
                         dbias_dtype=None if bias is None else bias.dtype)
     qdy, db = (qdy, None) if bias is None else qdy
-    dx, dw = fp8_grads(qdy, saved, x_dtype)
+    dx, dw = fp8_grads(qdy, saved, x_dtype, dgelu)
     return dx, dw, db
 
 
-def fp8_grads(qdy, saved, x_dtype):
+def fp8_grads(qdy, saved, x_dtype, dgelu=None):
     """(dx, dw) of fp8_linear_backward from dy's FP8 tensor (with its transposed copy)."""
     qx_t, qw_t = saved
     if not retaining():
         saved.clear()
     dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
     del qx_t
-    dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)    # [M, N] x [K, N]^T
+    if dgelu is None:
+        dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)  # [M, N] x [K, N]^T
+    else:
+        dx = fp8_gemm(qdy, qw_t, x_dtype, dgelu[1], split_accumulator=True, dgelu_aux=dgelu[0])
     return dx, dw

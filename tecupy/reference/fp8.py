@@ -113,7 +113,7 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 @backends.register("fp8_gemm", "reference")
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-             gelu=False):
+             gelu=False, dgelu_aux=None):
     """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
 
     Products of the decoded codes are summed in float32, then multiplied by
@@ -122,11 +122,15 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     out_dtype an FP8Format: the result is cast with `out_scale` (float32 (1,)) to uint8 codes
     and max(amax_out, amax(result)) written into `amax_out`, as the cast kernel does.
     gelu: returns (gelu(result), result) in out_dtype (the second for gelu's backward).
+    dgelu_aux ([M, N], the values gelu saw): gelu's backward, out_dtype(result) *
+    gelu'(dgelu_aux + bias), bias then belonging to the activation, not to the result.
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
+    if dgelu_aux is not None:
+        return _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
     if bias is not None:
         acc = acc + bias.astype(np.float32)
     if gelu:
@@ -144,6 +148,13 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
         out[...] = acc
         return out
     return acc.astype(out_dtype)
+
+
+def _dgelu(xp, d, aux, bias):
+    """d * gelu'(aux + bias) in float32 (gelu's derivative from the activation table)."""
+    from ..activation_table import TABLE
+    h = aux.astype(np.float32) + (0 if bias is None else bias.astype(np.float32))
+    return d.astype(np.float32) * TABLE["gelu"].df(h, xp).astype(np.float32)
 
 
 @backends.register("fp8_scale_inv", "reference")
