@@ -137,8 +137,6 @@ __device__ __forceinline__ void amax_atomic(float* amax_out, float v) {
 // inlined 128 times, tanhf makes the epilogue too big to unroll, and the accumulator would
 // move to local memory.
 __device__ __noinline__ float gelu(float x) { return Gelu::f<false>(x); }
-// gelu' as act.cu's act_bwd computes it for 16-bit results (the fast sigmoid)
-__device__ __noinline__ float dgelu(float x) { return Gelu::df<true>(x); }
 
 template <class T> __device__ __forceinline__ float2 load2(const T* p);
 template <> __device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
@@ -193,8 +191,7 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
             const int r = r0 + 8 * h;
             if (r >= e.M) continue;
             const long long at = (long long)r * e.N + c;
-            const float a0 = EPI == 3 ? 0.f : b0, a1 = EPI == 3 ? 0.f : b1;  // (3: aux's bias)
-            float v0 = e.alpha * acc[4 * j + 2 * h] + a0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + a1;
+            float v0 = e.alpha * acc[4 * j + 2 * h] + b0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + b1;
             if (ACCUM) {
                 const float2 o = *reinterpret_cast<const float2*>(e.d + at);
                 v0 += o.x;
@@ -205,17 +202,55 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
                 v0 = gelu(v0);
                 v1 = gelu(v1);
             }
-            if constexpr (EPI == 3) {  // rounded to TOut first, as fc2's dgrad output was
-                const float2 x = load2(e.aux + at);
-                v0 = round_to<TOut>(v0) * dgelu(x.x + b0);
-                v1 = round_to<TOut>(v1) * dgelu(x.y + b1);
-            }
             if constexpr (is_fp8<TOut>) {
                 amax = fmaxf(amax, fmaxf(fabsf(v0), fabsf(v1)));
                 v0 *= e.out_scale;
                 v1 *= e.out_scale;
             }
             store2(e.d + at, v0, v1);
+        }
+    }
+}
+
+// EPI 3, gelu's backward: D = T(alpha acc) * gelu'(aux + bias), gelu' as act.cu's act_bwd
+// computes it for 16-bit results (the fast sigmoid, inlined: a few instructions), the
+// product rounded to T first as fc2's dgrad output was. The aux values of a chunk of 8
+// column groups are loaded before any is used: 16 loads in flight per thread (one load per
+// element, each waited on, made this GEMM 3.5x slower at 4096 x 8192 x 2048 on an H100).
+// D may be aux itself (in place): each element is read, then written, by one thread.
+template <int BN, class TOut>
+__device__ __forceinline__ void epilogue_dgelu(const float (&acc)[BN / 2],
+                                               const Epilogue<TOut>& e, int row0, int col0) {
+    constexpr int CH = 8;
+    static_assert((BN / 8) % CH == 0, "BN a multiple of 64");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int r0 = row0 + 16 * warp + lane / 4;
+#pragma unroll
+    for (int j0 = 0; j0 < BN / 8; j0 += CH) {
+        float2 x[CH][2];
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = col0 + 8 * (j0 + j) + 2 * (lane % 4);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = r0 + 8 * h;
+                x[j][h] = c < e.N && r < e.M ? load2(e.aux + (long long)r * e.N + c)
+                                             : make_float2(0.f, 0.f);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = col0 + 8 * (j0 + j) + 2 * (lane % 4);
+            if (c >= e.N) continue;  // N is even, so c < N means c + 1 < N too
+            const float b0 = __ldg(e.bias + c), b1 = __ldg(e.bias + c + 1);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = r0 + 8 * h, i = 4 * (j0 + j) + 2 * h;
+                if (r >= e.M) continue;
+                store2(e.d + (long long)r * e.N + c,
+                       round_to<TOut>(e.alpha * acc[i]) * Gelu::df<true>(x[j][h].x + b0),
+                       round_to<TOut>(e.alpha * acc[i + 1]) * Gelu::df<true>(x[j][h].y + b1));
+            }
         }
     }
 }
@@ -421,6 +456,8 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
                                                     phase, acc);
         if constexpr (tma_store)
             epilogue_tma<BN, TOut, EPI>(acc, e, stage, tma_d, mb * BM + row_off, nb * BN);
+        else if constexpr (EPI == 3)
+            epilogue_dgelu<BN, TOut>(acc, e, mb * BM + row_off, nb * BN);
         else
             epilogue<BN, TOut, EPI, ACCUM>(acc, e, mb * BM + row_off, nb * BN, amax);
     }
@@ -472,10 +509,11 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     if constexpr (CLUSTER > 1) cute::cluster_sync();
 }
 
+// d and aux may alias (EPI 3 in place), so neither is __restrict__
 #define TC_GEMM_PARAMS                                                                       \
     const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,            \
         const float* __restrict__ bias, const float* __restrict__ scale_out,                 \
-        float* __restrict__ amax_out, TOut* __restrict__ d, TOut* __restrict__ aux, int M,   \
+        float* __restrict__ amax_out, TOut* d, TOut* aux, int M,                           \
         int N, int K, const __grid_constant__ cute::TmaDescriptor tma_a,                     \
         const __grid_constant__ cute::TmaDescriptor tma_b,                                   \
         const __grid_constant__ cute::TmaDescriptor tma_d

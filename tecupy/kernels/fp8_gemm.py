@@ -117,7 +117,8 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
         out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
     out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
     if dgelu_aux is not None:  # built for dgrad: split accumulation, a 16-bit D, no more
-        out_ok = (out_ok and split_accumulator and not (gelu or accumulate) and out is None
+        out_ok = (out_ok and split_accumulator and not (gelu or accumulate)
+                  and (out is None or out is dgelu_aux)  # (in place: each element read first)
                   and np.dtype(out_dtype).itemsize == 2 and is_cupy(dgelu_aux)
                   and dgelu_aux.dtype == np.dtype(out_dtype) and dgelu_aux.flags.c_contiguous
                   and dgelu_aux.shape == (a.shape[0], b.shape[0]))
@@ -151,7 +152,8 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
              gelu=False, dgelu_aux=None):
     """dgelu_aux: [M, N] in out_dtype, the values gelu saw in the forward: D becomes
-    T(D) * gelu'(dgelu_aux + bias) (bias None: 0), the epilogue of gelu's backward."""
+    T(D) * gelu'(dgelu_aux + bias) (bias None: 0), the epilogue of gelu's backward; out may
+    be dgelu_aux itself (written in place)."""
     _check_fp8_out(out_dtype, out_scale, amax_out)
     m, k = a.shape
     n = b.shape[0]

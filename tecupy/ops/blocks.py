@@ -221,9 +221,10 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
         h = kept[0] if retaining() else kept.pop()
         dy2, g, db_dtype = as_2d(dy, m, hidden), q1.grad_output, None if b1 is None else b1.dtype
         if activation == "gelu" and x.dtype in DGELU_EPILOGUE:
-            # gelu's backward in fc2's dgrad epilogue (TE's DGELU): h dies before dh's cast
+            # gelu's backward in fc2's dgrad epilogue (TE's DGELU), dh written over h (unless
+            # the graph is retained): no [M, ffn] array beside h (issue 22)
             dh, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
-                                               x.dtype, dgelu=(h, b1))
+                                               x.dtype, dgelu=(h, b1, not retaining()))
             del h
             qdh = g.quantize(dh, transpose=True, dbias_dtype=db_dtype)
             qdh, db1 = (qdh, None) if b1 is None else qdh

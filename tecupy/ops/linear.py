@@ -172,8 +172,8 @@ def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype, dgelu=None):
     with a bias, dbias from the same read of dy), wgrad = dy8.T @ x8 first, then x's copy
     dies and dgrad = dy8 @ w8 (issue 22: x's copy is the activation's, often the largest
     operand; dgrad's output the largest result: they need not live at once). dgelu:
-    (h, bias) of a gelu that made x, whose backward dgrad's epilogue then applies (dx is
-    gelu's input gradient)."""
+    (h, bias, in_place) of a gelu that made x, whose backward dgrad's epilogue then applies
+    (dx is gelu's input gradient; written over h where in_place)."""
     qdy = q_dy.quantize(dy2, transpose=True,
                         dbias_dtype=None if bias is None else bias.dtype)
     qdy, db = (qdy, None) if bias is None else qdy
@@ -191,5 +191,7 @@ def fp8_grads(qdy, saved, x_dtype, dgelu=None):
     if dgelu is None:
         dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)  # [M, N] x [K, N]^T
     else:
-        dx = fp8_gemm(qdy, qw_t, x_dtype, dgelu[1], split_accumulator=True, dgelu_aux=dgelu[0])
+        h, bias, in_place = dgelu
+        dx = fp8_gemm(qdy, qw_t, x_dtype, bias, split_accumulator=True, dgelu_aux=h,
+                      out=h if in_place else None)
     return dx, dw

@@ -123,14 +123,19 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     and max(amax_out, amax(result)) written into `amax_out`, as the cast kernel does.
     gelu: returns (gelu(result), result) in out_dtype (the second for gelu's backward).
     dgelu_aux ([M, N], the values gelu saw): gelu's backward, out_dtype(result) *
-    gelu'(dgelu_aux + bias), bias then belonging to the activation, not to the result.
+    gelu'(dgelu_aux + bias), bias then belonging to the activation, not to the result;
+    written into `out` where given (which may be dgelu_aux).
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
-    if dgelu_aux is not None:
-        return _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
+    if dgelu_aux is not None:  # (out may be dgelu_aux: read before written)
+        d = _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
+        if out is None:
+            return d
+        out[...] = d
+        return out
     if bias is not None:
         acc = acc + bias.astype(np.float32)
     if gelu:
