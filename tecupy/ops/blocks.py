@@ -226,11 +226,8 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
             dh, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
                                                x.dtype, dgelu=(h, b1, not retaining()))
             del h
-            # row-wise codes and dbias first, and dh dies before the column-wise copy is
-            # made (from the codes): dh and both copies never live at once (issue 22: 128
-            # MiB at the quickstart layer's peak, for one more read of dh)
-            qdh = g.quantize(dh)
-            db1 = None if b1 is None else backends.dispatch("bias_grad", dh, db_dtype)
+            qdh = g.quantize(dh, transpose=True, dbias_dtype=db_dtype)
+            qdh, db1 = (qdh, None) if b1 is None else qdh
             del dh
         else:  # the activation's backward cast in one pass, from fc2's dgrad output
             da, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
