@@ -22,7 +22,8 @@ import numpy as np
 
 from .timing import gpu_name
 
-ARGS = ("steps", "layers", "hidden", "heads", "seq", "batch", "lr", "seed", "log_every")
+ARGS = ("steps", "layers", "hidden", "heads", "seq", "batch", "lr", "seed", "log_every",
+        "dropout")
 
 
 def parse(argv=None):
@@ -38,6 +39,8 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--dropout", type=float, default=0.2,
+                   help="hidden and attention dropout (the twin draws its own masks)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of the bench itself on the NumPy reference")
     p.add_argument("--no-fp8", action="store_true", help="skip the tecupy FP8 run")
@@ -80,6 +83,8 @@ def torch_twin(model, device):
         t1, t2 = t.float().chunk(2, dim=-1)
         return (t.float() * cos + torch.cat([-t2, t1], dim=-1) * sin).to(t.dtype)
 
+    p = c.dropout
+
     class GPT(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -101,15 +106,17 @@ def torch_twin(model, device):
                            self.w(a + "layernorm_qkv.weight"), self.w(a + "layernorm_qkv.bias"))
             q, k, v = qkv.view(s, b, 3 * heads, d).split([heads, heads, heads], dim=2)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (rope(q, cos, sin), rope(k, cos, sin), v))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, d]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True,  # [b, h, s, d]
+                                               dropout_p=p if self.training else 0.0)
             o = o.permute(2, 0, 1, 3).reshape(s, b, hidden)
-            return F.linear(o, self.w(a + "proj.weight"), self.w(a + "proj.bias"))
+            return F.dropout(F.linear(o, self.w(a + "proj.weight"), self.w(a + "proj.bias")),
+                             p, self.training)  # TE's hidden dropout, before the residual
 
         def mlp(self, h, m):
             u = F.linear(self.ln(h, m), self.w(m + "fc1_weight"),
                          self.w(m + "fc1_bias"))
-            return F.linear(F.gelu(u, approximate="tanh"), self.w(m + "fc2_weight"),
-                            self.w(m + "fc2_bias"))
+            return F.dropout(F.linear(F.gelu(u, approximate="tanh"), self.w(m + "fc2_weight"),
+                                      self.w(m + "fc2_bias")), p, self.training)
 
         def forward(self, ids, targets):  # ids, targets [b, s]: sbhd inside, as tecupy's
             s = ids.shape[1]
@@ -166,6 +173,7 @@ def torch_run(args, tecupy_init):
     if t0 is not None:
         t_total = time.perf_counter() - t0
     timed = targs.steps - args.log_every
+    net.eval()  # (no dropout), as tecupy's validation
     with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16):
         v = float(sum(float(net(_torch_ids(x, dev), _torch_ids(y, dev))) for x, y in val)
                   / len(val))
@@ -189,11 +197,13 @@ def twin_check(args, model):
     from tecupy import train
     targs, _ = train.parse(train_argv(args, False))
     _, _, val = train.data(targs, train.device_xp(args.device))
-    twin = torch_twin(model, args.device)
+    twin = torch_twin(model, args.device).eval()
     with torch.no_grad():
         theirs = np.mean([float(twin(_torch_ids(x, args.device), _torch_ids(y, args.device)))
                           for x, y in val])
+    model.eval()
     ours = np.mean([float(model(x, y)) for x, y in val])
+    model.train()
     return ours, theirs
 
 
