@@ -37,6 +37,7 @@ from ._array import xp_of
 from .autocast import active_recipe, note_used
 from .fp8 import FP8Tensor, amax, cast, current_scale
 from .fp8_state import update_backward
+from .inspect import ACTIVE_INSPECTOR
 from .recipe import DelayedScaling, Float8CurrentScaling
 
 # tape.record's `once` for a node whose backward casts with a state's backward slots
@@ -50,16 +51,18 @@ class DelayedQuantizer:
     amaxes of earlier steps) and maxes the tensor's amax into the slot's history row 0."""
     fused_ok = True
 
-    def __init__(self, meta, i):
+    def __init__(self, meta, i, site=None):
         self.fmt = meta.fmt
         self.scale = meta.scale[i:i + 1]  # views, float32 (1,)
         self.amax_out = meta.amax_history[0, i:i + 1]
+        self.site = site  # (id(state), gemm, tensor): FP8Inspector's label (an id: no cycle)
 
     def __repr__(self):
         return f"DelayedQuantizer({self.fmt.name})"
 
     def quantize(self, x, transpose=False, dbias_dtype=None):
-        return cast(x, self.scale, self.fmt, self.amax_out, transpose, dbias_dtype)
+        out = cast(x, self.scale, self.fmt, self.amax_out, transpose, dbias_dtype)
+        return _inspected(self, x, out)
 
     def wrap(self, codes):
         """The FP8Tensor of `codes` that a producer wrote with self.scale, maxing their
@@ -68,14 +71,23 @@ class DelayedQuantizer:
         exit rewrites the state's scales before backward uses this tensor."""
         inv = xp_of(codes).empty((1,), np.float32)
         backends.dispatch("fp8_scale_inv", self.scale, inv)
-        return FP8Tensor.made(codes, self.fmt, inv)
+        return _inspected(self, None, FP8Tensor.made(codes, self.fmt, inv))
+
+
+def _inspected(quantizer, x, out):
+    """out, after the active FP8Inspector (if any: one contextvar read) has seen the cast
+    (x None: a producer-fused cast)."""
+    inspector = ACTIVE_INSPECTOR.get()
+    if inspector is not None:
+        inspector.record(quantizer, x, out)
+    return out
 
 
 class CurrentQuantizer:
     """Current scaling: each tensor's own amax (one pass), then the cast with
     fmt.max / amax (fp8.current_scale). No state."""
     fused_ok = False  # the scale needs the amax of the whole tensor before any code
-    scale = amax_out = None
+    scale = amax_out = site = None
 
     def __init__(self, fmt):
         self.fmt = fmt
@@ -84,8 +96,8 @@ class CurrentQuantizer:
         return f"CurrentQuantizer({self.fmt.name})"
 
     def quantize(self, x, transpose=False, dbias_dtype=None):
-        return cast(x, current_scale(amax(x), self.fmt), self.fmt, None, transpose,
-                    dbias_dtype)
+        out = cast(x, current_scale(amax(x), self.fmt), self.fmt, None, transpose, dbias_dtype)
+        return _inspected(self, x, out)
 
     def wrap(self, codes):
         raise TypeError("CurrentQuantizer.wrap: current scaling cannot cast in a producer's "
@@ -129,8 +141,9 @@ def _delayed(recipe, state, gemm, xp):
     note_used(state)
     slots = state.derived.get(gemm)
     if slots is None:  # kept on the state: slicing costs ~5 us a view on CuPy
-        slots = state.derived[gemm] = tuple(DelayedQuantizer(*state.slot(gemm, which))
-                                            for which in ("input", "weight", "grad_output"))
+        slots = state.derived[gemm] = tuple(
+            DelayedQuantizer(*state.slot(gemm, which), (id(state), gemm, which))
+            for which in ("input", "weight", "grad_output"))
     # (made per call: kept on the state, the hook's reference to it would make a cycle)
     return GemmQuantizers(*slots, after_backward=((update_backward, state),), once=FP8_ONCE)
 
