@@ -20,6 +20,7 @@ from . import gemm  # noqa: F401,E402  (tecupy.gemm.tune)
 from . import nn  # noqa: F401,E402
 from .checkpoint import checkpoint  # noqa: F401,E402
 from . import optim  # noqa: F401,E402  (tecupy.optim.AdamW, SGD, WarmupCosine)
+from . import inspect  # noqa: F401,E402  (tecupy.inspect.FP8Inspector)
 from .serialization import load, save  # noqa: F401,E402
 
 __version__ = "0.1.0"
