@@ -81,7 +81,7 @@ def plot_flush_heatmap(inspector):
         raise ValueError("plot_flush_heatmap: the inspector has recorded no step yet")
     plt = _pyplot()
     labels = list(d)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.6 + 0.3 * len(labels)), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 1.5 + 0.3 * len(labels)), squeeze=False)
     for ax, field in zip(axes[0], ("underflow", "overflow")):
         grid = np.ma.masked_invalid(np.array([d[k][field] for k in labels]))
         im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
