@@ -4,10 +4,8 @@ Composed from the tecupy ops (each records its own backward); a backend with a f
 kernel can take over the pieces. FP8: `fp8_state` holds one GEMM for layernorm_linear and
 two (fc1, fc2) for layernorm_mlp.
 """
-import numpy as np
-
 from .. import _check, backends
-from .._array import array_module, bfloat16, check_float, check_shape
+from .._array import array_module, check_float, check_shape
 from ..fp8 import dact_cast
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
@@ -178,8 +176,13 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
     return (y, ln_out) if ret else y
 
 
-# dtypes whose FP8 GEMM has gelu's backward as an epilogue (16-bit outputs)
-DGELU_EPILOGUE = (np.dtype(np.float16), bfloat16)
+# dtypes for which layernorm_mlp's gelu backward runs as the epilogue of fc2's dgrad GEMM
+# (the FP8 GEMM has it for 16-bit outputs), written over h: 256 MiB less at the quickstart
+# layer's peak (1.47 -> 1.22 GiB on an H100), but the epilogue does not overlap the MMAs
+# yet and costs more than the one-pass dact cast saves (medium FP8 graphed step 1.87 ->
+# 1.97 ms; PERFLOG.md, session 14). The transient it saves is one layer's, once per step,
+# however deep the model. Off until the epilogue overlaps: (np.dtype(np.float16), bfloat16).
+DGELU_EPILOGUE = ()
 
 
 def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
