@@ -1,0 +1,121 @@
+"""Tensor parallelism: collectives the tape differentiates, and the parallel linears.
+
+Megatron-LM's conjugate pairs, each forward's collective mirrored by its backward's:
+
+    copy_to_tp       identity         | all-reduce    (f: before a column-parallel linear)
+    reduce_from_tp   all-reduce       | identity      (g: after a row-parallel linear)
+    scatter_to_tp    split, own chunk | all-gather
+    gather_from_tp   all-gather       | split, own chunk
+    gather_sequence  all-gather       | reduce-scatter  (sequence parallel, around norms)
+    reduce_scatter_sequence  reduce-scatter | all-gather
+
+Every rank runs the same ops in the same order, so the backward's collectives (run by each
+rank's own tape, which is per thread) pair up across the ranks as the forward's did.
+A column->row pair (y = row(act(column(x)))) costs one all-reduce forward, one backward.
+"""
+from ..ops import add, linear
+from ..tape import record
+from .group import ProcessGroup
+
+
+def _check_group(op, group):
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{op}: group must be a tecupy.distributed ProcessGroup; got "
+                        f"{type(group).__name__}")
+
+
+def shard(a, group, axis=0):
+    """This rank's contiguous chunk of `a` along `axis` (not recorded: for parameters and
+    inputs). a.shape[axis] must be a multiple of the group's size."""
+    _check_group("shard", group)
+    axis = axis % a.ndim
+    if a.shape[axis] % group.size:
+        raise ValueError(f"shard: axis {axis} of shape {tuple(a.shape)} does not split into "
+                         f"{group.size} equal parts")
+    return _chunk(a, axis, group.rank, group.size)
+
+
+def _chunk(a, axis, rank, size):
+    n = a.shape[axis] // size
+    index = (slice(None),) * axis + (slice(rank * n, (rank + 1) * n),)
+    return a[index].copy()  # (contiguous: the GEMMs and collectives want it)
+
+
+def copy_to_tp(x, group):
+    """Identity forward; the gradient is all-reduced (summed) over the group."""
+    _check_group("copy_to_tp", group)
+    y = x.view()  # a new array for the tape, sharing x's memory
+
+    def backward(dy):
+        return (group.all_reduce(dy.copy()),)
+    record(backward, (x,), (y,))
+    return y
+
+
+def reduce_from_tp(x, group):
+    """x summed over the group (a new array); the gradient passes through."""
+    _check_group("reduce_from_tp", group)
+    y = group.all_reduce(x.copy())
+    record(lambda dy: (dy,), (x,), (y,))
+    return y
+
+
+def scatter_to_tp(x, group, axis=-1):
+    """This rank's chunk of x along `axis`; the gradient is all-gathered."""
+    _check_group("scatter_to_tp", group)
+    axis = axis % x.ndim
+    y = shard(x, group, axis)
+    record(lambda dy: (group.all_gather(dy, axis),), (x,), (y,))
+    return y
+
+
+def gather_from_tp(x, group, axis=-1):
+    """The ranks' x concatenated along `axis`; the gradient's own chunk flows back."""
+    _check_group("gather_from_tp", group)
+    axis = axis % x.ndim
+    y = group.all_gather(x, axis)
+    record(lambda dy: (_chunk(dy, axis, group.rank, group.size),), (x,), (y,))
+    return y
+
+
+def gather_sequence(x, group, axis=0):
+    """Sequence parallel: all-gather along the sequence axis; the gradient is
+    reduce-scattered (each rank's partial gradient of the full sequence is summed)."""
+    _check_group("gather_sequence", group)
+    axis = axis % x.ndim
+    y = group.all_gather(x, axis)
+    record(lambda dy: (group.reduce_scatter(dy, axis),), (x,), (y,))
+    return y
+
+
+def reduce_scatter_sequence(x, group, axis=0):
+    """Sequence parallel: reduce-scatter along the sequence axis; the gradient is
+    all-gathered."""
+    _check_group("reduce_scatter_sequence", group)
+    axis = axis % x.ndim
+    y = group.reduce_scatter(x, axis)
+    record(lambda dy: (group.all_gather(dy, axis),), (x,), (y,))
+    return y
+
+
+def column_parallel_linear(x, weight, bias, group, gather_output=False, fp8_state=None,
+                           gemm_index=0):
+    """linear with weight [out/tp, in] and bias [out/tp] (this rank's rows of the full
+    ones): -> this rank's [..., out/tp] of y, or all of y [..., out] with gather_output.
+    x (replicated) gets its gradient all-reduced in backward."""
+    _check_group("column_parallel_linear", group)
+    y = linear(copy_to_tp(x, group), weight, bias, fp8_state, gemm_index)
+    return gather_from_tp(y, group) if gather_output else y
+
+
+def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_state=None,
+                        gemm_index=0):
+    """linear with weight [out, in/tp] (this rank's columns of the full one) and bias [out]
+    (replicated, added once after the reduction): x is this rank's [..., in/tp] (or the
+    full [..., in], split here, with input_is_parallel=False); -> y [..., out], summed
+    over the group in forward."""
+    _check_group("row_parallel_linear", group)
+    if not input_is_parallel:
+        x = scatter_to_tp(x, group)
+    y = reduce_from_tp(linear(x, weight, None, fp8_state, gemm_index), group)
+    return y if bias is None else add(y, bias)

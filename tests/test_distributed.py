@@ -1,0 +1,241 @@
+"""tecupy.distributed on the thread-backed reference communicator: collectives against
+NumPy, launcher environments, tensor-parallel MLPs equal to the single-device run (outputs
+and gradients, float64), a raising rank aborting the others, and split subgroups."""
+import time
+
+import numpy as np
+import pytest
+
+import tecupy
+from tecupy import distributed as dist
+from tecupy.distributed.env import ENV_VARS
+
+
+def per_rank(n, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives_match_numpy(n):
+    xs = per_rank(n, (4 * n, 3))
+
+    def body(g):
+        x = xs[g.rank]
+        return (g.all_reduce(x.copy()), g.all_reduce(x.copy(), op="max"),
+                g.all_gather(x, axis=1), g.reduce_scatter(x, axis=0),
+                g.reduce_scatter(x, axis=0, op="max"), g.broadcast(x.copy(), root=n - 1),
+                g.barrier())
+    out = dist.run_threads(n, body)
+    total = xs[0].copy()
+    for x in xs[1:]:
+        total += x  # rank order, as the reference reduces
+    for r, (s, m, gat, rs, rsm, b, _) in enumerate(out):
+        np.testing.assert_array_equal(s, total)  # bit-identical on every rank
+        np.testing.assert_array_equal(m, np.max(xs, axis=0))
+        np.testing.assert_array_equal(gat, np.concatenate(xs, axis=1))
+        np.testing.assert_array_equal(rs, np.split(total, n)[r])
+        np.testing.assert_array_equal(rsm, np.split(np.max(xs, axis=0), n)[r])
+        np.testing.assert_array_equal(b, xs[n - 1])
+
+
+def test_all_reduce_in_place_and_checks():
+    def body(g):
+        x = np.full(3, g.rank + 1.0)
+        assert g.all_reduce(x) is x
+        with pytest.raises(ValueError, match="op must be one of"):
+            g.all_reduce(x, op="mean")
+        with pytest.raises(ValueError, match="not a multiple of the group's size 2"):
+            g.reduce_scatter(np.ones(3))
+        with pytest.raises(ValueError, match="root must be a rank"):
+            g.broadcast(x, root=2)
+        return x
+    for x in dist.run_threads(2, body):
+        np.testing.assert_array_equal(x, [3.0, 3.0, 3.0])
+
+
+def test_split_subgroups():
+    def body(g):
+        tp = g.split(color=g.rank // 2, key=g.rank)  # {0,1}, {2,3}
+        dp = g.split(color=g.rank % 2, key=-g.rank)  # {2,0}, {3,1}: key reverses the order
+        none = g.split(color=None if g.rank else 0)
+        s = tp.all_reduce(np.array([float(g.rank)]))
+        gathered = dp.all_gather(np.array([g.rank]))
+        return tp.rank, tp.size, s[0], dp.rank, gathered.tolist(), none
+    out = dist.run_threads(4, body)
+    assert [o[:3] for o in out] == [(0, 2, 1.0), (1, 2, 1.0), (0, 2, 5.0), (1, 2, 5.0)]
+    assert [o[3] for o in out] == [1, 1, 0, 0]
+    assert [o[4] for o in out] == [[2, 0], [3, 1], [2, 0], [3, 1]]
+    assert out[0][5].size == 1 and [o[5] for o in out[1:]] == [None] * 3
+
+
+def test_raising_rank_aborts_the_others():
+    seen = {}
+
+    def body(g):
+        if g.rank == 1:
+            time.sleep(0.05)
+            raise ValueError("boom on rank 1")
+        try:
+            g.all_reduce(np.ones(2))
+        except dist.GroupAborted as e:
+            seen[g.rank] = str(e)
+            raise
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="boom on rank 1"):
+        dist.run_threads(3, body, timeout=30)
+    assert time.perf_counter() - t0 < 2
+    assert sorted(seen) == [0, 2]
+    assert all("rank 1 raised ValueError: boom on rank 1" in m for m in seen.values())
+
+
+def test_timeout_names_the_late_rank():
+    def body(g):
+        if g.rank != 2:
+            g.barrier()
+    t0 = time.perf_counter()
+    with pytest.raises(dist.GroupAborted, match=r"rank\(s\) \[2\] did not arrive"):
+        dist.run_threads(3, body, timeout=0.3)
+    assert time.perf_counter() - t0 < 2
+
+
+def test_mismatched_collectives_fail_on_every_rank():
+    def body(g):
+        x = np.ones(4)
+        return g.all_reduce(x) if g.rank == 0 else g.all_gather(x)
+    with pytest.raises(dist.GroupAborted, match="different collectives.*rank 1: all_gather"):
+        dist.run_threads(2, body, timeout=5)
+
+
+def _mlp(x, w1, b1, w2, b2):
+    return tecupy.linear(tecupy.gelu(tecupy.linear(x, w1, b1)), w2, b2)
+
+
+def _mlp_params(seed=1, d=8, h=16):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((5, 3, d)), rng.standard_normal((h, d)) * 0.3,
+            rng.standard_normal(h) * 0.1, rng.standard_normal((d, h)) * 0.3,
+            rng.standard_normal(d) * 0.1, rng.standard_normal((5, 3, d)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_row_mlp_equals_single_device(tp):
+    x, w1, b1, w2, b2, dy = _mlp_params()
+    with tecupy.Tape() as tape:
+        y = _mlp(x, w1, b1, w2, b2)
+    want = [y, *tape.gradient(y, [x, w1, b1, w2, b2], output_grad=dy)]
+
+    def body(g):
+        p = dict(w1=dist.shard(w1, g, 0), b1=dist.shard(b1, g, 0), w2=dist.shard(w2, g, 1))
+        with tecupy.Tape() as t:
+            h = tecupy.gelu(dist.column_parallel_linear(x, p["w1"], p["b1"], g))
+            out = dist.row_parallel_linear(h, p["w2"], b2, g)
+        return [out, *t.gradient(out, [x, p["w1"], p["b1"], p["w2"], b2], output_grad=dy)]
+    got = dist.run_threads(tp, body)
+    for r, (y_r, dx, dw1, db1, dw2, db2) in enumerate(got):
+        np.testing.assert_allclose(y_r, want[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dx, want[1], rtol=1e-12, atol=1e-12)
+        for a, full, axis in ((dw1, want[2], 0), (db1, want[3], 0), (dw2, want[4], 1)):
+            np.testing.assert_allclose(a, np.split(full, tp, axis=axis)[r], rtol=1e-12,
+                                       atol=1e-12)
+        np.testing.assert_allclose(db2, want[5], rtol=1e-12, atol=1e-12)
+
+
+def _reference(x, w1, b1, w2, b2, dy):
+    with tecupy.Tape() as tape:
+        y = _mlp(x, w1, b1, w2, b2)
+    return [y, *tape.gradient(y, [x, w1, b1, w2], output_grad=dy)]
+
+
+def test_gathered_column_then_scattered_row_equals_single_device():
+    """gather_from_tp / scatter_to_tp: column-parallel with gather_output, row-parallel
+    splitting a replicated input itself."""
+    x, w1, b1, w2, b2, dy = _mlp_params(seed=2)
+    want = _reference(x, w1, b1, w2, b2, dy)
+
+    def body(g):
+        p = [dist.shard(w1, g, 0), dist.shard(b1, g, 0), dist.shard(w2, g, 1)]
+        with tecupy.Tape() as t:
+            h = dist.column_parallel_linear(x, p[0], p[1], g, gather_output=True)
+            y = dist.row_parallel_linear(tecupy.gelu(h), p[2], b2, g, input_is_parallel=False)
+        return [y, *t.gradient(y, [x, *p], output_grad=dy)]
+    for r, got in enumerate(dist.run_threads(2, body)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-12)
+        for a, full, axis in zip(got[2:], want[2:], (0, 0, 1)):
+            np.testing.assert_allclose(a, np.split(full, 2, axis=axis)[r], rtol=1e-12,
+                                       atol=1e-12)
+
+
+def test_sequence_parallel_mlp_equals_single_device():
+    """gather_sequence before the column-parallel linear (in place of copy_to_tp) and
+    reduce_scatter_sequence after the row-parallel one (in place of reduce_from_tp): each
+    rank holds its slice of the sequence (axis 0) in and out."""
+    x, w1, b1, w2, _, dy = _mlp_params(seed=3)
+    x, dy = x[:4], dy[:4]  # a sequence of 4 splits over 2 ranks
+    want = _reference(x, w1, b1, w2, None, dy)
+
+    def body(g):
+        p = [dist.shard(w1, g, 0), dist.shard(b1, g, 0), dist.shard(w2, g, 1)]
+        xs = dist.shard(x, g, 0)
+        with tecupy.Tape() as t:
+            h = tecupy.gelu(tecupy.linear(dist.gather_sequence(xs, g), p[0], p[1]))
+            y = dist.reduce_scatter_sequence(tecupy.linear(h, p[2]), g)
+        return [y, *t.gradient(y, [xs, *p], output_grad=dist.shard(dy, g, 0))]
+    for r, got in enumerate(dist.run_threads(2, body)):
+        for a, full, axis in zip(got, want, (0, 0, 0, 0, 1)):
+            np.testing.assert_allclose(a, np.split(full, 2, axis=axis)[r], rtol=1e-12,
+                                       atol=1e-12)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean launcher environment; returns monkeypatch.setenv over a dict."""
+    for v in ENV_VARS:
+        monkeypatch.delenv(v, raising=False)
+
+    def set_env(**kv):
+        for k, v in kv.items():
+            monkeypatch.setenv(k, str(v))
+    return set_env
+
+
+STORE = dict(MASTER_ADDR="node0", MASTER_PORT=29500)
+
+
+@pytest.mark.parametrize("launcher,kv", [
+    ("torchrun", dict(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1)),
+    ("openmpi", dict(OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_SIZE=8,
+                     OMPI_COMM_WORLD_LOCAL_RANK=1)),
+    ("pmi", dict(PMI_RANK=3, PMI_SIZE=8, MPI_LOCALRANKID=1)),
+    ("slurm", dict(SLURM_PROCID=3, SLURM_NTASKS=8, SLURM_LOCALID=1)),
+])
+def test_env_launchers(env, launcher, kv):
+    env(**kv, **STORE)
+    assert dist.init_from_env() == dist.DistConfig(3, 8, 1, "node0", 29500, launcher)
+
+
+def test_env_precedence_and_single_rank(env):
+    env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_LOCALID=0,
+        **STORE)
+    assert dist.init_from_env().launcher == "torchrun"  # torchrun inside an srun task
+    cfg = dist.init_from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert cfg == dist.DistConfig(0, 1, 0, None, None, "slurm")
+
+
+@pytest.mark.parametrize("kv,match", [
+    (dict(), "no launcher's rank variable.*RANK.*OMPI_COMM_WORLD_RANK.*PMI_RANK.*SLURM"),
+    (dict(RANK=0), "RANK is set .* but WORLD_SIZE is not"),
+    (dict(RANK=0, WORLD_SIZE=2, **STORE), "not LOCAL_RANK"),
+    (dict(PMI_RANK=0, PMI_SIZE=2, **STORE), "not MPI_LOCALRANKID or PMI_LOCAL_RANK"),
+    (dict(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0), "MASTER_ADDR and MASTER_PORT not set"),
+    (dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_LOCALID=0, MASTER_ADDR="a"),
+     "MASTER_PORT not set.*slurm does not set them"),
+    (dict(RANK=2, WORLD_SIZE=2, LOCAL_RANK=0, **STORE), r"RANK must be an integer in \[0, 1\]"),
+    (dict(RANK=0, WORLD_SIZE="two"), "WORLD_SIZE must be an integer >= 1; got 'two'"),
+    (dict(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="a", MASTER_PORT=0), "MASTER_PORT"),
+])
+def test_env_errors_name_the_variables(env, kv, match):
+    env(**kv)
+    with pytest.raises(dist.EnvError, match=match):
+        dist.init_from_env()
