@@ -87,3 +87,25 @@ def test_input_sets_defeat_l2():
     made = timing.input_sets(object, 1 << 20)
     assert len(made) == 16 and len(set(map(id, made))) == 16  # 2 x L2 over 1 MiB: capped
     assert len(timing.input_sets(object, 4 * timing.L2_BYTES)) == 1
+
+
+def test_layer_stack_checkpointed_equals_plain():
+    """bench layer --layers N: the stack's step (each layer through tecupy.checkpoint or
+    not) gives the same output and gradients, by parameter name and x."""
+    from tecupy.__main__ import build, step
+    from tecupy.bench.layer import Stack
+    shape = (32, 64, 2, 8, 2)  # hidden, ffn, heads, seq, batch
+    layers = [build(shape, "cpu")[0] for _ in range(2)]
+    _, x, dy = build(shape, "cpu")
+    plain, ckpt = (step(Stack(layers, c), x, dy, None) for c in (False, True))
+    np.testing.assert_array_equal(plain[0], ckpt[0])
+    assert set(plain[1]) == set(ckpt[1]) == {"x"} | {
+        f"layer{i}.{k}" for i in range(2) for k in layers[0].named_parameters()}
+    for k in plain[1]:
+        np.testing.assert_array_equal(plain[1][k], ckpt[1][k])
+
+
+def test_layers_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench_main.main(["layer", "--layers", "0"])
+    assert "--layers must be >= 1, got 0" in capsys.readouterr().err

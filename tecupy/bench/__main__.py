@@ -21,7 +21,12 @@ def main(argv=None):
                    help="kernels: also time the NumPy reference at 8192x4096")
     p.add_argument("--size", choices=("small", "medium", "full"), default="full",
                    help="layer: the TransformerLayer's size (the main job's --size)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="layer: the memory of a stack of this many layers too (a deep "
+                        "model's peak: saved activations; each layer checkpointed)")
     args = p.parse_args(argv)
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1, got {args.layers}")
     import tecupy
     if not tecupy.gpu_available():
         raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")

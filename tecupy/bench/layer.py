@@ -156,6 +156,8 @@ def run(args):
     print("  memory kept by each graph (its pool): " +
           ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in pools.items()))
     _memory(shape)
+    if getattr(args, "layers", 1) > 1:
+        _stack_memory(shape, args.layers)
     if size == "full":
         _kernel_time(shape)
 
@@ -181,6 +183,91 @@ def _memory(shape):
                                                             False),
                           ("FP8, checkpoint(layer, x)", _recipe(), True)):
         print_report(name, *step_memory(layer, x, dy, r, ckpt), ref=ref)
+
+
+class Stack:
+    """n of the main job's layers in sequence, each through tecupy.checkpoint when
+    `checkpointed` (what TE's users do per layer): the memory of a deep model, where the
+    saved activations of every layer add up and one layer's backward transient comes on top.
+    A tecupy.nn-like object: call, named_parameters."""
+
+    def __init__(self, layers, checkpointed=False):
+        self.layers, self.checkpointed = list(layers), checkpointed
+
+    def __call__(self, x):
+        import tecupy
+        for layer in self.layers:
+            x = tecupy.checkpoint(layer, x) if self.checkpointed else layer(x)
+        return x
+
+    def named_parameters(self):
+        return {f"layer{i}.{k}": p for i, layer in enumerate(self.layers)
+                for k, p in layer.named_parameters().items()}
+
+    def parameters(self):
+        return list(self.named_parameters().values())
+
+
+def _stack_memory(shape, n):
+    """The peak of one step of n layers above parameters and inputs: PyTorch bf16 (plain,
+    and with torch.utils.checkpoint per layer), tecupy high precision, FP8, and FP8 with
+    each layer checkpointed (issue 22's target for checkpoint: <= 0.3x PyTorch bf16)."""
+    from tecupy.__main__ import build
+    ref = _torch_stack_peak(shape, n)
+    if ref:
+        print(f"memory of {n} layers: PyTorch bf16 peak {ref[0] / GIB:.2f} GiB, with "
+              f"torch.utils.checkpoint per layer {ref[1] / GIB:.2f} GiB")
+    layers = [build(shape, "cuda")[0] for _ in range(n)]
+    _, x, dy = build(shape, "cuda")
+    for name, r, ckpt in (("high precision", None, False), ("FP8", _recipe(), False),
+                          ("FP8, checkpoint per layer", _recipe(), True)):
+        peak, by_op, held = step_memory(Stack(layers, ckpt), x, dy, r)
+        print_report(f"{n} layers, {name}", peak, by_op, held, ref=ref and ref[0])
+
+
+def _torch_stack_peak(shape, n):
+    """(peak, peak with checkpoint per layer) of PyTorch's n-layer stack; None without it."""
+    try:
+        import torch
+        from torch.utils.checkpoint import checkpoint
+    except ImportError:
+        return None
+    hidden, ffn, heads, seq, batch = shape
+    layers = [_torch_layer(hidden, ffn, heads) for _ in range(n)]
+
+    def plain(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    def ckpt(x):
+        for layer in layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
+    x = torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    out = []
+    for fn in (plain, ckpt):
+        stack = _Call(fn, layers)
+        torch_step_peak(stack, x, torch.randn_like(x))  # (its first step makes .grad)
+        out.append(torch_step_peak(stack, x, torch.randn_like(x)))
+    layers.clear()  # (their memory back to the GPU before tecupy's stack is built)
+    x = stack = None
+    torch.cuda.empty_cache()
+    return out
+
+
+class _Call:
+    """fn as torch_step_peak's layer: called, with the layers' parameters."""
+
+    def __init__(self, fn, layers):
+        self.fn, self.layers = fn, layers
+
+    def __call__(self, x):
+        return self.fn(x)
+
+    def parameters(self):
+        return [p for layer in self.layers for p in layer.parameters()]
 
 
 def kernel_table(fn, rows=25):
