@@ -239,3 +239,46 @@ def test_env_errors_name_the_variables(env, kv, match):
     env(**kv)
     with pytest.raises(dist.EnvError, match=match):
         dist.init_from_env()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_linear_modules_column_row_equal_single_device(tp):
+    """nn.Linear(parallel_mode=..., tp_group=...): shards of the single-device layers of the
+    same seeds; the column->gelu->row MLP's output and gradients equal the single run."""
+    mk = dict(params_dtype=np.float64, device="cpu")
+    fc1, fc2 = tecupy.nn.Linear(8, 16, seed=5, **mk), tecupy.nn.Linear(16, 8, seed=6, **mk)
+    fc2.bias[:] = 0.5
+    x, *_, dy = _mlp_params(seed=4)
+    with tecupy.Tape() as tape:
+        y = fc2(tecupy.gelu(fc1(x)))
+    want = [y, *tape.gradient(y, [x, fc1.weight, fc1.bias, fc2.weight, fc2.bias],
+                              output_grad=dy)]
+
+    def body(g):
+        a = tecupy.nn.Linear(8, 16, seed=5, parallel_mode="column", tp_group=g, **mk)
+        b = tecupy.nn.Linear(16, 8, seed=6, parallel_mode="row", tp_group=g, tp_size=tp, **mk)
+        b.bias[:] = 0.5
+        assert (a.out_features, b.in_features, a.weight.shape) == (16 // tp, 16 // tp,
+                                                                  (16 // tp, 8))
+        with tecupy.Tape() as t:
+            out = b(tecupy.gelu(a(x)))
+        return [out, *t.gradient(out, [x, a.weight, a.bias, b.weight, b.bias], output_grad=dy)]
+    for r, got in enumerate(dist.run_threads(tp, body)):
+        for a, full, axis in zip(got, want, (None, None, 0, 0, 1, None)):
+            ref = full if axis is None else np.split(full, tp, axis=axis)[r]
+            np.testing.assert_allclose(a, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_tp_option_errors():
+    def body(g):
+        with pytest.raises(ValueError, match="parallel_mode must be one of 'column', 'row'"):
+            tecupy.nn.Linear(4, 4, parallel_mode="col", tp_group=g, device="cpu")
+        with pytest.raises(TypeError, match="tp_group must be None or a tecupy.distributed"):
+            tecupy.nn.Linear(4, 4, parallel_mode="row", tp_group=2, device="cpu")
+        with pytest.raises(ValueError, match="tp_size must be None or the size of tp_group"):
+            tecupy.nn.Linear(4, 4, parallel_mode="row", tp_group=g, tp_size=4, device="cpu")
+        with pytest.raises(ValueError, match=r"splits out_features \(3\) over tp_size 2"):
+            tecupy.nn.Linear(4, 3, parallel_mode="column", tp_group=g, device="cpu")
+        plain = tecupy.nn.Linear(4, 6, parallel_mode="column", device="cpu")  # no group: whole
+        assert plain.weight.shape == (6, 4) and plain.tp_size == 1
+    dist.run_threads(2, body)

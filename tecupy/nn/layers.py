@@ -5,6 +5,8 @@ not at the first forward); forwards check that the input's last dimension is the
 width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
+from ..distributed.group import ProcessGroup
+from ..distributed.tensor_parallel import column_parallel_linear, row_parallel_linear, shard
 from ..fp8_state import FP8State
 from ..ops import layernorm, layernorm_linear, layernorm_mlp, linear, rmsnorm
 from ..ops.activation import ACTIVATIONS, GATED
@@ -19,24 +21,69 @@ def check_norm_options(op, eps, normalization, zero_centered_gamma, eps_name="ep
     return _check.real(op, eps_name, eps, low=0, low_open=True)
 
 
+def check_tp_options(op, parallel_mode, tp_group, tp_size, in_features, out_features):
+    """Transformer Engine's tensor-parallel options -> tp_size (the group's size; 1 without
+    a group). The split dimension must divide evenly."""
+    if parallel_mode is not None:
+        _check.choice(op, "parallel_mode", parallel_mode, ("column", "row"))
+    if tp_group is not None and not isinstance(tp_group, ProcessGroup):
+        _check.fail(op, "tp_group", "None or a tecupy.distributed ProcessGroup", tp_group,
+                    TypeError)
+    size = 1 if tp_group is None else tp_group.size
+    if tp_size is not None and tp_size != size:
+        _check.fail(op, "tp_size", f"None or the size of tp_group ({size})", tp_size)
+    split = {"column": ("out_features", out_features), "row": ("in_features", in_features)}
+    name, n = split.get(parallel_mode, ("", 0))
+    if n % size:
+        raise ValueError(f"{op}: parallel_mode={parallel_mode!r} splits {name} ({n}) over "
+                         f"tp_size {size} ranks; it must be a multiple of it")
+    return size
+
+
 class Linear(Module):
+    """parallel_mode 'column' holds this rank's rows of the weight (and bias) and returns its
+    slice of the output features; 'row' holds its columns, takes its slice of the input
+    features and returns the full output, summed over tp_group (bias added once after).
+    The shards are cut from the single-device initialisation of the same seed; in_features
+    and out_features are then the local sizes, as in Transformer Engine."""
+
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
-                 seed=None):
+                 seed=None, parallel_mode=None, tp_group=None, tp_size=None):
         op = "Linear"
         in_features = _check.size(op, "in_features", in_features)
         out_features = _check.size(op, "out_features", out_features)
         _check.flag(op, "bias", bias)
+        tp_size = check_tp_options(op, parallel_mode, tp_group, tp_size, in_features,
+                                   out_features)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.in_features, self.out_features = in_features, out_features
+        self.parallel_mode, self.tp_group, self.tp_size = parallel_mode, tp_group, tp_size
         self.add_parameter("weight", (out_features, in_features), "normal")
         self.bias = None
         if bias:
             self.add_parameter("bias", (out_features,), "zeros")
+        if tp_group is not None and parallel_mode is not None:
+            self._shard()
         self.fp8_state = FP8State(num_gemms=1)
+
+    def _shard(self):
+        """Keep this rank's part of the full parameters (made first, so that the ranks
+        together hold exactly the single-device layer of the same seed)."""
+        if self.parallel_mode == "column":
+            self.weight = shard(self.weight, self.tp_group, 0)
+            self.bias = None if self.bias is None else shard(self.bias, self.tp_group, 0)
+            self.out_features //= self.tp_size
+        else:
+            self.weight = shard(self.weight, self.tp_group, 1)
+            self.in_features //= self.tp_size
 
     def forward(self, x):
         _check.last_dim("Linear", "x", x, self.in_features, "in_features")
-        return linear(x, self.weight, self.bias, fp8_state=self.fp8_state)
+        if self.tp_group is None or self.parallel_mode is None:
+            return linear(x, self.weight, self.bias, fp8_state=self.fp8_state)
+        parallel = column_parallel_linear if self.parallel_mode == "column" else \
+            row_parallel_linear
+        return parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state)
 
 
 class _Norm(Module):
