@@ -1,12 +1,15 @@
 """Run the notebooks (quickstart, FP8 primer, train_gpt) end to end at
 TECUPY_NOTEBOOK_SIZE=small and fail on any cell error; check that each is stored as valid
-nbformat 4 without outputs.
+nbformat 4 without outputs, and that it draws its figures: with matplotlib importable, the
+expected number of image/png outputs per notebook (FIGURES); without it (CI's `.[test]`),
+none, and the notebook says that matplotlib is missing.
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
 JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
 starts in notebooks/, as Jupyter would. It imports the same tecupy as the tests (its folder put
 first on the kernel's PYTHONPATH).
 """
+import importlib.util
 import json
 import os
 import sys
@@ -28,6 +31,14 @@ NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 # notebook -> text its run must print
 NOTEBOOKS = {"quickstart.ipynb": "TransformerLayer in FP8", "fp8_primer.ipynb": "fp8_gemm runs on",
              "train_gpt.ipynb": "trained bf16 and FP8"}
+# notebook -> image/png outputs it draws when matplotlib is importable (fp8_primer: two FP8
+# grids, the error against the scale, the inspector's amax history and flush heatmap;
+# quickstart: the FP8 error per weight, the timings; train_gpt: the loss curves, the
+# inspector's amax history and flush heatmap)
+FIGURES = {"quickstart.ipynb": 2, "fp8_primer.ipynb": 5, "train_gpt.ipynb": 3}
+NO_MATPLOTLIB = "matplotlib is not installed"
+# the kernel runs this interpreter with this PYTHONPATH: it imports matplotlib iff we can
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 CELL_TIMEOUT_S = 600
 
 
@@ -35,6 +46,9 @@ def _kernel_env(tmp_path):
     """Environment for the kernel: small sizes, this interpreter's kernelspec, tecupy on path."""
     env = dict(os.environ)
     env["TECUPY_NOTEBOOK_SIZE"] = "small"
+    # ipykernel picks its inline backend (figures as image/png outputs) only when no other
+    # backend is asked for
+    env.pop("MPLBACKEND", None)
     parts = [str(TECUPY_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
@@ -67,9 +81,12 @@ def test_notebook_is_stored_clean(name):
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_notebook_runs(tmp_path, monkeypatch, name):
-    for key, value in _kernel_env(tmp_path).items():
+    env = _kernel_env(tmp_path)
+    for key, value in env.items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
     nb = nbformat.read(str(REPO / "notebooks" / name), as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
@@ -81,3 +98,11 @@ def test_notebook_runs(tmp_path, monkeypatch, name):
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "SCALE='small'" in text, text[:2000]
     assert NOTEBOOKS[name] in text
+    figures = [o for o in outputs if "image/png" in o.get("data", {})]
+    if HAVE_MATPLOTLIB:
+        assert len(figures) == FIGURES[name], (
+            f"{name} drew {len(figures)} figures, expected {FIGURES[name]}")
+        assert NO_MATPLOTLIB not in text
+    else:
+        assert figures == []
+        assert NO_MATPLOTLIB in text, text[:2000]
