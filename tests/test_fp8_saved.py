@@ -36,12 +36,18 @@ def _step(fn, *arrays):
     return tape.gradient(y, [a for a in arrays if a is not None], output_grad=np.ones_like(y))
 
 
-def test_mlp_releases_fc2_input_codes_before_the_activation_backward(monkeypatch):
+def _mlp_inputs():
+    """x [32, 48], LayerNorm's gamma and beta, fc1 [64, 48], fc2 [48, 64] (float32)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 48)).astype(np.float32)
     g, b = np.ones(48, np.float32), np.zeros(48, np.float32)
     w1 = rng.standard_normal((64, 48)).astype(np.float32) * 0.1
     w2 = rng.standard_normal((48, 64)).astype(np.float32) * 0.1
+    return x, g, b, w1, w2
+
+
+def test_mlp_releases_fc2_input_codes_before_the_activation_backward(monkeypatch):
+    x, g, b, w1, w2 = _mlp_inputs()
     refs, alive = _watch(monkeypatch, "gelu_fwd", "gelu_bwd")
     _step(lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state), x, g, b, w1,
           None, w2, None)
@@ -90,11 +96,7 @@ def test_linear_backward_drops_x_copy_before_dgrad(monkeypatch):
 def test_mlp_fc2_activation_codes_die_before_its_dgrad(monkeypatch):
     """The activation's row-wise codes die once transposed (before fc2's backward GEMMs);
     the transposed copy once wgrad read it (before dgrad)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((32, 48)).astype(np.float32)
-    g, b = np.ones(48, np.float32), np.zeros(48, np.float32)
-    w1 = rng.standard_normal((64, 48)).astype(np.float32) * 0.1
-    w2 = rng.standard_normal((48, 64)).astype(np.float32) * 0.1
+    x, g, b, w1, w2 = _mlp_inputs()
     refs, alive = _watch(monkeypatch, "gelu_fwd", "fp8_gemm")
     grads = _gemm_operands(monkeypatch)
     _step(lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state), x, g, b, w1,
