@@ -398,8 +398,9 @@ def main(argv=None):
         return
     h = trainer.run()
     val = f", val loss {h['val_loss'][-1]:.4f}" if h["val_loss"] else ""
-    print(f"step {h['step'][-1]}: train loss {h['train_loss'][-1]:.4f}{val}, "
-          f"{h['tokens_per_s']:,.0f} tokens/s")
+    rate = h["tokens_per_s"]  # NaN when every step was an untimed warm-up one
+    rate = "tokens/s not timed (too few steps)" if rate != rate else f"{rate:,.0f} tokens/s"
+    print(f"step {h['step'][-1]}: train loss {h['train_loss'][-1]:.4f}{val}, {rate}")
     for what, path in (("loss curve", args.csv), ("checkpoint", args.save)):
         if path:
             print(f"{what}: {path}")
