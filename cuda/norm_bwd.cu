@@ -19,11 +19,25 @@
 // touch consecutive words (no bank conflicts).
 #define SLOT(i, j) ((j) * (hidden / VEC) + (i) / VEC)
 
+// dx[off..] = o, plus the gradient the norm's input already has from its other consumer
+// (dres, nullptr where none: the residual's, in a pre-norm block): the tape's sum of the
+// two in this pass, rounded once (issue 21: an add kernel over [rows, hidden] less).
+template <typename T, int VEC>
+__device__ __forceinline__ void store_dx(T* dx, const T* dres, long long off, float (&o)[VEC]) {
+    if (dres != nullptr) {
+        const Vec<T, VEC> r = load_vec<VEC>(dres + off);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] += to_float(r.v[j]);
+    }
+    store_vec<VEC>(dx + off, make_out<T, VEC>(o, 1.f));
+}
+
 template <typename T, int VEC, int CHUNKS, bool RMS, bool ACC_SMEM, int ROWS>
 __global__ void __launch_bounds__(512)
 norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
          const float* __restrict__ rsigma, const T* __restrict__ gamma, T* __restrict__ dx,
-         float* __restrict__ part, long long rows, int hidden, int zero_centered) {
+         const T* __restrict__ dres, float* __restrict__ part, long long rows, int hidden,
+         int zero_centered) {
     PDL_WAIT();
     static_assert(ROWS == 1 || ROWS == 2, "one reduction takes the sums of at most 2 rows");
     extern __shared__ float acc[];
@@ -87,13 +101,13 @@ norm_bwd(const T* __restrict__ dy, const T* __restrict__ x, const float* __restr
 #pragma unroll
             for (int q = 0; q < ROWS; ++q) {
                 if (row0 + q >= rows) continue;
-                Vec<T, VEC> out;
+                float o[VEC];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
-                    out.v[j] = from_float<T>(bwd_dx(
-                        cx[q][k].v[j], cd[q][k].v[j], [&] { return to_float(gv.v[j]) + zc; },
-                        m[q], rs[q], RMS ? 0.f : mean1[q], mean2[q]));
-                store_vec<VEC>(dx + (row0 + q) * hidden + i, out);
+                    o[j] = bwd_dx(cx[q][k].v[j], cd[q][k].v[j],
+                                  [&] { return to_float(gv.v[j]) + zc; }, m[q], rs[q],
+                                  RMS ? 0.f : mean1[q], mean2[q]);
+                store_dx<T, VEC>(dx, dres, (row0 + q) * hidden + i, o);
             }
         }
     }
@@ -207,8 +221,8 @@ template <typename T, int VEC, int CHUNKS, bool RMS, int STAGES>
 __global__ void __launch_bounds__(512)
 norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
               const float* __restrict__ rsigma, const T* __restrict__ gamma,
-              T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
-              int zero_centered) {
+              T* __restrict__ dx, const T* __restrict__ dres, float* __restrict__ part,
+              long long rows, int hidden, int zero_centered) {
     PDL_WAIT();
     extern __shared__ __align__(16) unsigned char ring_bytes[];
     Vec<T, VEC>* ring = reinterpret_cast<Vec<T, VEC>*>(ring_bytes);
@@ -266,12 +280,12 @@ norm_bwd_ring(const T* __restrict__ dy, const T* __restrict__ x, const float* __
         const float mean1 = RMS ? 0.f : s.x / hidden, mean2 = s.y / hidden;
 #pragma unroll
         OWNED(k, i) if (i < hidden) {
-            Vec<T, VEC> out;
+            float o[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
-                out.v[j] = from_float<T>(bwd_dx(cx[k].v[j], cd[k].v[j],
-                                                [&] { return gz[k][j]; }, m, rs, mean1, mean2));
-            store_vec<VEC>(dx + row * hidden + i, out);
+                o[j] = bwd_dx(cx[k].v[j], cd[k].v[j], [&] { return gz[k][j]; }, m, rs, mean1,
+                              mean2);
+            store_dx<T, VEC>(dx, dres, row * hidden + i, o);
         }
     }
     cp_async_wait_group<0>();
@@ -330,8 +344,8 @@ template <typename T, int VEC, int CHUNKS, bool RMS, int STAGES, int GROUPS>
 __global__ void __launch_bounds__(CHUNKS == 1 ? 1024 : 512)
 norm_bwd_grp(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mu,
              const float* __restrict__ rsigma, const T* __restrict__ gamma,
-             T* __restrict__ dx, float* __restrict__ part, long long rows, int hidden,
-             int zero_centered) {
+             T* __restrict__ dx, const T* __restrict__ dres, float* __restrict__ part,
+             long long rows, int hidden, int zero_centered) {
 #if __CUDA_ARCH__ >= 900
     PDL_WAIT();
     constexpr int HEAD = (8 * GROUPS * STAGES + 127) / 128 * 128;  // the mbarriers
@@ -408,7 +422,7 @@ norm_bwd_grp(const T* __restrict__ dy, const T* __restrict__ x, const float* __r
             unpack(lds16(cd + k * tpg), df);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) o[j] = grp_dx(xf[j], df[j], gz[k][j], m, rs, c1, c2);
-            store_vec<VEC>(dx + row * hidden + i, make_out<T, VEC>(o, 1.f));
+            store_dx<T, VEC>(dx, dres, row * hidden + i, o);
         }
         if (++slot == STAGES) slot = 0, parity ^= 1;
     }

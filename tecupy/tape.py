@@ -47,11 +47,11 @@ _DISCARD = object()
 
 
 class _Node:
-    __slots__ = ("after", "backward", "inputs", "once", "outputs", "spent")
+    __slots__ = ("after", "backward", "inputs", "once", "outputs", "partial", "spent")
 
-    def __init__(self, inputs, outputs, backward, after, once):
+    def __init__(self, inputs, outputs, backward, after, once, partial):
         self.inputs, self.outputs, self.backward = inputs, outputs, backward
-        self.after, self.once = after, once
+        self.after, self.once, self.partial = after, once, partial
         self.spent = False  # a run-once node whose backward has run (see Tape.gradient)
 
 
@@ -159,7 +159,7 @@ def recording():
     return bool(_active.get())
 
 
-def record(backward, inputs, outputs, after_backward=(), once=None):
+def record(backward, inputs, outputs, after_backward=(), once=None, partial=None):
     """Record an op: backward(*output_grads) -> one gradient (or None) per input.
 
     after_backward: (fn, item) pairs. After the whole backward of a Tape.gradient, each
@@ -167,13 +167,18 @@ def record(backward, inputs, outputs, after_backward=(), once=None):
     whose backward ran: many nodes' work batched in one call.
     once: None, or (what, why) where the backward may run only once (it has effects beyond
     its gradients): a second backward through the node is refused, before anything runs,
-    with "the backward of <what> on this tape already ran <why>"."""
+    with "the backward of <what> on this tape already ran <why>".
+    partial: None, or the index of an input whose gradient the backward can sum in its own
+    pass: it is then called backward(*output_grads, partial=g), g the gradient that input
+    already has from the consumers whose backward ran (None if none, or if g's shape or
+    dtype differ from the input's), and returns that input's whole gradient, g included
+    (issue 21: a norm adds the residual branch's gradient in its kernel, no add kernel)."""
     tapes = _active.get()
     if tapes and tapes[0] is _DISCARD:
         tapes = tapes[1:]  # (a Tape opened inside discarding() still records)
     if not tapes:
         return
-    node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once)
+    node = _Node(tuple(inputs), tuple(outputs), backward, tuple(after_backward), once, partial)
     for tape in tapes:
         tape._nodes.append(node)
     nodes = tapes[0]._nodes  # the outermost tape: every node of the inner ones is on it
@@ -348,7 +353,7 @@ class Tape:
         for node in reversed(self._nodes):
             if not any(id(o) in grads for o in node.outputs):
                 continue
-            _accumulate(node, node.backward(*_output_grads(node, grads, keep)), grads)
+            _accumulate(node, _run(node, _output_grads(node, grads, keep), grads), grads)
             node.spent = node.once is not None
             if index is not None:
                 node.backward = None  # the closure held the op's saved arrays: freed now
@@ -365,6 +370,18 @@ def _output_grads(node, grads, keep):
     ogs = [grads.get(id(o)) if id(o) in keep else grads.pop(id(o), None)
            for o in node.outputs]
     return [_zeros_like(o) if g is None else g for o, g in zip(node.outputs, ogs)]
+
+
+def _run(node, ogs, grads):
+    """node's backward on its output gradients `ogs`; with the gradient its `partial` input
+    already has, taken out of grads, where the node sums it in its own pass (see record)."""
+    if node.partial is None:
+        return node.backward(*ogs)
+    x = node.inputs[node.partial]
+    g = grads.get(id(x))
+    fits = g is not None and tuple(g.shape) == tuple(x.shape) and g.dtype == x.dtype and (
+        xp_of(g) is (x.xp if isinstance(x, _Released) else xp_of(x)))
+    return node.backward(*ogs, partial=grads.pop(id(x)) if fits else None)
 
 
 def _accumulate(node, in_grads, grads):

@@ -40,8 +40,17 @@ def test_norm_forward_and_backward(rng, rms, zcg, dtype, shape):
     wantb = run(f"{name}_bwd", f64([dy, x]) + [s.astype(np.float64) for s in saved]
                 + f64([gamma]) + [zcg], False)
     lpb = run(f"{name}_bwd", bwd_args, False)
-    for g, w, l, n in zip(gotb, wantb, lpb, ("dx", "dgamma", "dbeta")):
-        assert_within_2x_reference(g, w, l, f"{name} {n}", atol=1e-5)
+    for g, w, lp, n in zip(gotb, wantb, lpb, ("dx", "dgamma", "dbeta")):
+        assert_within_2x_reference(g, w, lp, f"{name} {n}", atol=1e-5)
+    # with the gradient x has from another consumer (the residual's) summed in the pass
+    dres = rng.standard_normal(shape).astype(dtype)
+    gotr = run(f"{name}_bwd", bwd_args + [dres], True)
+    wantr = run(f"{name}_bwd", f64([dy, x]) + [s.astype(np.float64) for s in saved]
+                + f64([gamma]) + [zcg, dres.astype(np.float64)], False)
+    lpr = run(f"{name}_bwd", bwd_args + [dres], False)
+    assert_within_2x_reference(gotr[0], wantr[0], lpr[0], f"{name} dx + dres", atol=1e-5)
+    for g, w in zip(gotr[1:], gotb[1:]):
+        np.testing.assert_array_equal(asnp(g), asnp(w))
 
 
 @gpu

@@ -305,3 +305,80 @@ def test_saved_bytes(rng):
     assert ops["_linear_fp8"] == (16 * 32 + 16 * 32) + 2 * 4
     tape.gradient(y, x)
     assert saved_bytes(tape)[0] == []  # the closures are gone after the backward
+
+
+def _count_dispatches(monkeypatch, name):
+    from tecupy import backends
+    calls, real = [], backends.dispatch
+
+    def counting(op, *a, **k):
+        calls.append(op)
+        return real(op, *a, **k)
+    monkeypatch.setattr(backends, "dispatch", counting)
+    return lambda: calls.count(name)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "layernorm_linear", "layernorm_mlp"])
+def test_norm_sums_the_residual_gradient_in_its_pass(monkeypatch, xp, rng, norm):
+    """A pre-norm residual block, y = x + f(norm(x)): the norm's backward is handed the
+    residual's gradient (tape.record's partial) and adds it in its own pass: no add op, and
+    the same gradient as x feeding the two branches as two arrays (float64)."""
+    hidden, rms = 16, norm == "rmsnorm"
+    g, b = (xp.asarray(rng.standard_normal(hidden)) for _ in range(2))
+    w1, w2, w3 = (xp.asarray(rng.standard_normal(s))
+                  for s in ((32, hidden), (hidden, 32), (hidden, hidden)))
+
+    def branch(x):
+        if norm == "layernorm_linear":
+            return tecupy.layernorm_linear(x, g, b, w3)
+        if norm == "layernorm_mlp":
+            return tecupy.layernorm_mlp(x, g, b, w1, None, w2, None)
+        return tecupy.rmsnorm(x, g) if rms else tecupy.layernorm(x, g, b)
+    x = xp.asarray(rng.standard_normal((3, 5, hidden)))
+    x2 = x.copy()
+    adds = _count_dispatches(monkeypatch, "add_fwd")
+    with tecupy.Tape() as tape:
+        y = tecupy.add(x, branch(x))
+    n = adds()
+    dy = xp.asarray(rng.standard_normal(y.shape))
+    dx = tape.gradient(y, x, output_grad=dy)
+    assert adds() == n, "the residual's gradient went through an add op"
+    with tecupy.Tape() as tape:
+        y2 = tecupy.add(x2, branch(x))
+    da, db = tape.gradient(y2, [x2, x], output_grad=dy)
+    np.testing.assert_allclose(asnp(dx), asnp(da) + asnp(db), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(asnp(dy), asnp(tecupy.add(dy, 0 * dy)))  # dy untouched
+
+
+def test_partial_only_where_it_fits(rng):
+    """A node recorded with partial=0 gets x's gradient so far when one exists with x's
+    shape and dtype (and returns the sum), None otherwise; the sums are right either way."""
+    from tecupy.tape import record
+    seen = []
+
+    def summing(x, out_dtype):
+        y = x * 2
+
+        def backward(dy, partial=None):
+            seen.append(None if partial is None else partial.dtype)
+            g = 2 * dy
+            return [g if partial is None else g + partial]
+        record(backward, (x,), (y,), partial=0)
+        return y
+
+    def plain(x, grad_dtype):
+        y = x * 3
+        record(lambda dy: [(3 * dy).astype(grad_dtype)], (x,), (y,))
+        return y
+    x = rng.standard_normal((2, 3))
+    for grad_dtype, want_seen in ((np.float64, [np.float64]), (np.float32, [None])):
+        seen.clear()
+        with tecupy.Tape() as tape:
+            y = tecupy.add(summing(x, None), plain(x, grad_dtype))
+        np.testing.assert_allclose(tape.gradient(y, x), np.full((2, 3), 5.0), rtol=1e-6)
+        assert seen == want_seen
+    seen.clear()  # the summing node recorded last runs first: nothing to sum yet
+    with tecupy.Tape() as tape:
+        y = tecupy.add(plain(x, np.float64), summing(x, None))
+    np.testing.assert_allclose(tape.gradient(y, x), np.full((2, 3), 5.0), rtol=1e-12)
+    assert seen == [None]

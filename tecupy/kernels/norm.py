@@ -16,7 +16,8 @@ from .._array import is_cupy
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, vec_width
 from .launch import balanced_grid, hopper, launch, opt_in_smem, planned, resident_blocks, sm_count
 from .pools import amax_args
-from .ring import (RING_GROUPS, RING_WARP_BYTES, ring_group, ring_launch, ring_plan, ring_portion, ring_settings)
+from .ring import (RING_GROUPS, RING_WARP_BYTES, ring_group, ring_launch, ring_plan,
+                   ring_portion, ring_settings)
 
 FWD_FILE, BWD_FILE = "norm_fwd.cu", "norm_bwd.cu"
 CHUNKS = (1, 2, 4, 8)  # VEC-wide chunks each thread of the block-per-row kernels keeps
@@ -201,7 +202,9 @@ def _outputs(y, mu, rsigma, shape, rms):
     return (y, rsigma) if rms else (y, mu, rsigma)
 
 
-def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
+def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms, dres=None):
+    """dres: None, or the gradient x already has from another consumer (x's shape and
+    dtype), added to dx in the same pass."""
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
@@ -212,8 +215,10 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms):
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    launch(k, (nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, part, np.int64(rows),
-                                       np.int32(hidden), np.int32(zero_centered_gamma)), smem)
+    dres = np.uint64(0) if dres is None else cupy.ascontiguousarray(dres)
+    launch(k, (nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, dres, part,
+                                       np.int64(rows), np.int32(hidden),
+                                       np.int32(zero_centered_gamma)), smem)
     _bwd_reduce(part, nblocks, hidden, dgamma, dbeta, rms)
     return (dx, dgamma) if rms else (dx, dgamma, dbeta)
 
@@ -305,8 +310,8 @@ def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=Non
 
 
 @backends.register("layernorm_bwd", "cuda", supports=supported)
-def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma):
-    return _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms=False)
+def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, dres=None):
+    return _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, False, dres)
 
 
 @backends.register("rmsnorm_fwd", "cuda", supports=supported)
@@ -315,5 +320,5 @@ def rmsnorm_fwd(x, gamma, eps, zero_centered_gamma):
 
 
 @backends.register("rmsnorm_bwd", "cuda", supports=supported)
-def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma):
-    return _bwd(dy, x, None, rsigma, gamma, zero_centered_gamma, rms=True)
+def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma, dres=None):
+    return _bwd(dy, x, None, rsigma, gamma, zero_centered_gamma, True, dres)

@@ -79,12 +79,15 @@ def _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, qi):
     return qi.wrap(codes), (mu, rsigma)
 
 
-def _norm_bwd(d_ln, x2, stats, ln_weight, zcg):
-    """-> (dx, dgamma, dbeta or None) of _norm_fp8."""
+def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
+    """-> (dx, dgamma, dbeta or None) of _norm_fp8; dx with `partial` (x's gradient from
+    its other consumers: the residual's, tape.record's partial; None if none) added in the
+    norm's pass."""
+    dres = None if partial is None else as_2d(partial, *x2.shape)
     if len(stats) == 1:
-        dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, stats[0], ln_weight, zcg)
+        dx, dg = backends.dispatch("rmsnorm_bwd", d_ln, x2, stats[0], ln_weight, zcg, dres)
         return dx, dg, None
-    return backends.dispatch("layernorm_bwd", d_ln, x2, *stats, ln_weight, zcg)
+    return backends.dispatch("layernorm_bwd", d_ln, x2, *stats, ln_weight, zcg, dres)
 
 
 def _gemm_fp8(qx, weight, q, out_dtype, bias):
@@ -104,13 +107,13 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
     y = as_nd(y, x.shape[:-1] + (n,))
     del qx
 
-    def backward(dy):
+    def backward(dy, partial=None):
         d_ln, dw, db = fp8_linear_backward(as_2d(dy, m, n), released(saved), bias,
                                            q.grad_output, x.dtype)
-        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg)
+        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial)
         return as_nd(dx, x.shape), dg, dbeta, dw.astype(weight.dtype, copy=False), db
     record(backward, (x, ln_weight, ln_bias, weight, bias), (y,),
-           after_backward=q.after_backward, once=q.once)
+           after_backward=q.after_backward, once=q.once, partial=0)
     return y
 
 
@@ -220,7 +223,7 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     kept = [h]
     del h, codes
 
-    def backward(dy):
+    def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
         dy2, g, db_dtype = as_2d(dy, m, hidden), q1.grad_output, None if b1 is None else b1.dtype
         if activation == "gelu" and x.dtype in DGELU_EPILOGUE:
@@ -239,12 +242,12 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
             del da, h
         d_ln, dw1 = fp8_grads(qdh, released(saved1), x.dtype)
         del qdh
-        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg)
+        dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial)
         return (as_nd(dx, x.shape), dg, dbeta, dw1.astype(w1.dtype, copy=False), db1,
                 dw2.astype(w2.dtype, copy=False), db2)
     y = as_nd(y, x.shape)
     record(backward, (x, ln_weight, ln_bias, w1, b1, w2, b2), (y,),
-           after_backward=q1.after_backward + q2.after_backward, once=q1.once)
+           after_backward=q1.after_backward + q2.after_backward, once=q1.once, partial=0)
     return y
 
 

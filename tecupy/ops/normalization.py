@@ -27,9 +27,9 @@ def layernorm(x, weight, bias, eps=1e-5, zero_centered_gamma=False):
     eps, zcg = _check_args("layernorm", x, weight, bias, eps, zero_centered_gamma, True)
     y, mu, rsigma = backends.dispatch("layernorm_fwd", x, weight, bias, eps, zcg)
 
-    def backward(dy):
-        return backends.dispatch("layernorm_bwd", dy, x, mu, rsigma, weight, zcg)
-    record(backward, (x, weight, bias), (y,))
+    def backward(dy, partial=None):  # partial: x's gradient from its other consumers
+        return backends.dispatch("layernorm_bwd", dy, x, mu, rsigma, weight, zcg, partial)
+    record(backward, (x, weight, bias), (y,), partial=0)
     return y
 
 
@@ -38,9 +38,9 @@ def rmsnorm(x, weight, eps=1e-5, zero_centered_gamma=False):
     eps, zcg = _check_args("rmsnorm", x, weight, None, eps, zero_centered_gamma, False)
     y, rsigma = backends.dispatch("rmsnorm_fwd", x, weight, eps, zcg)
 
-    def backward(dy):
-        return backends.dispatch("rmsnorm_bwd", dy, x, rsigma, weight, zcg)
-    record(backward, (x, weight), (y,))
+    def backward(dy, partial=None):
+        return backends.dispatch("rmsnorm_bwd", dy, x, rsigma, weight, zcg, partial)
+    record(backward, (x, weight), (y,), partial=0)
     return y
 
 

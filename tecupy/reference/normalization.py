@@ -45,8 +45,14 @@ def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax
     return q, mu, rsigma, amax
 
 
+def _with_residual(dx, dres, dtype):
+    """dx (compute dtype) + dres, the gradient the norm's input already has from another
+    consumer (None: none), rounded once to x's dtype (the kernels' fused sum)."""
+    return (dx if dres is None else dx + dres.astype(dx.dtype)).astype(dtype)
+
+
 @backends.register("layernorm_bwd", "reference")
-def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma):
+def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, dres=None):
     ct = compute_dtype(x.dtype)
     dyf = dy.astype(ct)
     xhat = (x.astype(ct) - mu[..., None]) * rsigma[..., None]
@@ -56,7 +62,8 @@ def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma):
     rows = tuple(range(x.ndim - 1))
     dgamma = (dyf * xhat).sum(axis=rows)
     dbeta = dyf.sum(axis=rows)
-    return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+    return (_with_residual(dx, dres, x.dtype), dgamma.astype(gamma.dtype),
+            dbeta.astype(gamma.dtype))
 
 
 def _rmsnorm(x, gamma, eps, zero_centered_gamma):
@@ -81,11 +88,11 @@ def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=Non
 
 
 @backends.register("rmsnorm_bwd", "reference")
-def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma):
+def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma, dres=None):
     ct = compute_dtype(x.dtype)
     dyf = dy.astype(ct)
     xhat = x.astype(ct) * rsigma[..., None]
     dxhat = dyf * _gain(gamma, zero_centered_gamma, ct)
     dx = rsigma[..., None] * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
     dgamma = (dyf * xhat).sum(axis=tuple(range(x.ndim - 1)))
-    return dx.astype(x.dtype), dgamma.astype(gamma.dtype)
+    return _with_residual(dx, dres, x.dtype), dgamma.astype(gamma.dtype)
