@@ -160,7 +160,12 @@ def quantize(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
                          "cast of dy)")
     if dbias_dtype is not None:
         dbias_dtype = _float_dtype("quantize", "dbias_dtype", dbias_dtype)
-    return cast(x, _scale_array(x, scale), fmt, amax_out, transpose, dbias_dtype)
+    scale = _scale_array(x, scale)
+    out = cast(x, scale, fmt, amax_out, transpose, dbias_dtype)
+    inspector = _active_inspector()
+    if inspector is not None:
+        inspector.record_quantize(x, out[0] if dbias_dtype is not None else out, scale)
+    return out
 
 
 def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
@@ -191,7 +196,19 @@ def dact_cast(dy, x, bias, name, scale, fmt, amax_out, dbias_dtype=None):
     inv = xp_of(dy).empty((1,), np.float32)
     data, data_t, _, dbias = backends.dispatch("dact_cast_transpose", dy, x, bias, name, scale,
                                                fmt, dbias_dtype, amax_out, inv)
-    return FP8Tensor.made(data, fmt, inv, data_t), dbias
+    t = FP8Tensor.made(data, fmt, inv, data_t)
+    inspector = _active_inspector()
+    if inspector is not None:  # dx is in no array: the inspector may recompute it (exact)
+        inspector.record_dact(t, scale, amax_out,
+                              lambda: backends.dispatch(f"{name}_bwd", dy, x, bias)[0])
+    return t, dbias
+
+
+def _active_inspector():
+    """The active FP8Inspector or None (one contextvar read; inspect.py imports this module,
+    hence the import here)."""
+    from .inspect import ACTIVE_INSPECTOR
+    return ACTIVE_INSPECTOR.get()
 
 
 def _float_dtype(op, name, value):

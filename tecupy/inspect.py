@@ -7,11 +7,13 @@ LogFp8TensorStats, for tecupy's quantizers).
             ins.step()          # one host read of this step's numbers
     ins.to_dict()["fc1.gemm0.input"]["underflow"]    # numpy array over steps
 
-While active (in this thread or context: the inspector is a contextvar), every cast through a
-quantizer (quantization.py: DelayedQuantizer / CurrentQuantizer .quantize, and .wrap for
-producer-fused casts) calls `record`, which runs one extra pass over the tensor with array
-ops on its own device and keeps a float64 vector there; nothing is read to the host until
-`step()` (or exit). When none is active, a cast pays one contextvar read.
+While active (in this thread or context: the inspector is a contextvar), every FP8 cast
+calls it: the quantizers' (quantization.py: DelayedQuantizer / CurrentQuantizer .quantize,
+and .wrap for producer-fused casts), the fused activation-backward cast (fp8.dact_cast:
+LayerNormMLP's dGELU + cast of fc1's grad_output) and direct calls of tecupy.quantize (also
+fp8.quantize_current, FP8State.quantize_fwd / _bwd). Each record is one extra pass over the
+tensor with array ops on its own device, kept as a float64 vector there; nothing is read to
+the host until `step()` (or exit). When none is active, a cast pays one contextvar read.
 
 Per tensor and step:
     amax       max |x| (NaN ignored), the max over the step's casts of that tensor
@@ -22,18 +24,32 @@ Per tensor and step:
     rel_error  ||dequantize(cast(x)) - x|| / ||x|| (L2, float64, finite x only) on a strided
                sample of at most `sample` elements (all of them with exact=True)
     numel      elements cast
-A producer-fused cast (a norm or activation kernel writing FP8 itself: quantizer.wrap) never
-shows its high-precision output: amax (the slot's amax history row 0 at that point: the
-producer maxed its output's amax into it) and scale only; underflow, overflow and rel_error
-are NaN. Casts not made by a quantizer (fp8.quantize called directly, FP8State.quantize_fwd,
-the fused dact_cast of layernorm_mlp's backward) are not seen.
+Producer-fused casts never show their high-precision input: a norm or activation kernel
+writing FP8 itself (quantizer.wrap), and dact_cast, whose dx = dy * f'(h + b) exists only
+inside its kernel. They are counted from their codes (`counted_from[label] == "codes"`):
+amax is the slot's amax history row 0 at that point (the producer maxed its output's amax
+into it), underflow the fraction of non-NaN codes that are +-0 (flushed values and true
+zeros alike: an upper bound of the flushed fraction), overflow the fraction at +-max
+(saturated values and values that round to max: an upper bound), rel_error NaN. With
+exact=True, dact_cast is counted exactly instead: the inspector recomputes dx with the
+activation's backward kernel (<name>_bwd, dx rounded to dy's dtype as dact_cast rounds it
+before its cast) in one extra pass and one [rows, cols] temporary, and records it as any
+cast with its input (`counted_from` "input").
+
+CUDA graphs: a graph's replays run no Python, so no inspector can count them. A cast made
+while a CUDA graph is being recorded (make_graphed_step, or a CuPy stream recording one)
+with an inspector active raises a RuntimeError saying so; inspect eager steps, and make the
+graph outside the `with`. (Replays of a graph made outside are not seen.)
 
 Labels: "<module path>.gemm<g>.<tensor>" ("fc1.gemm0.input"; the root module's own state
 gives "gemm0.input") for delayed scaling with a state inside `modules`; with modules=None,
 states not named there are "state<k>", in order of first cast. Current scaling has no state:
-"current<n>.<tensor>", n the order of that tensor's casts within the step (recorded only with
-modules=None).
+"current<n>.<tensor>", n the order of that tensor's casts within the step. A direct
+tecupy.quantize call has no module nor tensor role: "quantize<n>", n its order within the step;
+a dact_cast whose amax slot is no quantizer's: "dact_cast<n>". These three are recorded only
+with modules=None ("every cast"), whatever `tensors` says for direct casts.
 """
+import contextlib
 import contextvars
 import csv
 import math
@@ -42,8 +58,8 @@ import numpy as np
 
 from . import _check, backends
 from ._array import to_numpy, xp_of
+from .fp8 import E4M3, E5M2, current_scale
 from .fp8 import amax as _amax
-from .fp8 import current_scale
 
 # The inspector the quantizers report to (None: off). A contextvar, as the autocast stack:
 # another thread, or an asyncio task started outside the `with`, is not inspected.
@@ -70,7 +86,8 @@ class FP8Inspector:
         self.formats = {}     # label -> "e4m3" / "e5m2"
         self._rows = []       # per finished step: {label: np.array(FIELDS)}
         self._pending = []    # this step: (label, device vector, numel)
-        self._current_seen = {}
+        self.counted_from = {}  # label -> "input" / "codes" (producer-fused) / "input+codes"
+        self._seen = {}       # this step's casts per kind (the n of current<n>, quantize<n>)
         self._token = None
 
     def __repr__(self):
@@ -89,19 +106,49 @@ class FP8Inspector:
             self.step()
         return False
 
-    # ---- the quantizers' hook -------------------------------------------------------------
+    # ---- the casts' hooks ------------------------------------------------------------------
     def record(self, quantizer, x, out):
-        """Called by a quantizer after a cast: x the high-precision input (None for a
-        producer-fused cast), out the FP8Tensor (or (FP8Tensor, dbias))."""
+        """A quantizer's cast (quantization._inspected): x its high-precision input, None for
+        a producer-fused cast (quantizer.wrap: counted from its codes); out the FP8Tensor
+        (or (FP8Tensor, dbias))."""
+        t = out[0] if isinstance(out, tuple) else out
+        _refuse_graph(xp_of(t.data))
         label = self._label(quantizer)
         if label is None:
             return
-        t = out[0] if isinstance(out, tuple) else out
         if x is None:
-            vec = _fused_stats(quantizer)
+            self._add(label, t, _code_stats(t, quantizer.scale, quantizer.amax_out), "codes")
         else:
-            vec = _cast_stats(x, t, quantizer, self.exact, self.sample)
+            self._add(label, t, _cast_stats(x, t, quantizer.scale, self.exact, self.sample),
+                      "input")
+
+    def record_dact(self, t, scale, amax_out, make_dx):
+        """fp8.dact_cast's cast t (with the `scale` and amax slot `amax_out` it was given) of
+        dx, which is not in memory: counted from the codes, or with exact=True on the dx
+        that make_dx() recomputes (one extra pass)."""
+        from .quantization import quantizer_of
+        _refuse_graph(xp_of(t.data))
+        q = quantizer_of(amax_out)
+        label = self._direct_label("dact_cast") if q is None else self._label(q)
+        if label is None:
+            return
+        if self.exact:
+            self._add(label, t, _cast_stats(make_dx(), t, scale, True, self.sample), "input")
+        else:
+            self._add(label, t, _code_stats(t, scale, amax_out), "codes")
+
+    def record_quantize(self, x, t, scale):
+        """A direct fp8.quantize (tecupy.quantize) of x into t with `scale` (float32 (1,))."""
+        _refuse_graph(xp_of(t.data))
+        label = self._direct_label("quantize")
+        if label is not None:
+            self._add(label, t, _cast_stats(x, t, scale, self.exact, self.sample), "input")
+
+    def _add(self, label, t, vec, counted_from):
         self.formats.setdefault(label, t.fmt.name)
+        was = self.counted_from.setdefault(label, counted_from)
+        if counted_from not in was.split("+"):
+            self.counted_from[label] = "input+codes"
         self._pending.append((label, vec, int(t.data.size)))
 
     def _label(self, quantizer):
@@ -128,17 +175,26 @@ class FP8Inspector:
                       if getattr(g, w) is quantizer), None)
         if which not in self.tensors:
             return None
-        n = self._current_seen.get(which, 0)
-        self._current_seen[which] = n + 1
-        return f"current{n}.{which}"
+        return f"current{self._count(which)}.{which}"
+
+    def _direct_label(self, kind):
+        """<kind><n> for a cast of no quantizer (modules=None only), n its order this step."""
+        return f"{kind}{self._count(kind)}" if self._all else None
+
+    def _count(self, key):
+        n = self._seen.get(key, 0)
+        self._seen[key] = n + 1
+        return n
 
     # ---- reading back ---------------------------------------------------------------------
     def step(self):
         """End a step: read its records to the host (one copy per device) into a row."""
-        pending, self._pending, self._current_seen = self._pending, [], {}
         by_xp = {}
-        for label, vec, numel in pending:
+        for label, vec, numel in self._pending:
             by_xp.setdefault(xp_of(vec), []).append((label, vec, numel))
+        for xp in by_xp:
+            _refuse_graph(xp)  # (the read below would sync inside the graph)
+        self._pending, self._seen = [], {}
         totals = {}
         for xp, recs in by_xp.items():
             host = to_numpy(xp.stack([v for _, v, _ in recs]))
@@ -165,13 +221,15 @@ class FP8Inspector:
         return out
 
     def to_csv(self, path):
-        """One line per (step, tensor) cast: step, tensor, format, then FIELDS."""
+        """One line per (step, tensor) cast: step, tensor, format, counted_from ("input",
+        "codes": a producer-fused cast), then FIELDS."""
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(("step", "tensor", "format") + FIELDS)
+            w.writerow(("step", "tensor", "format", "counted_from") + FIELDS)
             for s, row in enumerate(self._rows):
                 for label, v in row.items():
-                    w.writerow([s, label, self.formats[label]] + [repr(float(a)) for a in v])
+                    w.writerow([s, label, self.formats[label], self.counted_from[label]]
+                               + [repr(float(a)) for a in v])
 
 
 def _accumulate(totals, label, h, numel):
@@ -201,16 +259,17 @@ def _finish(total):
                      numel], np.float64)
 
 
-def _cast_stats(x, t, quantizer, exact, sample):
-    """The record of one cast (float64 (_N_RECORD,) on x's device), in array ops."""
+def _cast_stats(x, t, scale, exact, sample):
+    """The record of one cast of x with `scale` (float32 (1,); None: current scaling's,
+    from x's amax) into t (float64 (_N_RECORD,) on x's device), in array ops."""
     xp, fmt = xp_of(x), t.fmt
     xf = x.reshape(-1)
     if xf.dtype not in (np.float32, np.float64):  # half types: exact in float32
         xf = xf.astype(np.float32)
     codes = t.data.reshape(-1)
     a = _amax(x)
-    # current scaling computes its scale from this same amax: the same value, recomputed
-    scale = quantizer.scale if quantizer.scale is not None else current_scale(a, fmt)
+    if scale is None:  # current scaling computed it from this same amax: the same value
+        scale = current_scale(a, fmt)
     valid = ~xp.isnan(xf)
     nonzero = valid & (xf != 0)
     flushed = nonzero & ((codes & 0x7F) == 0)  # +-0 codes of both formats
@@ -237,11 +296,55 @@ def _round_trip(xf, codes, t, exact, sample):
     return (err * err).sum(), (ref * ref).sum()
 
 
-def _fused_stats(quantizer):
-    """A producer-fused cast: the slot's amax so far and the scale; the rest NaN."""
-    xp = xp_of(quantizer.scale)
-    head = xp.concatenate([quantizer.amax_out, quantizer.scale]).astype(np.float64)
-    return xp.concatenate([head, xp.full((_N_RECORD - 2,), np.nan, np.float64)])
+def _code_stats(t, scale, amax_out):
+    """A producer-fused cast, from its codes alone: amax (the slot's amax_out so far; NaN
+    without one), the scale, non-NaN codes (as nonzero and as valid), +-0 codes (as
+    flushed), +-max codes (as saturated); no round-trip error (NaN)."""
+    xp = xp_of(t.data)
+    mag = t.data.reshape(-1) & 0x7F
+    top = _MAX_CODE[t.fmt.name]
+    valid = (mag <= top).sum()  # above max: inf and NaN codes (casts write NaN as 0x7F)
+    a = xp.full((1,), np.nan, np.float32) if amax_out is None else amax_out
+    head = xp.concatenate([a.reshape(1), scale.reshape(1)]).astype(np.float64)
+    counts = xp.stack([valid, (mag == 0).sum(), valid, (mag == top).sum()]).astype(np.float64)
+    return xp.concatenate([head, counts, xp.full((2,), np.nan, np.float64)])
+
+
+# the magnitude code of each format's max (0x7E: 448 in E4M3, 0x7B: 57344 in E5M2)
+_MAX_CODE = {f.name: int(np.array(f.max, np.float32).astype(f.ml_dtype).view(np.uint8))
+             for f in (E4M3, E5M2)}
+
+
+def _in_graph(xp):
+    """Whether a CUDA graph is being recorded on this thread's current stream (or by
+    make_graphed_step, whatever the stream): cudaStreamIsCapturing, nonzero while active
+    or invalidated. xp: the data's array module (NumPy: never)."""
+    from .graphs import capturing
+    if capturing():
+        return True
+    if xp is np:
+        return False
+    return xp.cuda.runtime.streamIsCapturing(xp.cuda.get_current_stream().ptr) != 0
+
+
+def _refuse_graph(xp):
+    if _in_graph(xp):  # (worded without "captur": make_graphed_step passes it on as is)
+        raise RuntimeError(
+            "FP8Inspector: an FP8 cast inside a CUDA graph being recorded (make_graphed_step, "
+            "or a CuPy stream recording a graph) while an FP8Inspector is active. A graph's "
+            "replays run no Python, so the inspector cannot count them (and its per-step "
+            "read would sync inside the graph). Make the graph outside the `with "
+            "FP8Inspector(...)` block, and inspect eager steps of the same function")
+
+
+@contextlib.contextmanager
+def paused():
+    """No inspector inside (casts that are not the user's: tecupy.plot's scale sweep)."""
+    token = ACTIVE_INSPECTOR.set(None)
+    try:
+        yield
+    finally:
+        ACTIVE_INSPECTOR.reset(token)
 
 
 def _state_paths(modules):

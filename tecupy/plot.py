@@ -137,6 +137,7 @@ def plot_error_vs_scale(x, fmt, scales=None):
     (default: fmt.max / amax(x) times 2^-24 .. 2^6): too small a scale flushes values to
     zero, too large a one saturates them; the dashed line is current scaling's choice."""
     from .fp8 import dequantize, quantize
+    from .inspect import paused
     fmt = as_format(fmt, "plot_error_vs_scale")
     xn = to_numpy(x).astype(np.float64)
     amax = np.abs(xn[np.isfinite(xn)]).max()
@@ -145,9 +146,10 @@ def plot_error_vs_scale(x, fmt, scales=None):
         scales = best * 2.0 ** np.arange(-24, 7)
     ref = np.linalg.norm(xn[np.isfinite(xn)])
     errors = []
-    for s in scales:
-        y = to_numpy(dequantize(quantize(x, float(s), fmt), np.float64))
-        errors.append(np.linalg.norm((y - xn)[np.isfinite(xn)]) / ref)
+    with paused():  # a sweep of the picture's own, not casts of the user's to inspect
+        for s in scales:
+            y = to_numpy(dequantize(quantize(x, float(s), fmt), np.float64))
+            errors.append(np.linalg.norm((y - xn)[np.isfinite(xn)]) / ref)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(scales, errors, marker=".")

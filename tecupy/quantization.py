@@ -30,6 +30,8 @@ of both, new): 6 source files, plus the new modules' names in the import lists o
 kernels/__init__.py and reference/__init__.py. No op, no module, not the tape. A recipe
 with one scale per tensor needs no GEMM of its own: 5.
 """
+import weakref
+
 import numpy as np
 
 from . import backends
@@ -56,6 +58,7 @@ class DelayedQuantizer:
         self.scale = meta.scale[i:i + 1]  # views, float32 (1,)
         self.amax_out = meta.amax_history[0, i:i + 1]
         self.site = site  # (id(state), gemm, tensor): FP8Inspector's label (an id: no cycle)
+        _by_slot[id(self.amax_out)] = self  # (quantizer_of: fp8.dact_cast's label)
 
     def __repr__(self):
         return f"DelayedQuantizer({self.fmt.name})"
@@ -81,6 +84,17 @@ def _inspected(quantizer, x, out):
     if inspector is not None:
         inspector.record(quantizer, x, out)
     return out
+
+
+# id(amax_out view) -> its live DelayedQuantizer: an op that casts with a quantizer's scale
+# and amax slot outside its methods (fp8.dact_cast) is labelled by the inspector through it
+_by_slot = weakref.WeakValueDictionary()
+
+
+def quantizer_of(amax_out):
+    """The DelayedQuantizer whose amax slot is the array object `amax_out`, or None."""
+    q = _by_slot.get(id(amax_out))
+    return q if q is not None and q.amax_out is amax_out else None
 
 
 class CurrentQuantizer:

@@ -2,6 +2,7 @@
 Transformer Engine's cast (scale in float32, saturate to +-max, round to nearest even through
 ml_dtypes, NaN stays NaN), its labels, steps, exports, the zero-cost path and its errors."""
 import csv
+import types
 
 import numpy as np
 import pytest
@@ -123,10 +124,13 @@ def test_module_labels_and_filters(rng):
         _train_step(m, x, recipe.DelayedScaling())
     assert {"self_attention.proj.gemm0.input", "self_attention.proj.gemm0.grad_output",
             "layernorm_mlp.gemm1.weight"} <= set(ins.labels)
-    # a producer-fused cast (the norm writes FP8): amax and scale only
-    fused = ins.to_dict()["layernorm_mlp.gemm0.input"]
-    assert fused["amax"][0] > 0 and fused["scale"][0] == 1.0
-    assert np.isnan([fused[f][0] for f in ("underflow", "overflow", "rel_error")]).all()
+    # producer-fused casts (the norm writes FP8; the dGELU's cast of fc1's dy): from codes
+    d = ins.to_dict()
+    for label in ("layernorm_mlp.gemm0.input", "layernorm_mlp.gemm0.grad_output"):
+        assert ins.counted_from[label] == "codes"
+        assert d[label]["amax"][0] > 0 and d[label]["scale"][0] == 1.0
+        assert 0 <= d[label]["underflow"][0] < 1 and np.isnan(d[label]["rel_error"][0])
+    assert ins.counted_from["layernorm_mlp.gemm1.grad_output"] == "input"
     with FP8Inspector({"mlp": m.layernorm_mlp}, tensors=("weight",)) as ins:
         _train_step(m, x, recipe.DelayedScaling())
     assert ins.labels == ["mlp.gemm0.weight", "mlp.gemm1.weight"]
@@ -159,17 +163,20 @@ def test_to_csv(tmp_path, rng):
     ins.to_csv(tmp_path / "f.csv")
     with open(tmp_path / "f.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["step"], r["tensor"], r["format"]) for r in rows] == [
-        ("0", "state0.gemm0.grad_output", "e5m2"), ("1", "state0.gemm0.grad_output", "e5m2")]
+    assert [(r["step"], r["tensor"], r["format"], r["counted_from"]) for r in rows] == [
+        ("0", "state0.gemm0.grad_output", "e5m2", "input"),
+        ("1", "state0.gemm0.grad_output", "e5m2", "input")]
     assert float(rows[1]["amax"]) == ins.to_dict()["state0.gemm0.grad_output"]["amax"][1]
 
 
 def test_disabled_costs_no_hook_call(monkeypatch, rng):
     def boom(*args):
         raise AssertionError("record called with no inspector active")
-    monkeypatch.setattr(FP8Inspector, "record", boom)
-    m = nn.LayerNormMLP(32, 64, device="cpu", seed=0)
+    for hook in ("record", "record_dact", "record_quantize"):
+        monkeypatch.setattr(FP8Inspector, hook, boom)
+    m = nn.LayerNormMLP(32, 64, device="cpu", seed=0)  # its backward casts through dact_cast
     _train_step(m, rng.standard_normal((16, 32)).astype(np.float32), recipe.DelayedScaling())
+    tecupy.quantize(rng.standard_normal(8).astype(np.float32), 1.0, "e4m3")
     assert ACTIVE_INSPECTOR.get() is None
 
 
@@ -199,17 +206,138 @@ def test_bad_arguments_name_the_argument(kwargs, exc, name):
         FP8Inspector(**kwargs)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float32, tecupy.bfloat16])
-def test_cupy_path_equals_numpy_path(rng, dtype):
-    import cupy
-    x = (rng.standard_normal((256, 128)) * 30).astype(np.float32)
-    x[::7, ::5] = 1e-6
-    x = x.astype(dtype)
-    out = []
-    for xp in (np, cupy):
-        with FP8Inspector(sample=1000) as ins:
-            quantizer(xp, fp8.E4M3, 8.0).quantize(xp.asarray(x), transpose=True)
-        out.append(ins.to_dict()["state0.gemm0.input"])
-    for f in FIELDS:
-        np.testing.assert_allclose(out[1][f], out[0][f], rtol=1e-12, err_msg=f)
+def code_stats(codes, fmt):
+    """(zero codes, max codes) over the non-NaN codes, counted independently (ml_dtypes)."""
+    v = codes.view(fmt.ml_dtype).astype(np.float64)
+    valid = ~np.isnan(v)
+    return (np.count_nonzero(valid & (v == 0)) / np.count_nonzero(valid),
+            np.count_nonzero(np.abs(v) == fmt.max) / np.count_nonzero(valid))
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+def test_producer_fused_cast_counted_from_its_codes(rng, fmt):
+    scale = 2.0 ** rng.integers(-3, 4)
+    x, _, _ = known_input(rng, fmt, scale, n=int(rng.integers(500, 1500)))
+    codes = np.asarray(fp8.quantize(x, scale, fmt).data)
+    q = quantizer(np, fmt, scale)
+    q.amax_out[...] = 7.5  # what the producer maxed into the slot
+    with FP8Inspector() as ins:
+        q.wrap(codes)
+    r = ins.to_dict()["state0.gemm0.input"]
+    zeros, at_max = code_stats(codes, fmt)
+    assert 0 < zeros and 0 < at_max  # the boundaries of known_input are in both
+    assert (r["underflow"][0], r["overflow"][0]) == (zeros, at_max)
+    assert r["amax"][0] == 7.5 and r["scale"][0] == scale and np.isnan(r["rel_error"][0])
+    assert ins.counted_from == {"state0.gemm0.input": "codes"}
+
+
+def _dact_inputs(rng, rows=48, cols=40):
+    """dy, h, b (float32) whose dx = dy * gelu'(h + b) flushes and saturates in E5M2."""
+    dy = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-9, 6, (rows, cols)))
+    h = rng.standard_normal((rows, cols)) * 3
+    b = rng.standard_normal(cols)
+    return dy.astype(np.float32), h.astype(np.float32), b.astype(np.float32)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_dact_cast_is_seen(rng, exact):
+    dy, h, b = _dact_inputs(rng)
+    q = quantizer(np, fp8.E5M2, 2.0, "grad_output")
+    with FP8Inspector(exact=exact) as ins:
+        t, db = fp8.dact_cast(dy, h, b, "gelu", q.scale, q.fmt, q.amax_out, np.float32)
+    r = ins.to_dict()["state0.gemm0.grad_output"]
+    dx, _ = tecupy.backends.dispatch("gelu_bwd", dy, h, b)  # what the fused cast cast
+    assert r["scale"][0] == 2.0 and r["numel"][0] == dx.size
+    if exact:
+        under, over, rel = numpy_stats(dx.reshape(-1), fp8.E5M2, 2.0)
+        assert under > 0 and over > 0
+        assert (r["underflow"][0], r["overflow"][0]) == (under, over)
+        np.testing.assert_allclose(r["rel_error"][0], rel, rtol=1e-12)
+        assert r["amax"][0] == np.abs(dx).max()
+        assert ins.counted_from["state0.gemm0.grad_output"] == "input"
+    else:
+        zeros, at_max = code_stats(np.asarray(t.data), fp8.E5M2)
+        assert (r["underflow"][0], r["overflow"][0]) == (zeros, at_max)
+        assert r["amax"][0] == np.abs(dx).max() and np.isnan(r["rel_error"][0])
+        assert ins.counted_from["state0.gemm0.grad_output"] == "codes"
+    # a dact_cast with an amax slot of no quantizer: modules=None only
+    with FP8Inspector() as ins:
+        fp8.dact_cast(dy, h, b, "gelu", q.scale, q.fmt, np.zeros(1, np.float32))
+        fp8.dact_cast(dy, h, None, "gelu", q.scale, q.fmt, None)
+    assert ins.labels == ["dact_cast0", "dact_cast1"]
+    assert np.isnan(ins.to_dict()["dact_cast1"]["amax"][0])
+    with FP8Inspector({"s": tecupy.FP8State()}) as ins:
+        fp8.dact_cast(dy, h, b, "gelu", q.scale, q.fmt, np.zeros(1, np.float32))
+    assert ins.labels == []
+
+
+def test_direct_quantize_is_seen_with_modules_none(rng):
+    """tecupy.quantize is the user's own cast: recorded as quantize<n> where the inspector
+    records every cast (modules=None), not where it watches modules."""
+    fmt, scale = fp8.E4M3, 2.0 ** rng.integers(-3, 4)
+    x, flushed, saturated = known_input(rng, fmt, scale)
+    y = rng.standard_normal((16, 24)).astype(np.float32)
+    with FP8Inspector() as ins:
+        tecupy.quantize(x, scale, fmt)
+        fp8.quantize_current(y, fmt, transpose=True, dbias_dtype=np.float32)
+    d = ins.to_dict()
+    under, over, rel = numpy_stats(x, fmt, scale)
+    assert (d["quantize0"]["underflow"][0], d["quantize0"]["overflow"][0]) == (under, over)
+    np.testing.assert_allclose(d["quantize0"]["rel_error"][0], rel, rtol=1e-12)
+    assert d["quantize1"]["amax"][0] == np.abs(y).max() and d["quantize1"]["numel"][0] == y.size
+    np.testing.assert_allclose(d["quantize1"]["scale"][0], 448 / np.abs(y).max(), rtol=1e-6)
+    m = nn.Linear(16, 16, device="cpu", seed=0)
+    with FP8Inspector(m) as ins:
+        tecupy.quantize(x, scale, fmt)
+    assert ins.labels == []
+
+
+class _FakeStream:
+    def __init__(self, status):
+        self.ptr, self.status, self.asked = 0xC0FFEE, status, []
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(streamIsCapturing=self._is_capturing),
+            get_current_stream=lambda: types.SimpleNamespace(ptr=self.ptr))
+
+    def _is_capturing(self, ptr):
+        self.asked.append(ptr)
+        return self.status
+
+
+@pytest.mark.parametrize("status, recording", [(0, False), (1, True), (2, True)])
+def test_graph_recording_is_read_from_the_current_stream(status, recording):
+    """A CuPy array module's current stream (cudaStreamCaptureStatus: 0 none, 1 active, 2
+    invalidated) tells whether a graph is being recorded; NumPy never asks."""
+    fake = _FakeStream(status)
+    assert tecupy.inspect._in_graph(fake) is recording and fake.asked == [fake.ptr]
+    assert tecupy.inspect._in_graph(np) is False
+    if recording:
+        with pytest.raises(RuntimeError, match="FP8 cast inside a CUDA graph"):
+            tecupy.inspect._refuse_graph(fake)
+
+
+def test_a_cast_under_make_graphed_step_is_a_clear_error(rng):
+    """While make_graphed_step records a graph (graphs.capturing()), an inspected cast
+    raises, and make_graphed_step's error wrapping passes the message on unchanged; the
+    per-step read refuses too. Without an inspector, nothing is checked."""
+    from tecupy import graphs
+    q = quantizer(np, fp8.E4M3, 1.0)
+    x = rng.standard_normal(64).astype(np.float32)
+    with FP8Inspector() as ins:
+        q.quantize(x)
+        token = graphs._capturing.set(object())  # what graphs._capture sets
+        try:
+            assert graphs.capturing()
+            for cast in (lambda: q.quantize(x), lambda: q.wrap(np.zeros(4, np.uint8)),
+                         lambda: tecupy.quantize(x, 1.0, "e4m3")):
+                with pytest.raises(RuntimeError, match="inside a CUDA graph") as err:
+                    cast()
+                assert graphs._capture_error(err.value) is err.value
+            with pytest.raises(RuntimeError, match="make_graphed_step"):
+                ins.step()
+            with tecupy.inspect.paused():
+                q.quantize(x)  # no inspector: no check
+        finally:
+            graphs._capturing.reset(token)
+        ins.step()  # the record made before is kept
+    assert ins.steps == 1 and ins.to_dict()["state0.gemm0.input"]["numel"][0] == 64
