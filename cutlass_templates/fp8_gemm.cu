@@ -8,6 +8,7 @@
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
 // alpha and bias are applied in float32 once, in the epilogue; D is rounded once to TOut.
+// bias is in D's type for a 16-bit D (bf16, half), float otherwise (bias_t).
 // Scales are read from device memory (no host sync).
 //
 // Launch: persistent grid (<= one CTA per SM), 384 threads = 3 warpgroups.
@@ -158,13 +159,29 @@ template <> __device__ __forceinline__ float round_to<__half>(float v) {
     return __half2float(__float2half_rn(v));
 }
 
+// The bias is read in the output's type where D is 16-bit (bf16 or half: exact in float, so
+// the sums are those of a float32 copy, without the per-call copy a caller would make); a
+// float32 or FP8 D reads a float bias. One bias type per TOut: no more instantiations.
+// Loaded one element at a time: a bias view may be only 2-byte aligned.
+template <class TOut> struct BiasOf { using type = float; };
+template <> struct BiasOf<__nv_bfloat16> { using type = __nv_bfloat16; };
+template <> struct BiasOf<__half> { using type = __half; };
+template <class TOut> using bias_t = typename BiasOf<TOut>::type;
+__device__ __forceinline__ float bias_at(const float* p, int c) { return __ldg(p + c); }
+__device__ __forceinline__ float bias_at(const __nv_bfloat16* p, int c) {
+    return __bfloat162float(__ldg(p + c));
+}
+__device__ __forceinline__ float bias_at(const __half* p, int c) {
+    return __half2float(__ldg(p + c));
+}
+
 // What the epilogue needs besides the fragment. EPI: 0 none, 1 + bias, 2 gelu(+ bias) with
 // the value before gelu stored in aux (backward needs it), 3 gelu's backward: D = that *
 // gelu'(aux + bias), aux the forward's value before gelu (Transformer Engine's DGELU
 // epilogue: the dgrad of fc2 leaves as fc1's dy, with no [M, ffn] array between them).
 template <class TOut>
 struct Epilogue {
-    const float* bias;
+    const bias_t<TOut>* bias;
     TOut* d;
     TOut* aux;
     float alpha, out_scale;
@@ -185,7 +202,7 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
         const int c = col0 + 8 * j + 2 * (lane % 4);
         if (c >= e.N) continue;  // N is even, so c < N means c + 1 < N too
         float b0 = 0.f, b1 = 0.f;
-        if (EPI >= 1) { b0 = __ldg(e.bias + c); b1 = __ldg(e.bias + c + 1); }
+        if (EPI >= 1) { b0 = bias_at(e.bias, c); b1 = bias_at(e.bias, c + 1); }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + 8 * h;
@@ -242,7 +259,7 @@ __device__ __forceinline__ void epilogue_dgelu(const float (&acc)[BN / 2],
         for (int j = 0; j < CH; ++j) {
             const int c = col0 + 8 * (j0 + j) + 2 * (lane % 4);
             if (c >= e.N) continue;  // N is even, so c < N means c + 1 < N too
-            const float b0 = __ldg(e.bias + c), b1 = __ldg(e.bias + c + 1);
+            const float b0 = bias_at(e.bias, c), b1 = bias_at(e.bias, c + 1);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = r0 + 8 * h, i = 4 * (j0 + j) + 2 * h;
@@ -276,8 +293,8 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const E
         const int c = 8 * j + 2 * (lane % 4);  // column in the tile
         float b0 = 0.f, b1 = 0.f;
         if (EPI == 1 && col0 + c < e.N) {
-            b0 = __ldg(e.bias + col0 + c);
-            b1 = __ldg(e.bias + col0 + c + 1);
+            b0 = bias_at(e.bias, col0 + c);
+            b1 = bias_at(e.bias, col0 + c + 1);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -469,7 +486,8 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
           bool PROMOTE>
 __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scale_inv_b,
-                                     const float* bias, const float* scale_out, float* amax_out,
+                                     const bias_t<TOut>* bias, const float* scale_out,
+                                     float* amax_out,
                                      TOut* d, TOut* aux, int M, int N, int K,
                                      const cute::TmaDescriptor& tma_a,
                                      const cute::TmaDescriptor& tma_b,
@@ -512,7 +530,7 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
 // d and aux may alias (EPI 3 in place), so neither is __restrict__
 #define TC_GEMM_PARAMS                                                                       \
     const float* __restrict__ scale_inv_a, const float* __restrict__ scale_inv_b,            \
-        const float* __restrict__ bias, const float* __restrict__ scale_out,                 \
+        const bias_t<TOut>* __restrict__ bias, const float* __restrict__ scale_out,          \
         float* __restrict__ amax_out, TOut* d, TOut* aux, int M,                           \
         int N, int K, const __grid_constant__ cute::TmaDescriptor tma_a,                     \
         const __grid_constant__ cute::TmaDescriptor tma_b,                                   \

@@ -1,53 +1,251 @@
-"""Host time of one FP8 nn.Linear forward (M=256, K=N=4096, bf16, delayed scaling, under a
-Tape and fp8_autocast entered per call: issue 21's 60 us target) on the GPU, and where it
-goes: cProfile's top functions by own time over 300 calls.
+"""Host time of one FP8 nn.Linear forward (M=256, K=N=4096, bf16, delayed scaling: issue
+21's 60 us target) on the GPU, two ways:
+  (a) a Tape and fp8_autocast entered per call (the exit's delayed-scaling update in every
+      call), as a notebook cell runs it;
+  (b) one Tape and fp8_autocast held over --calls calls (the per-Linear cost inside a
+      training step, which pays the exit's update once per step);
+and where (a) goes: cProfile's top functions by own time over --calls calls.
 
-    python scripts/linear_host.py [--top 30]
+    python scripts/linear_host.py [--top 30] [--calls 300]
+    python scripts/linear_host.py --fake      # no GPU: CuPy faked, the Python only
+
+--fake runs the same calls on a machine without a GPU with CuPy's arrays, allocations,
+kernel lookups and launches replaced by trivial stand-ins (FakeCupy), so what is timed is
+tecupy's own Python around them; CuPy's part (allocation ~2 us, launch ~5-7 us each on the
+lent hosts, PERFLOG.md) comes on top on a GPU.
 """
 import argparse
+import contextlib
 import cProfile
+import math
+import os
 import pstats
+import sys
 import time
 
-import cupy
 import numpy as np
 
-import tecupy
-from tecupy.recipe import DelayedScaling
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import tecupy  # noqa: E402  (this checkout's, not an installed copy)
+from tecupy.recipe import DelayedScaling  # noqa: E402
+
+M, K, N = 256, 4096, 4096
+
+
+def make(cupy, fake):
+    """The Linear and its input x [M, K] (fake: made on the CPU, parameters as fakes)."""
+    lin = tecupy.nn.Linear(K, N, params_dtype=tecupy.bfloat16, seed=0,
+                           device="cpu" if fake else "cuda")
+    if fake:
+        lin.weight, lin.bias = cupy.asarray(lin.weight), cupy.asarray(lin.bias)
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((M, K)).astype(tecupy.bfloat16))
+    return lin, x
+
+
+def per_call(lin, x, recipe):
+    """(a): a Tape and an autocast entered per call."""
+    def fwd():
+        with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=recipe):
+            lin(x)
+    return fwd
+
+
+def rounds(fn, calls, sync, n=5, held=None):
+    """us per call of fn, best of n rounds of `calls` calls; held: a context entered around
+    each round (b), else none."""
+    best = []
+    for _ in range(n):
+        with held() if held else contextlib.nullcontext():
+            fn()  # (the state is made at the first call; every plan is made)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return best
+
+
+def held_context(recipe):
+    """(b): one Tape and fp8_autocast around a round of calls (the exit's update in it)."""
+    @contextlib.contextmanager
+    def ctx():
+        with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=recipe):
+            yield
+    return ctx
+
+
+def parts(lin, x, rounds_=40, calls=100):
+    """us per call of each CUDA wrapper the forward runs (best of `rounds_` rounds of `calls`
+    calls, the garbage collector off): what one change moves, less noisy than the whole."""
+    import gc
+    from tecupy import backends
+    from tecupy.fp8_state import update_states
+    state = lin.fp8_state
+    qi, qw, _ = state.derived[0]
+    ax, aw = qi.quantize(x, transpose=True), qw.quantize(lin.weight, transpose=True)
+    inv = ax.scale_inv
+    cases = {
+        "cast_transpose (dispatch)": lambda: backends.dispatch(
+            "cast_transpose", x, qi.scale, qi.fmt, qi.amax_out, inv),
+        "fp8_gemm with bias (dispatch)": lambda: backends.dispatch(
+            "fp8_gemm", ax.data, ax.fmt, inv, aw.data, aw.fmt, inv, x.dtype, lin.bias),
+        "forward update of 1 state (update_states)": lambda: update_states([state], "fwd"),
+    }
+    gc.disable()
+    try:
+        for label, fn in cases.items():
+            best = []
+            for _ in range(rounds_):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best.append((time.perf_counter() - t0) / calls * 1e6)
+            print(f"  {label}: {min(best):.2f} us")
+    finally:
+        gc.enable()
+
+
+def report(label, best):
+    print(f"{label}: {min(best):.1f} us per call (rounds: "
+          + ", ".join(f"{b:.1f}" for b in best) + ")")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--held", type=int, default=100, help="calls per held Tape + autocast")
+    p.add_argument("--parts", action="store_true", help="also time each wrapper alone")
+    p.add_argument("--fake", action="store_true", help="no GPU: CuPy faked (FakeCupy)")
     a = p.parse_args()
-    lin = tecupy.nn.Linear(4096, 4096, params_dtype=tecupy.bfloat16, device="cuda", seed=0)
-    x = cupy.asarray(np.random.default_rng(0).standard_normal((256, 4096))
-                     .astype(tecupy.bfloat16))
-    r = DelayedScaling(amax_history_len=16)
-
-    def fwd():
-        with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
-            lin(x)
-    for _ in range(20):
-        fwd()
-    cupy.cuda.Device().synchronize()
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+    with FakeCupy() if a.fake else contextlib.nullcontext():
+        import cupy
+        sync = (lambda: None) if a.fake else cupy.cuda.Device().synchronize
+        lin, x = make(cupy, a.fake)
+        r = DelayedScaling(amax_history_len=16)
+        fwd = per_call(lin, x, r)
+        for _ in range(20):
+            fwd()
+        sync()
+        report("(a) FP8 Linear forward, Tape + fp8_autocast per call, host",
+               rounds(fwd, a.calls, sync))
+        report(f"(b) FP8 Linear forward, one Tape + fp8_autocast over {a.held} calls, host",
+               rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
+                      held=held_context(r)))
+        if a.parts:
+            parts(lin, x)
+        prof = cProfile.Profile()
+        prof.enable()
         for _ in range(a.calls):
             fwd()
-        best.append((time.perf_counter() - t0) / a.calls * 1e6)
-        cupy.cuda.Device().synchronize()
-    print(f"FP8 Linear forward host us per call: {min(best):.1f} (rounds: "
-          + ", ".join(f"{b:.1f}" for b in best) + ")")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(a.calls):
-        fwd()
-    prof.disable()
-    cupy.cuda.Device().synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+        prof.disable()
+        sync()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+
+
+# ---- CuPy faked: the wrappers' Python timed on a machine without a GPU -------------------
+class _Mem:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class FakeArray:
+    """What the CUDA wrappers read of a CuPy array: shape, dtype, sizes, data.ptr, flags."""
+    _next = [1 << 32]
+    flags = _Flags()
+
+    def __init__(self, shape, dtype):  # (about what CuPy's own constructor costs, ~1 us)
+        self.shape = shape = tuple(shape) if type(shape) is not int else (shape,)
+        self.dtype = dtype = dtype if type(dtype) is np.dtype else np.dtype(dtype)
+        self.ndim, self.itemsize = len(shape), dtype.itemsize
+        self.size = math.prod(shape)
+        self.nbytes = self.size * self.itemsize
+        self.data = _Mem(FakeArray._next[0])
+        FakeArray._next[0] += -(-max(self.nbytes, 1) // 256) * 256
+
+    def astype(self, dtype, copy=True):
+        return self if not copy and np.dtype(dtype) == self.dtype else FakeArray(self.shape,
+                                                                                 dtype)
+
+    def reshape(self, *shape):
+        return FakeArray(shape[0] if len(shape) == 1 else shape, self.dtype)
+
+    def __getitem__(self, index):  # the states' slot views: (1,)
+        return FakeArray((1,), self.dtype)
+
+    def __setitem__(self, index, value):
+        pass
+
+    def __len__(self):
+        return self.shape[0]
+
+
+class _Kernel:
+    """A loaded kernel: callable (CuPy's launch), with the attributes the plans read."""
+    def __init__(self, name):
+        self.name, self.max_dynamic_shared_size_bytes = name, 0
+        self.kernel = _Mem(id(self))
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        pass
+
+
+class _Stream:
+    ptr = 0
+
+    def is_capturing(self):
+        return False
+
+
+class FakeCupy:
+    """CuPy's arrays, allocations, device queries, kernel lookups and launches replaced by
+    stand-ins (attributes of the imported cupy module and of tecupy's kernel modules), for
+    as long as the context is open."""
+
+    def __enter__(self):
+        import cupy
+        from tecupy import _array, loader
+        from tecupy.kernels import cast, fp8_gemm, launch, pools
+        stream = _Stream()
+        kernels = {}
+        fake = {
+            (cupy, "ndarray"): FakeArray,
+            (cupy, "empty"): lambda shape, dtype=np.float32: FakeArray(shape, dtype),
+            (cupy, "zeros"): lambda shape, dtype=np.float32: FakeArray(shape, dtype),
+            (cupy, "ones"): lambda shape, dtype=np.float32: FakeArray(shape, dtype),
+            (cupy, "full"): lambda shape, v, dtype=np.float32: FakeArray(shape, dtype),
+            (cupy, "empty_like"): lambda a: FakeArray(a.shape, a.dtype),
+            (cupy, "ascontiguousarray"): lambda a: a,
+            (cupy, "asarray"): lambda a, dtype=None: (
+                a if isinstance(a, FakeArray) else FakeArray(np.shape(a),
+                                                             dtype or np.asarray(a).dtype)),
+            (cupy.cuda.runtime, "getDevice"): lambda: 0,
+            (cupy.cuda, "get_current_stream"): lambda: stream,
+            (_array, "_CUPY_ARRAY"): FakeArray,
+            (loader, "function"): lambda file, name, options=(): kernels.setdefault(
+                name, _Kernel(name)),
+            (launch, "_hopper"): {0: True},
+            (launch, "_sm_counts"): {0: 132},
+            (launch, "_cupy"): [FakeArray, lambda: stream, lambda *args: 0],
+            (cast, "resident_blocks"): lambda k, threads, smem: 8,
+            (pools, "resident_blocks"): lambda k, threads, smem: 8,
+            (fp8_gemm, "tma_encode"): lambda *args: np.zeros(128, np.uint8).view("V128"),
+        }
+        self.saved = [(obj, name, getattr(obj, name)) for obj, name in fake]
+        for (obj, name), value in fake.items():
+            setattr(obj, name, value)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+        return False
 
 
 if __name__ == "__main__":

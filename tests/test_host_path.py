@@ -11,6 +11,7 @@ from tecupy import backends
 from tecupy.fp8 import E4M3, E5M2
 from tecupy.kernels import cast as cast_kernels
 from tecupy.kernels import fp8_gemm as gemm_kernels
+from tecupy.kernels import scaling as scaling_kernels
 from tecupy.recipe import DelayedScaling
 
 linear_op = importlib.import_module("tecupy.ops.linear")  # (tecupy.ops.linear: the function)
@@ -96,13 +97,14 @@ def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_pat
     monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gemm_kernels, "_tuned_cache", {})
     args = (256, 4096, 4096, E4M3, E4M3, True, tecupy.bfloat16, False, False, False)
-    fn, grid, smem, staged, out_dtype, bn, gelu = gemm_kernels._shape_plan(*args)
+    fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype = gemm_kernels._shape_plan(*args)
     config = gemm_kernels.default_config(256, 4096, True)
     assert fn.name == gemm_kernels.kernel_name("e4m3", "e4m3", "__nv_bfloat16", 1, False,
                                                config)
     assert (bn, smem, out_dtype) == (config[0], gemm_kernels.smem_bytes(config, staged),
                                      np.dtype(tecupy.bfloat16))
     assert fn.max_dynamic_shared_size_bytes == smem and not gelu
+    assert b_dtype == np.dtype(tecupy.bfloat16)  # the epilogue reads a bf16 bias
     assert grid == (min(2 * -(-4096 // bn), 132),)
     version = gemm_kernels._version[0]
     tuned = next(c for c in gemm_kernels.CANDIDATES[True] if c != config)
@@ -146,3 +148,214 @@ def test_fp8_gemm_tma_descriptors_are_kept(monkeypatch):
     out = Array(1 << 20, (256, 64), tecupy.bfloat16)  # same address, another array
     assert gemm_kernels.tma_desc(out, 64) == 2
     assert calls[1] == (1 << 20, np.dtype(tecupy.bfloat16), (64, 256), (128,), (64, 64))
+
+
+# ---- CuPy faked: the wrappers' per-call work, on a machine without a GPU ----------------
+class _Mem:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Flags:
+    def __init__(self, c_contiguous):
+        self.c_contiguous = c_contiguous
+
+
+class FakeArray:
+    """What the CUDA wrappers read of a CuPy array; made only through the faked CuPy
+    functions below, which count them (allocations) and the copies (astype)."""
+    made = []
+
+    def __init__(self, shape, dtype, contiguous=True):
+        self.shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        self.dtype = np.dtype(dtype)
+        self.ndim, self.itemsize = len(self.shape), self.dtype.itemsize
+        self.size = int(np.prod(self.shape))
+        self.data = _Mem((len(FakeArray.made) + 1) << 20)
+        self.flags = _Flags(contiguous)
+        FakeArray.made.append(self)
+
+    def astype(self, dtype, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return FakeArray(self.shape, dtype)
+
+
+class _LaunchedKernel(_Kernel):
+    def __init__(self, name):
+        super().__init__(name)
+        self.kernel = _Mem(id(self))
+        self.calls = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.calls.append((grid, block, args))
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """CuPy's ndarray, allocations and device queries faked; loader.function gives kernels
+    that record their launches ({name: kernel})."""
+    import cupy
+    FakeArray.made = []
+    kernels = {}
+    monkeypatch.setattr(cupy, "ndarray", FakeArray)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: FakeArray(shape, dtype))
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: FakeArray(shape, dtype))
+    monkeypatch.setattr(cupy, "ascontiguousarray",
+                        lambda a: a if a.flags.c_contiguous else FakeArray(a.shape, a.dtype))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(gemm_kernels.loader, "function", lambda file, name, options=():
+                        kernels.setdefault(name, _LaunchedKernel(name)))
+    return kernels
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype", [
+    (tecupy.bfloat16, tecupy.bfloat16), (np.float16, np.float16), (np.float32, np.float32),
+    (E4M3, np.float32)])
+def test_fp8_gemm_epilogue_reads_the_bias_in_the_output_type(out_dtype, bias_dtype):
+    """bf16 and half D read a bias of their own type (exact in float32); float32 and FP8 D
+    a float32 bias: one bias type per output type, so no kernel more."""
+    assert gemm_kernels.bias_dtype(out_dtype) == np.dtype(bias_dtype)
+
+
+def _gemm_operands(m, n, k):
+    a, b = FakeArray((m, k), np.uint8), FakeArray((n, k), np.uint8)
+    return a, FakeArray((1,), np.float32), b, FakeArray((1,), np.float32)
+
+
+def _fake_gemm(monkeypatch):
+    monkeypatch.setattr(gemm_kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(gemm_kernels, "hopper", lambda: True)
+    monkeypatch.setattr(gemm_kernels, "_plans", {})
+    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: args)
+
+
+@pytest.mark.parametrize("out_dtype", [tecupy.bfloat16, np.float16])
+def test_fp8_gemm_16bit_bias_goes_to_the_kernel_as_it_is(fake_cupy, monkeypatch, out_dtype):
+    """The FP8 linears' case (bias in x's dtype, D in x's dtype): the bias array itself is
+    the kernel's argument, no float32 copy per call (issue 21: ~17 us of host time)."""
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(256, 4096, 4096)
+    bias = FakeArray((4096,), out_dtype)
+    args = (a, E4M3, sa, b, E4M3, sb, np.dtype(out_dtype), bias)
+    assert gemm_kernels.supported(*args)
+    before = len(FakeArray.made)
+    out = gemm_kernels.fp8_gemm(*args)
+    assert FakeArray.made[before:] == [out]  # the output, and no copy of the bias
+    (k,) = fake_cupy.values()
+    assert k.calls[0][2][2] is bias and ", 1, false, false>" in k.name  # EPI 1
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype,copied", [
+    (np.float32, tecupy.bfloat16, True),     # float32 D: bf16 -> float32, exact
+    (np.float32, np.float32, False),
+    (tecupy.bfloat16, tecupy.bfloat16, True)])  # (a strided view: made contiguous)
+def test_fp8_gemm_bias_copies_only_where_needed(fake_cupy, monkeypatch, out_dtype, bias_dtype,
+                                                copied):
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(64, 32, 48)
+    strided = out_dtype != np.float32
+    bias = FakeArray((32,), bias_dtype, contiguous=not strided)
+    args = (a, E4M3, sa, b, E4M3, sb, np.dtype(out_dtype), bias)
+    assert gemm_kernels.supported(*args)
+    gemm_kernels.fp8_gemm(*args)
+    (k,) = fake_cupy.values()
+    sent = k.calls[0][2][2]
+    assert (sent is not bias) == copied
+    assert sent.dtype == gemm_kernels.bias_dtype(out_dtype) and sent.flags.c_contiguous
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype", [
+    (tecupy.bfloat16, np.float32), (np.float16, tecupy.bfloat16), (tecupy.bfloat16, np.float16)])
+def test_fp8_gemm_refuses_a_bias_its_epilogue_would_round(fake_cupy, monkeypatch, out_dtype,
+                                                           bias_dtype):
+    """A bias the 16-bit epilogue type would round (the reference adds it in float32): the
+    kernel declines (the reference runs it) rather than give other sums."""
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(64, 32, 48)
+    args = (a, E4M3, sa, b, E4M3, sb, np.dtype(out_dtype))
+    assert gemm_kernels.supported(*args, FakeArray((32,), out_dtype))
+    assert not gemm_kernels.supported(*args, FakeArray((32,), bias_dtype))
+
+
+def test_fp8_gemm_dgelu_without_bias_gets_zeros_of_the_bias_type(fake_cupy, monkeypatch):
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(64, 32, 48)
+    aux = FakeArray((64, 32), tecupy.bfloat16)
+    gemm_kernels.fp8_gemm(a, E5M2, sa, b, E4M3, sb, tecupy.bfloat16, None,
+                          split_accumulator=True, dgelu_aux=aux)
+    (k,) = fake_cupy.values()
+    sent = k.calls[0][2][2]
+    assert sent.shape == (32,) and sent.dtype == tecupy.bfloat16 and ", 3, false, " in k.name
+
+
+# ---- the delayed-scaling update's launch plan (kernels/scaling.py) ----------------------
+class _Meta:
+    def __init__(self, n, length=16):
+        self.amax_history = FakeArray((length, n), np.float32)
+        self.scale, self.scale_inv, self.fp8_max = (FakeArray((n,), np.float32)
+                                                    for _ in range(3))
+
+
+@pytest.fixture
+def fake_scaling(fake_cupy, monkeypatch):
+    """scaling's plans and tables emptied; returns (the tables it copies, what keep_alive
+    got)."""
+    copies, kept = [], []
+    monkeypatch.setattr(scaling_kernels, "_plans", {})
+    monkeypatch.setattr(scaling_kernels, "_tables", {})
+    monkeypatch.setattr(scaling_kernels, "keep_alive", kept.append)
+    import cupy
+    monkeypatch.setattr(cupy, "asarray", lambda a: copies.append(a) or FakeArray(a.shape,
+                                                                                a.dtype))
+    return copies, kept
+
+
+def test_update_plan_is_kept_for_the_same_metas(fake_cupy, fake_scaling):
+    """A repeated update of the same metas launches the same arguments with no table built
+    or copied; the table holds each meta's 4 pointers then the slot offsets."""
+    copies, kept = fake_scaling
+    metas = [_Meta(3), _Meta(6)]
+    for _ in range(3):
+        scaling_kernels.delayed_scaling_update(metas, "max", 2)
+    (k,) = fake_cupy.values()
+    assert len(copies) == 1 and len(k.calls) == 3
+    ptrs = [getattr(m, name).data.ptr for m in metas
+            for name in ("amax_history", "scale", "scale_inv", "fp8_max")]
+    np.testing.assert_array_equal(copies[0], ptrs + [0, 3, 9])
+    grid, block, args = k.calls[0]
+    assert grid == (9,) and block == (128,)
+    assert args[1:] == (2, 16, 0, np.float32(0.25))
+    assert all(c[2] is args for c in k.calls)  # one prebuilt argument tuple
+    assert len(kept) == 3 and all(t is args[0] for t in kept)  # kept by a capture
+
+
+def test_update_plan_follows_the_settings_and_reallocated_arrays(fake_cupy, fake_scaling):
+    copies, _ = fake_scaling
+    metas = [_Meta(3)]
+    scaling_kernels.delayed_scaling_update(metas, "max", 0)
+    scaling_kernels.delayed_scaling_update(metas, "most_recent", 0)  # another algo
+    (k,) = fake_cupy.values()
+    assert k.calls[1][2][3] == 1 and len(copies) == 1  # (same pointers: the same table)
+    metas[0].amax_history = FakeArray((4, 3), np.float32)  # a resized history
+    scaling_kernels.delayed_scaling_update(metas, "max", 0)
+    assert len(copies) == 2 and k.calls[-1][2][2] == 4
+    assert copies[-1][0] == metas[0].amax_history.data.ptr
+    metas[0].scale = FakeArray((3,), np.float32)  # any of the 4 arrays
+    scaling_kernels.delayed_scaling_update(metas, "max", 0)
+    assert len(copies) == 3 and copies[-1][1] == metas[0].scale.data.ptr
+    other = [_Meta(3)]  # other metas: their own plan
+    scaling_kernels.delayed_scaling_update(other, "max", 0)
+    assert copies[-1][0] == other[0].amax_history.data.ptr
+
+
+def test_update_takes_cupy_metas_of_one_history_length(fake_cupy):
+    assert scaling_kernels.supported([_Meta(3), _Meta(5)], "max", 0)
+    assert not scaling_kernels.supported([_Meta(3), _Meta(3, length=8)], "max", 0)
+    assert not scaling_kernels.supported([_Meta(3), _FakeNp(16)], "max", 0)
+    assert not scaling_kernels.supported([], "max", 0)
+
+
+class _FakeNp:
+    def __init__(self, length):
+        self.amax_history = np.zeros((length, 3), np.float32)

@@ -237,3 +237,62 @@ def test_tune_remembers_the_winner(rng, tmp_path, monkeypatch):
     _check(got, _want64(a, E5M2, sa, b, E4M3, sb, None),
            backends.dispatch("fp8_gemm", a, E5M2, sa, b, E4M3, sb, np.float32), True, "tuned")
 
+
+
+def _bias_view(cupy, bias, how):
+    """bias [n] on the GPU as the caller may hold it: a fresh array, a view 2 bytes past an
+    allocation's start (the epilogue loads it one element at a time), or a strided view."""
+    if how == "offset":
+        full = cupy.empty(bias.size + 1, bias.dtype)
+        full[1:] = cupy.asarray(bias)
+        return full[1:]
+    if how == "strided":
+        full = cupy.zeros(2 * bias.size, bias.dtype)
+        full[::2] = cupy.asarray(bias)
+        return full[::2]
+    return cupy.asarray(bias)
+
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", [np.float16, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+@pytest.mark.parametrize("how", ["fresh", "offset", "strided"])
+@pytest.mark.parametrize("mnk", [(37, 264, 4112), (1000, 8, 48), (129, 200, 272)], ids=str)
+def test_fp8_gemm_16bit_bias_in_its_own_dtype(rng, out_dtype, split, how, mnk):
+    """The epilogue reads a bf16 / half bias as it is (issue 21: no float32 copy per call):
+    against the float64 product plus the bias (2x rule), M, N and K tails, a poisoned pool."""
+    import cupy
+    m, n, k = mnk
+    a, sa, b, sb = _operands(rng, m, n, k, E4M3, E4M3)
+    bias = (rng.standard_normal(n) * 3).astype(out_dtype)
+    ga, gsa, gb, gsb = _gpu(a, sa, b, sb)
+    impl = backends.candidates("fp8_gemm", ga, E4M3, gsa, gb, E4M3, gsb, out_dtype,
+                               cupy.asarray(bias), split_accumulator=split)[0]
+    assert impl.kind == "cutlass"
+    gbias = _bias_view(cupy, bias, how)
+    poison_gpu_pool()
+    got = impl.fn(ga, E4M3, gsa, gb, E4M3, gsb, out_dtype, gbias, split_accumulator=split)
+    assert got.dtype == np.dtype(out_dtype) and got.shape == (m, n)
+    ref = backends.dispatch("fp8_gemm", a, E4M3, sa, b, E4M3, sb, out_dtype, bias)
+    _check(got, _want64(a, E4M3, sa, b, E4M3, sb, bias), ref, split, f"{mnk} {how}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", [np.float16, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+def test_fp8_gemm_16bit_bias_sums_are_those_of_a_float32_bias(rng, out_dtype, split):
+    """Bit for bit: D in bf16 / half with the bias in that dtype is the float32 D of the
+    same GEMM with that bias in float32 (what the epilogue used to read), rounded once."""
+    import cupy
+    m, n, k = 200, 272, 4112
+    a, sa, b, sb = _gpu(*_operands(rng, m, n, k, E5M2, E4M3))
+    bias = cupy.asarray((rng.standard_normal(n) * 3).astype(out_dtype))
+    kw = dict(split_accumulator=split)
+    impl = backends.candidates("fp8_gemm", a, E5M2, sa, b, E4M3, sb, out_dtype, bias, **kw)[0]
+    assert impl.kind == "cutlass"
+    poison_gpu_pool()
+    got = impl.fn(a, E5M2, sa, b, E4M3, sb, out_dtype, bias, **kw)
+    d32 = impl.fn(a, E5M2, sa, b, E4M3, sb, np.float32, bias.astype(np.float32), **kw)
+    want = asnp(d32).astype(out_dtype)
+    np.testing.assert_array_equal(asnp(got).view(np.uint16), want.view(np.uint16))
+    assert np.abs(want.astype(np.float32)).max() > 0

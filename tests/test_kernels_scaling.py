@@ -125,3 +125,34 @@ def test_update_copies_its_pointer_table_once(rng, monkeypatch):
         for m in metas:  # this step's amax
             m.amax_history[0] = cupy.asarray(rng.uniform(0.1, 10, m.scale.size), np.float32)
     assert len(scaling._tables) == 1  # one table, made at the first step
+
+
+def test_update_after_the_metas_arrays_are_replaced(rng, monkeypatch):
+    """The launch plan kept per list of metas (issue 21) is made again when a meta's arrays
+    are replaced (a resized history, new scales): the update writes the new arrays, exactly
+    as the reference, and leaves the old ones alone."""
+    import cupy
+    from tecupy.kernels import scaling
+    monkeypatch.setattr(scaling, "_plans", {})
+    metas = [random_meta(cupy, rng, n, 8, E4M3) for n in (3, 9)]
+    backends.dispatch("delayed_scaling_update", metas, "max", 0)
+    old = metas[1].amax_history
+    for m in metas:  # new history arrays (TE's adjust_amax_history_length)
+        m.resize(cupy, 5)
+    metas[1].amax_history[0] = cupy.asarray(rng.uniform(0.1, 10, 9), np.float32)
+    metas[0].amax_history[0] = cupy.asarray(rng.uniform(0.1, 10, 3), np.float32)
+    metas[0].scale = cupy.asarray(rng.uniform(0.5, 2, 3), np.float32)  # a new scale array
+    old_copy = old.copy()
+    for _ in range(2):  # the same list of metas: planned again, then that plan kept
+        want = [to_numpy_meta(m) for m in metas]
+        ref_update(want, "max", 0)
+        backends.dispatch("delayed_scaling_update", metas, "max", 0)
+        for m, w in zip(metas, want):
+            for name in ("amax_history", "scale", "scale_inv"):
+                np.testing.assert_array_equal(getattr(m, name).get(), getattr(w, name),
+                                              err_msg=name)
+        for m in metas:  # the next step's amax
+            m.amax_history[0] = cupy.asarray(rng.uniform(0.1, 10, m.scale.size), np.float32)
+    np.testing.assert_array_equal(old.get(), old_copy.get())
+    assert len(scaling._plans) == 1
+    assert backends.chosen("delayed_scaling_update", metas, "max", 0) == "cuda"

@@ -122,11 +122,35 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
                   and np.dtype(out_dtype).itemsize == 2 and is_cupy(dgelu_aux)
                   and dgelu_aux.dtype == np.dtype(out_dtype) and dgelu_aux.flags.c_contiguous
                   and dgelu_aux.shape == (a.shape[0], b.shape[0]))
+    if bias is not None:  # the epilogue's bias type (bias_t) holds it exactly
+        out_ok = out_ok and is_cupy(bias) and _bias_fits(bias.dtype, out_dtype)
     # TMA: 16-byte aligned bases and row strides (K codes; N values of a 16-bit D)
     ok = out_ok and b.shape[1] == k and k % 16 == 0 and k > 0 and b.shape[0] % 8 == 0
     ok = ok and all(t.flags.c_contiguous and t.data.ptr % 16 == 0
                     for t in (a, b) + (() if out is None else (out,)))
     return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
+
+
+def bias_dtype(out_dtype):
+    """The dtype the epilogue reads the bias in (the template's bias_t): a 16-bit D's own
+    (bf16 or half: exact in float32, so the sums are those of a float32 copy, without a copy
+    per call), else float32."""
+    if isinstance(out_dtype, FP8Format):
+        return _F32
+    out_dtype = np.dtype(out_dtype)
+    return out_dtype if out_dtype.itemsize == 2 else _F32
+
+
+_F32 = np.dtype(np.float32)
+
+
+def _bias_fits(dtype, out_dtype):
+    """A bias of `dtype` gives the reference's sums (bias.astype(float32) added in float32):
+    it is the epilogue's bias type, or that type is float32 (the wrapper copies it into
+    float32, as the reference does). A float32 bias with a bf16 D would be rounded to bf16:
+    refused (the reference runs it), as no kernel is built for that pair."""
+    want = bias_dtype(out_dtype)
+    return dtype == want or want == _F32
 
 
 _descs = {}  # (address, shape, dtype, box rows) -> descriptor: three per GEMM call
@@ -218,13 +242,13 @@ def _device():
 
 
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n):
-    """(kernel, grid, shared bytes, staged output?, output dtype, BN, act) of `config` for
-    an M x N output; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
+    """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype) of
+    `config` for an M x N output; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
         cluster = 1
-    fp8_out = isinstance(out_dtype, FP8Format)
+    fp8_out, bias_of = isinstance(out_dtype, FP8Format), out_dtype
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
     epi = {"gelu": 2, "dgelu": 3}.get(act, int(not no_bias))
@@ -237,13 +261,13 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n):
     fn.max_dynamic_shared_size_bytes = smem  # (per kernel and device: once per plan)
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     grid = (min(units, sm_count() // cluster) * cluster,)
-    return fn, grid, smem, staged, out_dtype, bn, act
+    return fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of)
 
 
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
          dgelu_aux=None):
     import cupy
-    fn, grid, smem, staged, out_dtype, bn, act = plan
+    fn, grid, smem, staged, out_dtype, bn, act, b_dtype = plan
     m, k = a.shape
     n = b.shape[0]
     if out is None:
@@ -252,18 +276,31 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
         raise ValueError(f"fp8_gemm: out must be a contiguous {out_dtype} array of shape "
                          f"{(m, n)}, got {out.dtype} {out.shape}")
     # unused pointers get a_scale_inv: the kernel neither reads nor writes them
-    bias32 = a_scale_inv if bias is None else bias.astype(np.float32, copy=False)
-    if act == "dgelu" and bias is None:  # EPI 3 reads its bias
-        bias32 = cupy.zeros((n,), np.float32)
+    if bias is not None:
+        bias = _bias_arg(bias, b_dtype)
+    elif act == "dgelu":  # EPI 3 reads its bias
+        bias = cupy.zeros((n,), b_dtype)
+    else:
+        bias = a_scale_inv
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
     # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
     aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
     fn(grid, (THREADS,),
-       (a_scale_inv, b_scale_inv, bias32, out_scale, amax_out, out, aux, np.int32(m),
+       (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, np.int32(m),
         np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn),
         tma_desc(out, 64) if staged else tma_desc(a, BM)), shared_mem=smem)
     return (out, aux) if act == "gelu" else out
+
+
+def _bias_arg(bias, dtype):
+    """The bias as the epilogue reads it: itself when it is of the kernel's bias type and
+    contiguous (the FP8 linears' case: no copy, no launch), else a contiguous copy in that
+    type (exact or as the reference rounds it: supported() refuses the rest)."""
+    if bias.dtype == dtype and bias.flags.c_contiguous:
+        return bias
+    import cupy
+    return cupy.ascontiguousarray(bias.astype(dtype, copy=False))
 
 
 # ---- the tuned table: tecupy.gemm.tune's winners (it times the candidates), on disk ----
