@@ -261,7 +261,8 @@ def _finish(total):
 
 def _cast_stats(x, t, scale, exact, sample):
     """The record of one cast of x with `scale` (float32 (1,); None: current scaling's,
-    from x's amax) into t (float64 (_N_RECORD,) on x's device), in array ops."""
+    from x's amax) into t (float64 (_N_RECORD,) on x's device), in array ops: counts of
+    nonzero elements rather than boolean masks combined, to read x few times."""
     xp, fmt = xp_of(x), t.fmt
     xf = x.reshape(-1)
     if xf.dtype not in (np.float32, np.float64):  # half types: exact in float32
@@ -270,15 +271,21 @@ def _cast_stats(x, t, scale, exact, sample):
     a = _amax(x)
     if scale is None:  # current scaling computed it from this same amax: the same value
         scale = current_scale(a, fmt)
-    valid = ~xp.isnan(xf)
-    nonzero = valid & (xf != 0)
-    flushed = nonzero & ((codes & 0x7F) == 0)  # +-0 codes of both formats
+    # NaN x is nonzero and gets the code 0x7F; x = +-0 and flushed x get a +-0 code: the
+    # nonzero codes are the unflushed nonzero x and the NaNs
+    nonzero_or_nan = xp.count_nonzero(xf)
+    valid = xp.count_nonzero(xf == xf)
+    nonzero = nonzero_or_nan - (xf.size - valid)
+    flushed = nonzero_or_nan - xp.count_nonzero(codes & 0x7F)
     with np.errstate(over="ignore", invalid="ignore"):  # as the cast: float32 product
-        saturated = xp.abs(xf.astype(np.float32) * scale[0]) > np.float32(fmt.max)
+        v = xf.astype(np.float32, copy=False) * scale[0]
+        saturated = xp.count_nonzero(xp.abs(v, out=v) > np.float32(fmt.max))
+    del v
     err2, ref2 = _round_trip(xf, codes, t, exact, sample)
-    parts = (a[0], scale[0], nonzero.sum(), flushed.sum(), valid.sum(), saturated.sum(),
-             err2, ref2)
-    return xp.stack([xp.asarray(p, dtype=np.float64).reshape(()) for p in parts])
+    counts = xp.stack([xp.asarray(c).reshape(()) for c in (nonzero, flushed, valid,
+                                                             saturated)])
+    return xp.concatenate([a.astype(np.float64), scale.reshape(1).astype(np.float64),
+                           counts.astype(np.float64), xp.stack([err2, ref2])])
 
 
 def _round_trip(xf, codes, t, exact, sample):

@@ -11,7 +11,7 @@ from conftest import HAVE_GPU
 from tecupy.bench import __main__ as bench_main
 from tecupy.bench import timing
 
-SUITES = ("kernels", "gemm", "attention", "layer")
+SUITES = ("kernels", "gemm", "attention", "layer", "inspect")
 
 
 def test_help_lists_the_suites(capsys):
@@ -109,3 +109,54 @@ def test_layers_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["layer", "--layers", "0"])
     assert "--layers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_inspect_suite_arguments(capsys):
+    """bench inspect takes --size small|medium|full, as bench layer does."""
+    with pytest.raises(SystemExit) as exit_:
+        bench_main.main(["inspect", "--size", "huge"])
+    assert exit_.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
+    if not HAVE_GPU:
+        with pytest.raises(SystemExit, match="tecupy.bench needs a CUDA device"):
+            bench_main.main(["inspect", "--size", "small"])
+
+
+def test_inspect_bench_times_each_configuration(rng):
+    """bench inspect's measure on the CPU with a fake timer: each configuration is timed in
+    each pass and keeps its fastest; "no hooks" runs without the hooks, "off" with them and
+    no inspector, "on" / "on, exact" with an inspector that sees the layer's casts."""
+    from tecupy import quantization
+    from tecupy.bench import inspect as bench_inspect
+    from tecupy.inspect import ACTIVE_INSPECTOR
+    hook, seen, times = quantization._inspected, [], iter([5.0, 4.0, 3.0, 2.0, 1.0, 6.0, 7.0, 8.0])
+
+    def rate(fn, xp):
+        fn()
+        fn()
+        ins = ACTIVE_INSPECTOR.get()
+        seen.append((quantization._inspected is hook, ins and ins.exact))
+        t = next(times)
+        return t, t / 2
+    rows, inspected = bench_inspect.measure((32, 64, 2, 16, 2), "cpu", rate, passes=2)
+    assert seen == [(False, None), (True, None), (True, False), (True, True)] * 2
+    assert rows == {"no hooks": (1.0, 0.5), "off": (4.0, 2.0), "on": (3.0, 1.5),
+                    "on, exact": (2.0, 1.0)}
+    assert quantization._inspected is hook
+    # qkv, proj, fc1, fc2: input, weight and grad_output of each; two steps per timing
+    assert inspected["on"] == inspected["on, exact"] == (2, 12)
+
+
+def test_no_hooks_takes_every_hook_out(rng):
+    from tecupy import fp8
+    from tecupy.bench.inspect import no_hooks
+    from tecupy.inspect import FP8Inspector
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    q = fp8.E4M3
+    with FP8Inspector() as ins:
+        with no_hooks():
+            fp8.quantize(x, 1.0, q)
+            fp8.dact_cast(x, x, None, "gelu", np.ones(1, np.float32), fp8.E5M2, None)
+        assert ins.labels == []
+        fp8.quantize(x, 1.0, q)
+        fp8.dact_cast(x, x, None, "gelu", np.ones(1, np.float32), fp8.E5M2, None)
+    assert ins.labels == ["quantize0", "dact_cast0"]

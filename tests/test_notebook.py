@@ -1,8 +1,9 @@
 """Run the notebooks (quickstart, FP8 primer, train_gpt) end to end at
 TECUPY_NOTEBOOK_SIZE=small and fail on any cell error; check that each is stored as valid
-nbformat 4 without outputs, and that it draws its figures: with matplotlib importable, the
-expected number of image/png outputs per notebook (FIGURES); without it (CI's `.[test]`),
-none, and the notebook says that matplotlib is missing.
+nbformat 4 without outputs, and that it draws its figures: the expected number of image/png
+outputs per notebook (FIGURES; matplotlib is in the `test` extra, so CI counts them). Run
+again with matplotlib hidden from the kernel, each draws none and says that matplotlib is
+missing (the path of a user without the `notebooks` extra).
 
 The kernel is the interpreter running pytest (a "python3" kernelspec written to a temporary
 JUPYTER_PATH, so a user-level python3 kernelspec pointing elsewhere cannot be picked up). It
@@ -39,17 +40,24 @@ FIGURES = {"quickstart.ipynb": 2, "fp8_primer.ipynb": 5, "train_gpt.ipynb": 3}
 NO_MATPLOTLIB = "matplotlib is not installed"
 # the kernel runs this interpreter with this PYTHONPATH: it imports matplotlib iff we can
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+# first on the kernel's PYTHONPATH to hide matplotlib: a package whose import fails
+HIDE_MATPLOTLIB = 'raise ImportError("matplotlib hidden by tests/test_notebook.py")\n'
 CELL_TIMEOUT_S = 600
 
 
-def _kernel_env(tmp_path):
-    """Environment for the kernel: small sizes, this interpreter's kernelspec, tecupy on path."""
+def _kernel_env(tmp_path, hide_matplotlib=False):
+    """Environment for the kernel: small sizes, this interpreter's kernelspec, tecupy on path
+    (after a package that makes `import matplotlib` fail, with hide_matplotlib)."""
     env = dict(os.environ)
     env["TECUPY_NOTEBOOK_SIZE"] = "small"
     # ipykernel picks its inline backend (figures as image/png outputs) only when no other
     # backend is asked for
     env.pop("MPLBACKEND", None)
     parts = [str(TECUPY_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if hide_matplotlib:
+        (tmp_path / "hide" / "matplotlib").mkdir(parents=True)
+        (tmp_path / "hide" / "matplotlib" / "__init__.py").write_text(HIDE_MATPLOTLIB)
+        parts.insert(0, str(tmp_path / "hide"))
     env["PYTHONPATH"] = os.pathsep.join(parts)
     spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
@@ -79,9 +87,9 @@ def test_notebook_is_stored_clean(name):
     assert 'os.environ.get("TECUPY_NOTEBOOK_SIZE", "full")' in first
 
 
-@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
-def test_notebook_runs(tmp_path, monkeypatch, name):
-    env = _kernel_env(tmp_path)
+def _run(tmp_path, monkeypatch, name, hide_matplotlib=False):
+    """(printed text, image/png outputs) of the notebook run in a fresh kernel."""
+    env = _kernel_env(tmp_path, hide_matplotlib)
     for key, value in env.items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
@@ -98,11 +106,21 @@ def test_notebook_runs(tmp_path, monkeypatch, name):
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert "SCALE='small'" in text, text[:2000]
     assert NOTEBOOKS[name] in text
-    figures = [o for o in outputs if "image/png" in o.get("data", {})]
-    if HAVE_MATPLOTLIB:
-        assert len(figures) == FIGURES[name], (
-            f"{name} drew {len(figures)} figures, expected {FIGURES[name]}")
-        assert NO_MATPLOTLIB not in text
-    else:
-        assert figures == []
-        assert NO_MATPLOTLIB in text, text[:2000]
+    return text, [o for o in outputs if "image/png" in o.get("data", {})]
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebook_runs(tmp_path, monkeypatch, name):
+    assert HAVE_MATPLOTLIB, ('the notebooks\' figures need matplotlib, part of the test '
+                             'extra: pip install ".[test]"')
+    text, figures = _run(tmp_path, monkeypatch, name)
+    assert len(figures) == FIGURES[name], (
+        f"{name} drew {len(figures)} figures, expected {FIGURES[name]}")
+    assert NO_MATPLOTLIB not in text
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebook_runs_without_matplotlib(tmp_path, monkeypatch, name):
+    text, figures = _run(tmp_path, monkeypatch, name, hide_matplotlib=True)
+    assert figures == []
+    assert NO_MATPLOTLIB in text, text[:2000]

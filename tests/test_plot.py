@@ -1,5 +1,5 @@
-"""tecupy.plot: each helper returns a matplotlib Figure with what it promises (skipped
-without matplotlib, which CI's ".[test]" lacks), and says how to install it when missing."""
+"""tecupy.plot: each helper returns a matplotlib Figure with what it promises (matplotlib
+is in the test extra: these fail without it), and says how to install it when missing."""
 import sys
 
 import numpy as np
@@ -12,7 +12,7 @@ from tecupy.inspect import FP8Inspector
 
 @pytest.fixture
 def plt():
-    mpl = pytest.importorskip("matplotlib")
+    import matplotlib as mpl
     mpl.use("Agg")
     import matplotlib.pyplot as plt
     yield plt

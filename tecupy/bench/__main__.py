@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("kernels", "gemm", "attention", "layer")
+SUITES = ("kernels", "gemm", "attention", "layer", "inspect")
 
 
 def main(argv=None):
