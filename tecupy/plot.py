@@ -74,8 +74,9 @@ def _inspector_history(ins):
 
 def plot_flush_heatmap(inspector):
     """Two heatmaps, tensors x steps: the fraction of nonzero values flushed to zero
-    (underflow) and of values saturated at the format's max (overflow). Blank: not cast in
-    that step, or a producer-fused cast (no high-precision input to count on)."""
+    (underflow) and of values saturated at the format's max (overflow); for a producer-fused
+    cast (counted from its codes, "(codes)" after its label) the fractions of +-0 and of
+    +-max codes, upper bounds of those. Blank: not cast in that step."""
     d = inspector.to_dict()
     if not d or inspector.steps == 0:
         raise ValueError("plot_flush_heatmap: the inspector has recorded no step yet")
@@ -86,7 +87,9 @@ def plot_flush_heatmap(inspector):
         grid = np.ma.masked_invalid(np.array([d[k][field] for k in labels]))
         im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set(title=field, xlabel="step", yticks=range(len(labels)))
-        ax.set_yticklabels(labels if ax is axes[0][0] else [], fontsize="x-small")
+        names = [k + (" (codes)" if inspector.counted_from.get(k) == "codes" else "")
+                 for k in labels]
+        ax.set_yticklabels(names if ax is axes[0][0] else [], fontsize="x-small")
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return fig

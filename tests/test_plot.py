@@ -72,9 +72,24 @@ def test_fp8_grid(plt, rng, fmt):
     assert len(fig.axes[0].patches) > 0  # the histogram's bars
 
 
+def test_flush_heatmap_marks_casts_counted_from_codes(plt, rng):
+    m = tecupy.nn.LayerNormMLP(32, 64, device="cpu", seed=0)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    with FP8Inspector(m) as ins:
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+            y = m(x)
+        tape.gradient(y, [x], np.ones_like(y))
+    fig = plot.plot_flush_heatmap(ins)
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "gemm0.input (codes)" in ticks and "gemm1.input (codes)" in ticks
+    assert "gemm0.weight" in ticks  # the weights' casts see their input
+
+
 def test_error_vs_scale(plt, rng):
     x = rng.standard_normal(500).astype(np.float32)
-    fig = plot.plot_error_vs_scale(x, "e4m3")
+    with FP8Inspector() as ins:  # the sweep's casts are the picture's, not the user's
+        fig = plot.plot_error_vs_scale(x, "e4m3")
+    assert ins.labels == []
     errors = fig.axes[0].get_lines()[0].get_ydata()
     # too small a scale flushes everything (error 1), current scaling's is small
     assert errors[0] > 0.5 and min(errors) < 0.05
