@@ -1,7 +1,10 @@
 """The lean eager path (issue 21), no GPU needed: what one FP8 linear dispatches, the
 common-case checks agreeing with the full ones, and the CUDA wrappers' launch plans (the
 kernel lookups faked, so the plan logic runs on a machine without a GPU)."""
+import ctypes
 import importlib
+import struct
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from tecupy import backends
 from tecupy.fp8 import E4M3, E5M2
 from tecupy.kernels import cast as cast_kernels
 from tecupy.kernels import fp8_gemm as gemm_kernels
+from tecupy.kernels import launch as launch_mod
 from tecupy.kernels import scaling as scaling_kernels
 from tecupy.recipe import DelayedScaling
 
@@ -74,9 +78,30 @@ def test_common_case_check_refuses_what_the_full_check_refuses(args):
 
 
 class _Kernel:
-    """A stand-in for a loaded kernel: a name and the attribute the plans set."""
+    """A stand-in for a loaded kernel: a name, its handle and the attribute the plans set."""
     def __init__(self, name):
         self.name, self.max_dynamic_shared_size_bytes = name, 0
+        self.kernel = type("CUfunction", (), {"ptr": id(self)})()
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """A Hopper with PDL, its cuLaunchKernelEx recording (config, function, the packed
+    argument bytes); returns that record."""
+    import cupy
+    launched = []
+
+    def launch_ex(cfg_ptr, f, params, extra):
+        cfg = launch_mod._LaunchConfig.from_address(cfg_ptr)
+        ptrs = (ctypes.c_void_p * 1).from_address(params)  # the first argument's slot
+        raw = ctypes.string_at(ptrs[0], 8 * 16)  # (every kernel here has < 16 arguments)
+        launched.append((tuple(cfg.grid), tuple(cfg.block), cfg.stream, f, raw))
+        return 0
+    stream = type("Stream", (), {"ptr": 0x5000, "is_capturing": lambda self: False})()
+    monkeypatch.setattr(launch_mod, "_cupy", [cupy.ndarray, lambda: stream, launch_ex])
+    monkeypatch.setattr(launch_mod, "hopper", lambda: True)
+    monkeypatch.setattr(launch_mod, "PDL", True)
+    return launched
 
 
 def _fake_gpu(monkeypatch, module, sms=132):
@@ -120,16 +145,17 @@ def test_fp8_gemm_fp8_output_needs_its_scale():
     gemm_kernels._check_fp8_out(np.float32, None, None)
 
 
-def test_cast_transpose_plan(monkeypatch):
+def test_cast_transpose_plan(monkeypatch, fake_driver):
     made = _fake_gpu(monkeypatch, cast_kernels, sms=100)
     monkeypatch.setattr(cast_kernels, "resident_blocks", lambda k, threads, smem: 4)
-    k, grid = cast_kernels._ct_plan(256, 4096, tecupy.bfloat16, "e5m2", True)
+    run, rows, cols = cast_kernels._ct_plan(256, 4096, tecupy.bfloat16, "e5m2", True)
     name = "cast_transpose_tiled<__nv_bfloat16, __nv_fp8_e5m2, 1, true, false>"
-    assert made == [k.name] == [name]
-    assert grid == (min(2 * 64, 400),)
-    k, grid = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
-                                     False)  # a tail: 40 % 16
-    assert k.name.endswith("false, true>") and grid == (1,)
+    assert made == [run.k.name] == [name]
+    assert run.grid == (min(2 * 64, 400),) and run.block == (256,)
+    assert (type(rows), rows, type(cols), cols) == (np.int32, 256, np.int32, 4096)
+    run, _, _ = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
+                                      False)  # a tail: 40 % 16
+    assert run.k.name.endswith("false, true>") and run.grid == (1,)
 
 
 def test_fp8_gemm_tma_descriptors_are_kept(monkeypatch):
@@ -359,3 +385,103 @@ def test_update_takes_cupy_metas_of_one_history_length(fake_cupy):
 class _FakeNp:
     def __init__(self, length):
         self.amax_history = np.zeros((length, 3), np.float32)
+
+
+# ---- launches with their arguments' kinds fixed by a plan (kernels/launch.py) -----------
+def _packed(raw, fmt):
+    return struct.unpack_from("<" + fmt, raw)
+
+
+def test_launcher_packs_arrays_raw_pointers_and_scalars(fake_cupy, fake_driver):
+    """A pointer position takes an array (its address) or an np.uint64 (a raw address, a
+    null) from call to call; scalars are packed 8 bytes each as the driver reads them."""
+    k = _LaunchedKernel("k")
+    nd = FakeArray
+    run = launch_mod.Launcher(k, (3,), (256,), (nd, np.uint64, np.int32, np.float32), 0)
+    a, b = FakeArray((4,), np.float32), FakeArray((8,), np.uint8)
+    run((a, b, np.int32(-7), np.float32(0.5)))
+    run((b, np.uint64(0), np.int32(9), np.float32(2.0)))
+    (g0, blk, stream, f, raw0), (_, _, _, _, raw1) = fake_driver
+    assert (g0, blk, stream, f) == ((3, 1, 1), (256, 1, 1), 0x5000, k.kernel.ptr)
+    assert _packed(raw0, "QQi4xf4x") == (a.data.ptr, b.data.ptr, -7, 0.5)
+    assert _packed(raw1, "QQi4xf4x") == (b.data.ptr, 0, 9, 2.0)
+    assert k.calls == []  # (cuLaunchKernelEx, not CuPy's launch)
+
+
+def test_launcher_buffers_are_per_thread(fake_cupy, fake_driver):
+    """Each thread packs into a buffer of its own (a thread switch between another thread's
+    pack and launch cannot change this thread's arguments)."""
+    run = launch_mod.Launcher(_LaunchedKernel("k"), (1,), (32,), (np.int32,), 0)
+    bufs = []
+
+    def call(v):
+        run((np.int32(v),))
+        bufs.append(ctypes.addressof(run.local.state[1]))
+    call(1)
+    t = threading.Thread(target=call, args=(2,))
+    t.start()
+    t.join()
+    assert bufs[0] != bufs[1]
+    assert [_packed(r[4], "i")[0] for r in fake_driver] == [1, 2]
+
+
+def test_launcher_without_pdl_is_cupys_launch(fake_cupy, fake_driver, monkeypatch):
+    k = _LaunchedKernel("k")
+    run = launch_mod.Launcher(k, (2,), (64,), (np.int32,), 128)
+    monkeypatch.setattr(launch_mod, "PDL", False)
+    run((np.int32(5),))
+    assert k.calls == [((2,), (64,), (np.int32(5),))] and not fake_driver
+
+
+def test_launch_keeps_a_launcher_per_kernel_types_and_shape(fake_cupy, fake_driver,
+                                                            monkeypatch):
+    monkeypatch.setattr(launch_mod, "_launchers", {})
+    k = _LaunchedKernel("k")
+    x = FakeArray((4,), np.float32)
+    for v in (1, 2):
+        launch_mod.launch(k, (1,), (32,), (x, np.int32(v)))
+    launch_mod.launch(k, (1,), (32,), (x, np.int64(3)))  # other types: another launcher
+    assert len(launch_mod._launchers) == 2
+    assert [_packed(r[4], "Qi")[1] for r in fake_driver[:2]] == [1, 2]
+    assert _packed(fake_driver[2][4], "Qq") == (x.data.ptr, 3)
+    with pytest.raises(TypeError, match="int.*accepted"):
+        launch_mod.launch(k, (1,), (32,), (x, 4))  # a Python int: no width
+
+
+def test_cast_transpose_call_allocates_the_codes_only(fake_cupy, fake_driver, monkeypatch):
+    """With the state's amax row and a scale_inv given (the FP8 linear's case), a
+    cast_transpose call makes its two code arrays and launches with the plan's Launcher,
+    the shape's int32s made once: a second call of the shape plans nothing."""
+    monkeypatch.setattr(cast_kernels, "_plans", {})
+    monkeypatch.setattr(cast_kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(cast_kernels, "resident_blocks", lambda k, threads, smem: 4)
+    x = FakeArray((256, 4096), tecupy.bfloat16)
+    scale, amax, inv = (FakeArray((1,), np.float32) for _ in range(3))
+    for _ in range(2):
+        before = len(FakeArray.made)
+        q, qt, got_amax = cast_kernels.cast_transpose(x, scale, E4M3, amax, inv)
+        assert FakeArray.made[before:] == [q, qt] and got_amax is amax
+        assert (q.shape, qt.shape, q.dtype) == ((256, 4096), (4096, 256), np.uint8)
+    assert len(fake_cupy) == 1 and len(cast_kernels._plans) == 1
+    raw = fake_driver[-1][4]
+    want = (x.data.ptr, scale.data.ptr, q.data.ptr, qt.data.ptr, inv.data.ptr, amax.data.ptr,
+            0, amax.data.ptr, 256, 4096, 0, 0)
+    assert _packed(raw, "Q" * 8 + "i4xi4xQQ") == want
+
+
+def test_cast_to_fp8_call_packs_its_plan(fake_cupy, fake_driver, monkeypatch):
+    """cast_to_fp8 through its plan's Launcher: no scale_inv_out is a null pointer, the
+    size the plan's int64."""
+    import cupy
+    monkeypatch.setattr(cast_kernels, "_plans", {})
+    monkeypatch.setattr(cast_kernels, "amax_grid", lambda k, n, vec: 7)
+    monkeypatch.setattr(cast_kernels, "amax_args", lambda amax_out, n: (amax_out, np.uint64(0)))
+    monkeypatch.setattr(cupy, "ascontiguousarray", lambda a: a)
+    x, scale, amax = FakeArray((3, 40), np.float32), *(FakeArray((1,), np.float32)
+                                                         for _ in range(2))
+    q, got = cast_kernels.cast_to_fp8(x, scale, E5M2, amax)
+    assert got is amax and q.shape == (3, 40) and q.dtype == np.uint8
+    grid, _, _, _, raw = fake_driver[-1]
+    assert grid == (7, 1, 1)
+    assert _packed(raw, "QQQQQQq") == (x.data.ptr, scale.data.ptr, q.data.ptr, 0,
+                                       amax.data.ptr, 0, 120)

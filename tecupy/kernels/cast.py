@@ -12,7 +12,7 @@ from .._array import is_cupy
 from ..activation_table import TABLE
 from .colsum import col_sum
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
-from .launch import grid_1d, launch, planned, resident_blocks, sm_count
+from .launch import Launcher, grid_1d, planned, resident_blocks, sm_count
 from .pools import amax_args, amax_grid
 from .scaling import scale_inverse
 
@@ -59,15 +59,26 @@ def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
     vec = vec_width(x.dtype, x.size)
     if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
         vec *= 2
-    k, grid = planned(_plans, (x.size, vec, x.dtype, fmt.name, _device()), _cast_plan,
-                      x.size, vec, x.dtype, fmt.name)
-    launch(k, grid, (256,), (x, scale, q, inv, amax, slot, np.int64(x.size)))
+    run, n = planned(_plans, (x.size, vec, x.dtype, fmt.name, _device()), _cast_plan,
+                     x.size, vec, x.dtype, fmt.name)
+    run((x, scale, q, inv, amax, slot, n))
     return q, amax
 
 
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+def _array_type():
+    import cupy
+    return cupy.ndarray
+
+
 def _cast_plan(n, vec, dtype, fmt):
+    """(the Launcher, n as the kernel's int64): kernel, grid and argument kinds fixed."""
     k = loader.function(FILE, f"cast_to_fp8<{CTYPE[dtype]}, {FP8TYPE[fmt]}, {vec}>")
-    return k, (amax_grid(k, n, vec),)
+    nd = _array_type()
+    kinds = (nd, nd, nd, nd, nd, np.uint64, np.int64)
+    return Launcher(k, (amax_grid(k, n, vec),), (256,), kinds), np.int64(n)
 
 
 @backends.register("fp8_dequantize", "cuda", supports=on_gpu)
@@ -130,11 +141,12 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
     if x.size:
         name = None if act is None else act[0]
-        k, grid = planned(_plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()),
-                          _ct_plan, rows, cols, x.dtype, fmt.name, dbias, name)
-        h, hb = (np.uint64(0), np.uint64(0)) if act is None else act[1:]
-        launch(k, grid, (256,), (x, scale, q, qt, inv, amax, slot, part, np.int32(rows),
-                                 np.int32(cols), h, np.uint64(0) if hb is None else hb))
+        run, rows32, cols32 = planned(
+            _plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()), _ct_plan, rows,
+            cols, x.dtype, fmt.name, dbias, name)
+        h, hb = (_NULL, _NULL) if act is None else act[1:]
+        run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32, h,
+             _NULL if hb is None else hb))
     if not dbias:
         return q, qt, amax
     if not x.size:
@@ -151,12 +163,16 @@ def _device():
 
 
 def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
-    """(kernel, grid) of cast_transpose: 128 x 64 tiles (G = 1; PERFLOG.md, session 3: 80%
-    of copy on an H200), a grid-stride over them with at most the resident blocks. act: the
-    struct of an activation whose backward is cast (dact_cast_transpose), or None."""
+    """(Launcher, rows and cols as the kernel's int32) of cast_transpose: 128 x 64 tiles
+    (G = 1; PERFLOG.md, session 3: 80% of copy on an H200), a grid-stride over them with at
+    most the resident blocks. act: the struct of an activation whose backward is cast
+    (dact_cast_transpose), or None."""
     tail = "" if act is None else f", {act}"
     k = loader.function(FILE, f"cast_transpose_tiled<{CTYPE[dtype]}, {FP8TYPE[fmt]}, 1, "
                               f"{cbool(dbias)}, {cbool(rows % 16 != 0 or cols % 8 != 0)}"
                               f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
-    return k, (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
+    grid = (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
+    nd = _array_type()  # x, scale, q, qt, inv, amax, slot, part, rows, cols, h, hbias
+    kinds = (nd,) * 6 + (np.uint64, nd, np.int32, np.int32, np.uint64, np.uint64)
+    return Launcher(k, grid, (256,), kinds), np.int32(rows), np.int32(cols)

@@ -111,7 +111,6 @@ _PDL_ATTR.value[0] = 1
 # each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size)
 _ARG_FORMATS = {np.int32: "i4x", np.int64: "q", np.float32: "f4x", np.uint32: "I4x",
                 np.uint64: "Q"}
-_per_thread = threading.local()  # argument buffers and launch configs, reused per thread
 
 
 def _launch_state(kinds, grid, block, shared_mem):
@@ -136,16 +135,8 @@ def _launch_state(kinds, grid, block, shared_mem):
 _cupy = []  # (ndarray, get_current_stream, cuLaunchKernelEx), set at the first launch
 
 
-def launch(k, grid, block, args, shared_mem=0):
-    """k(grid, block, args, shared_mem=...) for a loader function k whose kernel begins with
-    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. grid and block are
-    tuples; args CuPy arrays and NumPy scalars (int32, int64, float32, uint32, uint64).
-    cuLaunchKernelEx is called through ctypes, the arguments packed by one struct into a
-    buffer kept per thread with the config, the kernel's handle and which arguments are
-    arrays: 6.9 us per launch of a 15-argument kernel on an H200 host, CuPy's own launch
-    7.1, this function before those were kept 8.6-8.8, through cuda-python ~15 us more."""
-    if not (PDL and hopper()):
-        return k(grid, block, args, shared_mem=shared_mem)
+def _driver():
+    """_cupy, filled at the first PDL launch (libcuda through ctypes)."""
     if not _cupy:
         from cupy import ndarray
         from cupy.cuda import get_current_stream
@@ -153,27 +144,77 @@ def launch(k, grid, block, args, shared_mem=0):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         _cupy[:] = ndarray, get_current_stream, fn
+    return _cupy
+
+
+class Launcher:
+    """The launch of loader function k (its kernel begins with PDL_WAIT()) with grid, block,
+    shared bytes and argument types fixed: what a wrapper's launch plan keeps, so that a call
+    only packs its arguments and launches (no type tuple, key or dict per call). `kinds`:
+    each argument's type; a position of a CuPy array or an np.uint64 takes either (a
+    pointer: an array's address, or a raw one such as a null). The struct, buffer and config
+    are per thread: two threads never pack into one buffer. Without PDL (not a Hopper GPU,
+    or PDL off) a call is CuPy's own launch."""
+
+    def __init__(self, k, grid, block, kinds, shared_mem=0):
+        nd = _driver()[0]
+        self.k, self.grid, self.block, self.shared_mem = k, grid, block, shared_mem
+        self.kinds = tuple(kinds)
+        self.ptrs = tuple(i for i, t in enumerate(kinds) if t is nd or t is np.uint64)
+        self.hopper = hopper()  # (a plan is made per device)
+        self.local = threading.local()
+        self._state()  # (an argument type it cannot pack fails here, not at a call)
+        self.f = k.kernel.ptr if self.hopper else None
+
+    def _state(self):
+        """This thread's (struct, buffer, config, void** params' address, config address,
+        the params array: kept alive with its address)."""
+        st, buf, params, cfg = _launch_state(self.kinds, self.grid, self.block, self.shared_mem)
+        self.local.state = (st, buf, cfg, ctypes.addressof(params), ctypes.addressof(cfg),
+                            params)
+        return self.local.state
+
+    def __call__(self, args):
+        if not (PDL and self.hopper):
+            return self.k(self.grid, self.block, args, shared_mem=self.shared_mem)
+        try:
+            st, buf, cfg, params, cfg_ptr, _ = self.local.state
+        except AttributeError:  # another thread's first call
+            st, buf, cfg, params, cfg_ptr, _ = self._state()
+        nd, stream, launch_ex = _cupy
+        values = list(args)
+        for i in self.ptrs:
+            v = values[i]
+            if type(v) is nd:
+                values[i] = v.data.ptr
+        st.pack_into(buf, 0, *values)
+        cfg.stream = stream().ptr
+        err = launch_ex(cfg_ptr, self.f, params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {self.k.name}: "
+                               f"grid {self.grid}, block {self.block}, {self.shared_mem} "
+                               "shared bytes")
+
+
+_launchers = {}  # (k, argument types, grid, block, shared bytes) -> Launcher, for launch()
+
+
+def launch(k, grid, block, args, shared_mem=0):
+    """k(grid, block, args, shared_mem=...) for a loader function k whose kernel begins with
+    PDL_WAIT(): with PDL where the GPU is a Hopper, else CuPy's launch. grid and block are
+    tuples; args CuPy arrays and NumPy scalars (int32, int64, float32, uint32, uint64).
+    cuLaunchKernelEx is called through ctypes, the arguments packed by one struct into a
+    buffer kept per thread with the config (a Launcher per kernel, argument types and
+    shape): 6.9 us per launch of a 15-argument kernel on an H200 host, CuPy's own launch
+    7.1, this function before those were kept 8.6-8.8, through cuda-python ~15 us more.
+    A wrapper that keeps a launch plan keeps its Launcher there instead (no key per call)."""
+    if not (PDL and hopper()):
+        return k(grid, block, args, shared_mem=shared_mem)
     kinds = tuple(map(type, args))
-    try:
-        states = _per_thread.states
-    except AttributeError:
-        states = _per_thread.states = {}
     key = (k, kinds, grid, block, shared_mem)
-    state = states.get(key)
-    if state is None:
-        if len(states) > 1024:  # many shapes: start over rather than grow
-            states.clear()
-        st, buf, params, cfg = _launch_state(kinds, grid, block, shared_mem)
-        arrays = tuple(i for i, t in enumerate(kinds) if t is _cupy[0])
-        state = states[key] = (st, buf, cfg, (params, ctypes.addressof(params)),
-                               ctypes.addressof(cfg), k.kernel.ptr, arrays)
-    st, buf, cfg, (_, params), cfg_ptr, f, arrays = state
-    values = list(args)
-    for i in arrays:
-        values[i] = values[i].data.ptr
-    st.pack_into(buf, 0, *values)
-    cfg.stream = _cupy[1]().ptr
-    err = _cupy[2](cfg_ptr, f, params, None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {k.name}: grid "
-                           f"{grid}, block {block}, {shared_mem} shared bytes")
+    launcher = _launchers.get(key)
+    if launcher is None:
+        if len(_launchers) > 1024:  # many shapes: start over rather than grow
+            _launchers.clear()
+        launcher = _launchers[key] = Launcher(k, grid, block, kinds, shared_mem)
+    launcher(args)
