@@ -1,0 +1,313 @@
+"""NcclGroup: the ProcessGroup API over cupy.cuda.nccl, one process per GPU.
+
+Collectives run on CuPy arrays of this rank's GPU, on the current stream, with no host
+synchronisation (barrier() is the one call that waits on the host). Dtypes: float32,
+float16, bfloat16, float64, uint8, int32, int64. Groups are made by init_process_group
+(process.py) and split(); every rank calls the same collectives in the same order, as NCCL
+requires (TECUPY_DIST_DEBUG=1 checks that through the store on every call, naming each
+rank's call when they differ; slow, host round trips).
+
+Faults: every process runs a watchdog thread blocked on the store's abort key. A rank that
+raises posts the abort (process.py's excepthook, or spawn's wrapper); each other rank's
+watchdog then calls ncclCommAbort on its communicators (under the lock collectives enqueue
+with, so never beneath a running call), its later collectives raise GroupAborted with the
+reason, and unless its process exits by itself within `grace` seconds (a main thread stuck
+in a host sync on a collective that will never finish), the watchdog prints the reason and
+exits the process with status 1, as PyTorch's NCCL watchdog does.
+
+The NCCL calls go through an api object (CupyNccl here; tests pass a fake that runs on
+NumPy through the store, so everything but NCCL itself is checked without a GPU).
+"""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .._array import bfloat16
+from .group import GroupAborted, ProcessGroup
+from .store import Store, StoreLost
+
+# NCCL's enum values (nccl.h; stable across NCCL 2.x)
+NCCL_DTYPES = {np.dtype(np.uint8): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 4,
+               np.dtype(np.float16): 6, np.dtype(np.float32): 7, np.dtype(np.float64): 8,
+               bfloat16: 9}
+NCCL_OPS = {"sum": 0, "max": 2}
+DTYPE_NAMES = "float32, float16, bfloat16, float64, uint8, int32, int64"
+
+
+class CupyNccl:
+    """The real api: cupy.cuda.nccl and CuPy arrays."""
+    name = "nccl"
+
+    def __init__(self):
+        import cupy
+        from cupy.cuda import nccl
+        if not nccl.available:
+            raise RuntimeError("tecupy.distributed: cupy.cuda.nccl cannot load libnccl.so.2; "
+                               "pip install nvidia-nccl-cu13 (or -cu12, matching cupy)")
+        self.xp, self.nccl = cupy, nccl
+
+    def set_device(self, local_rank):
+        n = self.xp.cuda.runtime.getDeviceCount()
+        if local_rank >= n:
+            raise RuntimeError(f"tecupy.distributed: LOCAL_RANK {local_rank} but this host "
+                               f"has {n} GPU(s): launch at most {n} ranks per node")
+        self.xp.cuda.Device(local_rank).use()
+        return local_rank
+
+    def get_unique_id(self):
+        return bytes(bytearray(self.nccl.get_unique_id()))
+
+    def communicator(self, size, uid, rank):
+        return self.nccl.NcclCommunicator(size, uid, rank)
+
+    def can_split(self):
+        return (hasattr(self.nccl.NcclCommunicator, "commSplit")
+                and self.nccl.get_version() >= 21801)
+
+    def device_of(self, op, x, device):
+        """x's device id; TypeError unless x is a CuPy array."""
+        if not isinstance(x, self.xp.ndarray):
+            raise TypeError(f"{op}: x must be a cupy array on this rank's GPU {device} "
+                            f"(NCCL works on device memory); got {type(x).__module__}."
+                            f"{type(x).__name__} (cupy.asarray(x) first)")
+        return x.device.id
+
+    @staticmethod
+    def ptr(x):
+        return x.data.ptr
+
+    def stream(self):
+        return self.xp.cuda.get_current_stream().ptr
+
+    def synchronize(self):
+        self.xp.cuda.get_current_stream().synchronize()
+
+
+class _Job:
+    """This process's part of the job: store clients, the abort, every communicator."""
+
+    def __init__(self, api, store, rank, size, device, server=None, grace=2.0,
+                 exit_on_abort=True):
+        self.api, self.store, self.rank, self.size, self.device = api, store, rank, size, device
+        self.server, self.grace, self.exit_on_abort = server, grace, exit_on_abort
+        self.reason = None  # why the job aborted, once it has
+        self.local = False  # the abort came from this process (its own code raises)
+        self.comms, self.lock = [], threading.RLock()
+        self.debug = os.environ.get("TECUPY_DIST_DEBUG", "0") not in ("", "0")
+        self.closed = False
+        self._watch = Store(store.host, store.port, rank, timeout=10)
+        threading.Thread(target=self._watchdog, daemon=True,
+                         name=f"tecupy-watchdog-rank{rank}").start()
+
+    def abort(self, reason):
+        """Abort the job from this process (its code raised): post it, abort our comms."""
+        self.local = True
+        try:
+            reason = self.store.abort(reason)
+        except (StoreLost, OSError):
+            pass
+        self._abort_comms(reason)
+        return reason
+
+    def _abort_comms(self, reason):
+        if self.reason is None:
+            self.reason = reason
+        if self.lock.acquire(timeout=self.grace):  # not beneath a running enqueue
+            try:
+                for comm in self.comms:
+                    try:
+                        comm.abort()
+                    except Exception:  # noqa: BLE001 - best effort, the job is ending
+                        pass
+                self.comms = []
+            finally:
+                self.lock.release()
+
+    def _watchdog(self):
+        try:
+            reason = self._watch.watch_abort()
+        except (StoreLost, OSError) as e:
+            if self.closed:
+                return
+            reason = str(e)
+        if self.closed:
+            return
+        self._abort_comms(reason)
+        if self.local or not self.exit_on_abort:
+            return
+        time.sleep(self.grace)
+        sys.stderr.write(f"tecupy.distributed: rank {self.rank} of {self.size} exits: group "
+                         f"aborted: {reason}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def check(self, what):
+        if self.reason is not None:
+            raise GroupAborted(f"{what} on rank {self.rank}: group aborted: {self.reason}")
+        if self.closed:
+            raise GroupAborted(f"{what} on rank {self.rank}: the process group was destroyed")
+
+    def close(self):
+        """A clean end: say bye to the store; rank 0 waits for the others to go first."""
+        if self.closed:
+            return
+        self.closed = True
+        for comm in self.comms:
+            try:
+                comm.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+        self.comms = []
+        self.store.close()
+        self._watch.close()
+        if self.server is not None:
+            # the others may still be at work (rank 0 ends first); after an abort they
+            # exit within their grace
+            linger = float(os.environ.get("TECUPY_STORE_LINGER", "600"))
+            self.server.wait_clients_closed(linger if self.reason is None else self.grace + 3)
+            self.server.close()
+
+
+class NcclGroup(ProcessGroup):
+    """One rank of an NCCL communicator; made by init_process_group and split()."""
+
+    def __init__(self, job, comm, rank, size, gid):
+        super().__init__(rank, size)
+        self._job, self._comm, self._gid = job, comm, gid
+        self._splits = self._calls = 0
+        self.device = job.device
+
+    def __repr__(self):
+        return f"<NcclGroup rank {self.rank} of {self.size} on GPU {self.device}>"
+
+    def abort(self, reason):
+        """Abort the whole job (every group), as ncclCommAbort on every rank."""
+        self._job.abort(reason)
+
+    # -- checks at the boundary --------------------------------------------------------
+    def _check_array(self, op, x):
+        super()._check_array(op, x)
+        dev = self._job.api.device_of(op, x, self.device)
+        if dev != self.device:
+            raise ValueError(f"{op}: x is on GPU {dev} but this rank's group is on GPU "
+                             f"{self.device} (LOCAL_RANK); copy it over first")
+        if np.dtype(x.dtype) not in NCCL_DTYPES:
+            raise TypeError(f"{op}: dtype {x.dtype} is not supported by the NCCL group; "
+                            f"supported: {DTYPE_NAMES} (FP8 data travels as uint8 codes)")
+
+    def _call(self, what, fn, *args):
+        """Run one NCCL call under the job's lock, after the abort (and debug) checks."""
+        job = self._job
+        job.check(what)
+        if job.debug:
+            self._debug_match(what)
+        with job.lock:
+            job.check(what)
+            try:
+                fn(*args, self._job.api.stream())
+            except Exception as e:  # noqa: BLE001 - NcclError and the like: abort the job
+                reason = job.reason or job.abort(f"rank {job.rank}: {what} failed: "
+                                                 f"{type(e).__name__}: {e}")
+                raise GroupAborted(f"{what} on rank {self.rank}: group aborted: {reason}") \
+                    from e
+
+    def _debug_match(self, what):
+        """TECUPY_DIST_DEBUG: every rank's call must be the same (via the store)."""
+        self._calls += 1
+        prefix = f"{self._gid}/dbg/{self._calls}"
+        store = self._job.store
+        store.set(f"{prefix}/{self.rank}", what)
+        calls = [v.decode() for v in store.wait([f"{prefix}/{r}" for r in range(self.size)])]
+        if any(c != what for c in calls):
+            listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            reason = self._job.abort(f"the ranks called different collectives ({listed})")
+            raise GroupAborted(f"{what} on rank {self.rank}: group aborted: {reason}")
+
+    # -- collectives ---------------------------------------------------------------------
+    def _all_reduce(self, x, op):
+        xp, api = self._job.api.xp, self._job.api
+        buf = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        self._call(_name("all_reduce", x, op), self._comm.allReduce, api.ptr(buf),
+                   api.ptr(buf), buf.size, NCCL_DTYPES[np.dtype(x.dtype)], NCCL_OPS[op])
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def _all_gather(self, x, axis):
+        xp, api = self._job.api.xp, self._job.api
+        send = xp.ascontiguousarray(x)
+        out = xp.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+        self._call(_name("all_gather", x, f"axis={axis}"), self._comm.allGather,
+                   api.ptr(send), api.ptr(out), send.size, NCCL_DTYPES[np.dtype(x.dtype)])
+        shape = list(x.shape)
+        shape[axis] *= self.size  # (size, ..., n, ...) -> (..., size, n, ...) -> (..., size*n, ...)
+        return xp.ascontiguousarray(xp.moveaxis(out, 0, axis)).reshape(shape)
+
+    def _reduce_scatter(self, x, axis, op):
+        xp, api = self._job.api.xp, self._job.api
+        shape = tuple(x.shape)
+        pre, n = int(np.prod(shape[:axis])), shape[axis] // self.size
+        # this rank's chunk must be contiguous in the send buffer: (size, pre, n, post)
+        send = xp.ascontiguousarray(xp.reshape(x, (pre, self.size, n, -1)).transpose(1, 0, 2, 3))
+        out = xp.empty(send.shape[1:], dtype=x.dtype)
+        self._call(_name("reduce_scatter", x, f"axis={axis}, {op}"), self._comm.reduceScatter,
+                   api.ptr(send), api.ptr(out), out.size, NCCL_DTYPES[np.dtype(x.dtype)],
+                   NCCL_OPS[op])
+        return out.reshape(shape[:axis] + (n,) + shape[axis + 1:])
+
+    def _broadcast(self, x, root):
+        xp, api = self._job.api.xp, self._job.api
+        buf = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        self._call(_name("broadcast", x, f"root={root}"), self._comm.bcast, api.ptr(buf),
+                   buf.size, NCCL_DTYPES[np.dtype(x.dtype)], root)
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def _barrier(self):
+        """An all-reduce of one int32, then the host waits for it."""
+        one = self._job.api.xp.ones(1, dtype=np.int32)
+        self._call("barrier", self._comm.allReduce, self._job.api.ptr(one),
+                   self._job.api.ptr(one), 1, NCCL_DTYPES[np.dtype(np.int32)], NCCL_OPS["sum"])
+        self._job.api.synchronize()
+
+    def _split(self, color, key):
+        job = self._job
+        job.check("split")
+        self._splits += 1
+        gid = f"{self._gid}/s{self._splits}"
+        if job.api.can_split():
+            with job.lock:
+                comm = self._comm.commSplit(-1 if color is None else color, key)
+            if comm is None:
+                return None
+            rank, size = comm.rank_id(), comm.size()
+        else:  # a new unique id per color, handed out through the store
+            comm, rank, size = self._split_by_store(gid, color, key)
+            if comm is None:
+                return None
+        with job.lock:
+            job.comms.append(comm)
+        return NcclGroup(job, comm, rank, size, f"{gid}/c{color}")
+
+    def _split_by_store(self, gid, color, key):
+        store = self._job.store
+        store.set(f"{gid}/{self.rank}", f"{'' if color is None else color},{key}")
+        pairs = [v.decode().split(",") for v in
+                 store.wait([f"{gid}/{r}" for r in range(self.size)])]
+        if color is None:
+            return None, None, None
+        members = sorted((int(k), r) for r, (c, k) in enumerate(pairs) if c == str(color))
+        order = [r for _, r in members]
+        rank = order.index(self.rank)
+        if rank == 0:
+            store.set(f"{gid}/uid/{color}", self._job.api.get_unique_id())
+        uid = store.get(f"{gid}/uid/{color}")
+        return self._job.api.communicator(len(order), uid, rank), rank, len(order)
+
+
+def _name(op, x, extra):
+    return f"{op}({tuple(x.shape)} {x.dtype}, {extra})"
