@@ -220,6 +220,12 @@ def update_backward(states):
 def update_states(states, direction):
     """Update the `direction` ("fwd" or "bwd") metas of many states: one launch per group
     of metas that share a recipe, a device and a history length."""
+    if len(states) == 1:  # (one module's autocast: no grouping; every step pays it)
+        s = states[0]
+        meta = getattr(s, direction)
+        if meta is not None and s.recipe is not None:
+            _update_group(s.recipe, [meta])
+        return
     groups = {}
     for s in states:
         meta = getattr(s, direction)
@@ -227,12 +233,18 @@ def update_states(states, direction):
             key = (id(s.recipe), s.device, meta.amax_history.shape[0])
             groups.setdefault(key, (s.recipe, []))[1].append(meta)
     for recipe, metas in groups.values():
-        algo = recipe.amax_compute_algo
-        if callable(algo) or recipe.scaling_factor_compute_algo is not None:
-            for m in metas:
-                _update_custom(m, recipe)
-        else:
-            backends.dispatch("delayed_scaling_update", metas, algo, recipe.margin)
+        _update_group(recipe, metas)
+
+
+def _update_group(recipe, metas):
+    """The update of metas of one recipe, device and history length: one launch (the fused
+    kernel), or per meta for a user's callables."""
+    algo = recipe.amax_compute_algo
+    if callable(algo) or recipe.scaling_factor_compute_algo is not None:
+        for m in metas:
+            _update_custom(m, recipe)
+    else:
+        backends.dispatch("delayed_scaling_update", metas, algo, recipe.margin)
 
 
 def _custom_result(what, value, xp, n):

@@ -122,7 +122,8 @@ def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_pat
     monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gemm_kernels, "_tuned_cache", {})
     args = (256, 4096, 4096, E4M3, E4M3, True, tecupy.bfloat16, False, False, False)
-    fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype = gemm_kernels._shape_plan(*args)
+    plan = gemm_kernels._shape_plan(*args)
+    fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype, ints, _ = plan
     config = gemm_kernels.default_config(256, 4096, True)
     assert fn.name == gemm_kernels.kernel_name("e4m3", "e4m3", "__nv_bfloat16", 1, False,
                                                config)
@@ -130,6 +131,7 @@ def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_pat
                                      np.dtype(tecupy.bfloat16))
     assert fn.max_dynamic_shared_size_bytes == smem and not gelu
     assert b_dtype == np.dtype(tecupy.bfloat16)  # the epilogue reads a bf16 bias
+    assert ints == (256, 4096, 4096) and {type(i) for i in ints} == {np.int32}
     assert grid == (min(2 * -(-4096 // bn), 132),)
     version = gemm_kernels._version[0]
     tuned = next(c for c in gemm_kernels.CANDIDATES[True] if c != config)
@@ -485,3 +487,25 @@ def test_cast_to_fp8_call_packs_its_plan(fake_cupy, fake_driver, monkeypatch):
     assert grid == (7, 1, 1)
     assert _packed(raw, "QQQQQQq") == (x.data.ptr, scale.data.ptr, q.data.ptr, 0,
                                        amax.data.ptr, 0, 120)
+
+
+def test_fp8_gemm_descriptors_per_call_addresses(fake_cupy, monkeypatch):
+    """A call's three TMA descriptors are looked up by its plan and A, B, D's addresses:
+    encoded once per address set, the same objects launched again."""
+    _fake_gemm(monkeypatch)
+    encoded = []
+    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: encoded.append(args) or
+                        len(encoded))
+    monkeypatch.setattr(gemm_kernels, "_descs", {})
+    monkeypatch.setattr(gemm_kernels, "_gemm_desc_sets", {})
+    a, sa, b, sb = _gemm_operands(256, 512, 128)
+    out = FakeArray((256, 512), tecupy.bfloat16)
+    for _ in range(2):
+        gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
+    (k,) = fake_cupy.values()
+    assert len(encoded) == 3 and k.calls[0][2][-3:] == k.calls[1][2][-3:] == (1, 2, 3)
+    assert [e[0] for e in encoded] == [a.data.ptr, b.data.ptr, out.data.ptr]
+    assert k.calls[0][2][7:10] == (256, 512, 128)
+    a2 = FakeArray((256, 128), np.uint8)  # another A: its own descriptor, B's and D's kept
+    gemm_kernels.fp8_gemm(a2, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
+    assert len(encoded) == 4 and k.calls[2][2][-3:] == (4, 2, 3)

@@ -9,6 +9,7 @@ needs a second register fragment, so it runs 128 x 192 tiles, or 128 x 256 in tw
 where that wastes less of the last wave of tiles. A tuned table on disk (tecupy.gemm.tune)
 overrides both.
 """
+import itertools
 import json
 import os
 import warnings
@@ -16,7 +17,7 @@ import warnings
 import numpy as np
 
 from .. import backends, loader
-from .._array import is_cupy
+from .._array import bfloat16, is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
 from .launch import hopper, planned, sm_count
@@ -46,6 +47,7 @@ SMEM_MAX = 232448  # bytes of dynamic shared memory a block may have on sm_90
 _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
+_OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 
 
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
@@ -114,7 +116,7 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     if isinstance(out_dtype, FP8Format):
         out_ok = not split_accumulator and out is None and not accumulate and not gelu
     else:
-        out_ok = np.dtype(out_dtype).name in ("float32", "float16", "bfloat16")
+        out_ok = np.dtype(out_dtype) in _OUT_DTYPES
     out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
     if dgelu_aux is not None:  # built for dgrad: split accumulation, a 16-bit D, no more
         out_ok = (out_ok and split_accumulator and not (gelu or accumulate)
@@ -148,9 +150,17 @@ def _bias_fits(dtype, out_dtype):
     """A bias of `dtype` gives the reference's sums (bias.astype(float32) added in float32):
     it is the epilogue's bias type, or that type is float32 (the wrapper copies it into
     float32, as the reference does). A float32 bias with a bf16 D would be rounded to bf16:
-    refused (the reference runs it), as no kernel is built for that pair."""
-    want = bias_dtype(out_dtype)
-    return dtype == want or want == _F32
+    refused (the reference runs it), as no kernel is built for that pair. (Kept per pair:
+    supported() runs on every call.)"""
+    key = (dtype, out_dtype)
+    fits = _fits.get(key)
+    if fits is None:
+        want = bias_dtype(out_dtype)
+        fits = _fits[key] = dtype == want or want == _F32
+    return fits
+
+
+_fits = {}
 
 
 _descs = {}  # (address, shape, dtype, box rows) -> descriptor: three per GEMM call
@@ -196,7 +206,7 @@ def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, ac
     config = tuple(_tuned().get(_tune_key(m, n, k, a_fmt.name, b_fmt.name, split), ()))
     if config not in CANDIDATES[split]:  # not tuned, or a stale table entry
         config = default_config(m, n, split)
-    return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n)
+    return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k)
 
 
 _defaults = {}  # (M, N, split, SMs) -> config
@@ -220,15 +230,16 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     """Run the kernel of `config` (BN, stages, promote, cluster)."""
     _check_fp8_out(out_dtype, out_scale, amax_out)
     gelu = "gelu" if gelu else None
-    m, n = a.shape[0], b.shape[0]
-    key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n,
+    (m, k), n = a.shape, b.shape[0]
+    key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n, k,
            _device())
     plan = planned(_plans, key, _plan, config, a_fmt, b_fmt, out_dtype, bias is None,
-                   accumulate, gelu, m, n)
+                   accumulate, gelu, m, n, k)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
 
 
 _plans = {}  # launch plans (launch.planned): what a call of one shape and kind launches
+_plan_ids = itertools.count()
 
 
 def _check_fp8_out(out_dtype, out_scale, amax_out):
@@ -241,9 +252,10 @@ def _device():
     return cupy.cuda.runtime.getDevice()
 
 
-def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n):
-    """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype) of
-    `config` for an M x N output; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
+def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k):
+    """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
+    kernel's int32 M, N, K, a number naming the plan) of `config` for an M x N output, K
+    deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -261,15 +273,15 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n):
     fn.max_dynamic_shared_size_bytes = smem  # (per kernel and device: once per plan)
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     grid = (min(units, sm_count() // cluster) * cluster,)
-    return fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of)
+    return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
+            (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids))
 
 
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
          dgelu_aux=None):
     import cupy
-    fn, grid, smem, staged, out_dtype, bn, act, b_dtype = plan
-    m, k = a.shape
-    n = b.shape[0]
+    fn, grid, smem, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id = plan
+    m, n = a.shape[0], b.shape[0]
     if out is None:
         out = cupy.empty((m, n), out_dtype)
     elif out.shape != (m, n) or out.dtype != out_dtype or not out.flags.c_contiguous:
@@ -286,11 +298,28 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
     amax_out = a_scale_inv if amax_out is None else amax_out
     # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
     aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
-    fn(grid, (THREADS,),
-       (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, np.int32(m),
-        np.int32(n), np.int32(k), tma_desc(a, BM), tma_desc(b, bn),
-        tma_desc(out, 64) if staged else tma_desc(a, BM)), shared_mem=smem)
+    da, db, dd = _gemm_descs(plan_id, a, b, out, bn, staged)
+    fn(grid, (THREADS,), (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32,
+                          n32, k32, da, db, dd), shared_mem=smem)
     return (out, aux) if act == "gelu" else out
+
+
+_gemm_desc_sets = {}  # (plan number, addresses of A, B, D) -> the call's 3 TMA descriptors
+
+
+def _gemm_descs(plan_id, a, b, out, bn, staged):
+    """The TMA descriptors of A, B and D (A again where D is not staged: unused) of one
+    call: a plan fixes their shapes, dtypes and boxes, so the addresses name them: one
+    lookup of 4 ints (three tma_desc keys cost a tuple and a dtype hash each)."""
+    key = (plan_id, a.data.ptr, b.data.ptr, out.data.ptr)
+    descs = _gemm_desc_sets.get(key)
+    if descs is None:
+        if len(_gemm_desc_sets) > 512:  # many addresses: start over rather than grow
+            _gemm_desc_sets.clear()
+        da = tma_desc(a, BM)
+        descs = _gemm_desc_sets[key] = (da, tma_desc(b, bn),
+                                        tma_desc(out, 64) if staged else da)
+    return descs
 
 
 def _bias_arg(bias, dtype):
