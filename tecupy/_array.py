@@ -51,6 +51,8 @@ def _array_module(op, arrays):
     for name, a in arrays.items():
         if a is None:
             continue
+        if getattr(a, "_tecupy_codes", False):  # an FP8 weight: its codes' module
+            a = a.data
         if is_cupy(a):
             kinds.setdefault("cupy", name)
         elif isinstance(a, np.ndarray):

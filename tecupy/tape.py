@@ -70,7 +70,7 @@ class _Released:
 
 
 def _zeros_like(a):
-    if isinstance(a, _Released):
+    if isinstance(a, _Released) or getattr(a, "_tecupy_codes", False):  # (an FP8 weight)
         return a.xp.zeros(a.shape, a.dtype)
     return xp_of(a).zeros_like(a)
 

@@ -56,13 +56,23 @@ def _rate(step, xp):
     return statistics.median(gpu), statistics.median(host)
 
 
+def _build(shape, fp8_weights=False):
+    """The main job's layer, input and output gradient; with its GEMM weights as FP8 codes
+    (quantized_model_init) where fp8_weights."""
+    import tecupy
+    from tecupy.__main__ import build
+    with tecupy.quantized_model_init(enabled=fp8_weights, recipe=_recipe()):
+        return build(shape, "cuda")
+
+
 def _tecupy_rows(shape):
     import cupy
     import tecupy
-    from tecupy.__main__ import build, step
+    from tecupy.__main__ import step
     rows, pools = {}, {}
-    for name, r in (("HP", None), ("FP8", _recipe())):
-        layer, x, dy = build(shape, "cuda")
+    for name, r, w8 in (("HP", None, False), ("FP8", _recipe(), False),
+                        ("FP8 weights", _recipe(), True)):
+        layer, x, dy = _build(shape, w8)
         rows[f"tecupy {name} eager"] = _rate(lambda: step(layer, x, dy, r), cupy)
         g = tecupy.make_graphed_step(layer, (x, dy), fp8_recipe=r)
         rows[f"tecupy {name} graphed"] = _rate(lambda: g(x, dy), cupy)
@@ -163,7 +173,6 @@ def run(args):
 
 
 def _memory(shape):
-    from tecupy.__main__ import build
     ref = None
     try:
         import torch
@@ -178,11 +187,13 @@ def _memory(shape):
         print(f"memory: PyTorch bf16 peak {ref / GIB:.2f} GiB above parameters and inputs")
     except ImportError:
         print("memory:")
-    layer, x, dy = build(shape, "cuda")
-    for name, r, ckpt in (("high precision", None, False), ("FP8 delayed scaling", _recipe(),
-                                                            False),
-                          ("FP8, checkpoint(layer, x)", _recipe(), True)):
+    for name, r, ckpt, w8 in (("high precision", None, False, False),
+                              ("FP8 delayed scaling", _recipe(), False, False),
+                              ("FP8, FP8 weights (quantized_model_init)", _recipe(), False, True),
+                              ("FP8, checkpoint(layer, x)", _recipe(), True, False)):
+        layer, x, dy = _build(shape, w8)
         print_report(name, *step_memory(layer, x, dy, r, ckpt), ref=ref)
+        del layer, x, dy
 
 
 class Stack:
@@ -212,17 +223,19 @@ def _stack_memory(shape, n):
     """The peak of one step of n layers above parameters and inputs: PyTorch bf16 (plain,
     and with torch.utils.checkpoint per layer), tecupy high precision, FP8, and FP8 with
     each layer checkpointed (issue 22's target for checkpoint: <= 0.3x PyTorch bf16)."""
-    from tecupy.__main__ import build
     ref = _torch_stack_peak(shape, n)
     if ref:
         print(f"memory of {n} layers: PyTorch bf16 peak {ref[0] / GIB:.2f} GiB, with "
               f"torch.utils.checkpoint per layer {ref[1] / GIB:.2f} GiB")
-    layers = [build(shape, "cuda")[0] for _ in range(n)]
-    _, x, dy = build(shape, "cuda")
-    for name, r, ckpt in (("high precision", None, False), ("FP8", _recipe(), False),
-                          ("FP8, checkpoint per layer", _recipe(), True)):
-        peak, by_op, held = step_memory(Stack(layers, ckpt), x, dy, r)
-        print_report(f"{n} layers, {name}", peak, by_op, held, ref=ref and ref[0])
+    _, x, dy = _build(shape)
+    for w8 in (False, True):
+        layers = [_build(shape, w8)[0] for _ in range(n)]
+        for name, r, ckpt in (("high precision", None, False), ("FP8", _recipe(), False),
+                              ("FP8, checkpoint per layer", _recipe(), True))[w8:]:
+            name += ", FP8 weights" if w8 else ""
+            peak, by_op, held = step_memory(Stack(layers, ckpt), x, dy, r)
+            print_report(f"{n} layers, {name}", peak, by_op, held, ref=ref and ref[0])
+        del layers
 
 
 def _torch_stack_peak(shape, n):

@@ -65,6 +65,7 @@ class Linear(Module):
         if tp_group is not None and parallel_mode is not None:
             self._shard()
         self.fp8_state = FP8State(num_gemms=1)
+        self.quantize_weights(("weight", 0))
 
     def _shard(self):
         """Keep this rank's part of the full parameters (made first, so that the ranks
@@ -153,6 +154,7 @@ class LayerNormLinear(Module):
         if bias:
             self.add_parameter("bias", (out_features,), "zeros")
         self.fp8_state = FP8State(num_gemms=1)
+        self.quantize_weights(("weight", 0))
 
     def forward(self, x):
         _check.last_dim("LayerNormLinear", "x", x, self.in_features, "in_features")
@@ -180,6 +182,7 @@ class LayerNormMLP(Module):
         self.return_layernorm_output = bool(return_layernorm_output)
         self._add_params(bias)
         self.fp8_state = FP8State(num_gemms=2)
+        self.quantize_weights(("fc1_weight", 0), ("fc2_weight", 1))
 
     def _add_params(self, bias):
         hidden, ffn = self.hidden_size, self.ffn_hidden_size

@@ -5,6 +5,7 @@ import numpy as np
 
 from .. import _check
 from .._array import FLOAT_DTYPES, gpu_available, to_numpy
+from ..fp8_params import FP8Weight, active_init
 from ..fp8_state import FP8State, check_array, mismatch
 from ..graphs import draw_seed
 
@@ -72,6 +73,17 @@ class Module:
         setattr(self, name, self.xp.asarray(host.astype(self.params_dtype)))
         self._param_names.append(name)
 
+    def quantize_weights(self, *weights):
+        """Under quantized_model_init: each (parameter name, GEMM index of self.fp8_state)
+        becomes an FP8Weight (cast with the init's recipe); otherwise nothing."""
+        init = active_init()
+        if init is None:
+            return
+        recipe, preserve = init
+        for name, gemm in weights:
+            setattr(self, name, FP8Weight(getattr(self, name), recipe, self.fp8_state, gemm,
+                                          preserve))
+
     def named_parameters(self, prefix=""):
         out = {prefix + n: getattr(self, n) for n in self._param_names
                if getattr(self, n) is not None}
@@ -101,7 +113,9 @@ class Module:
         """Everything a bit-identical continuation needs, as a plain dict of numpy arrays
         and python values (copies; pickles as it is). Keys, with module paths as in
         named_parameters ("self_attention.proj.weight"):
-          <parameter name>                  every parameter, a numpy array of its dtype
+          <parameter name>                  every parameter, a numpy array of its dtype;
+                                            an FP8Weight's codes (uint8), with
+          <parameter name>.scale_inv        float32 [1] (quantized_model_init)
           <module.>rng_state                every module's numpy Generator state (a dict:
                                             bit_generator.state); dropout seeds come from it
           <module.>fp8_state.fp8_format     "HYBRID" | "E4M3", or None: never used in FP8
@@ -110,7 +124,12 @@ class Module:
                                             float32 [3n] / [2n], history [L, 3n] / [L, 2n]
                                             for n GEMMs (only when used)
         """
-        sd = {name: np.array(to_numpy(p)) for name, p in self.named_parameters().items()}
+        sd = {}
+        for name, p in self.named_parameters().items():
+            if isinstance(p, FP8Weight):  # its codes and scale_inv (the master: optimizer's)
+                sd[name], sd[name + ".scale_inv"] = to_numpy(p.data), to_numpy(p.scale_inv)
+            else:
+                sd[name] = np.array(to_numpy(p))
         for prefix, module in self.named_modules():
             sd[prefix + "rng_state"] = copy.deepcopy(module.rng.bit_generator.state)
         for prefix, state in self._fp8_states():
@@ -131,7 +150,10 @@ class Module:
                              f"{len(errors)} mismatch(es):\n  " + "\n  ".join(errors))
         xp = self.xp
         for name, p in self.named_parameters().items():
-            p[...] = xp.asarray(state_dict[name])
+            if isinstance(p, FP8Weight):
+                p.load(state_dict[name], state_dict[name + ".scale_inv"])
+            else:
+                p[...] = xp.asarray(state_dict[name])
         for prefix, module in self.named_modules():
             module.rng.bit_generator.state = copy.deepcopy(state_dict[prefix + "rng_state"])
         for prefix, state in self._fp8_states():
@@ -143,7 +165,12 @@ class Module:
         keys, errors = [], []
         for name, p in self.named_parameters().items():
             keys.append(name)
-            errors += check_array(sd, name, p.shape, p.dtype)
+            if isinstance(p, FP8Weight):
+                keys.append(name + ".scale_inv")
+                errors += check_array(sd, name, p.shape, np.dtype(np.uint8))
+                errors += check_array(sd, name + ".scale_inv", (1,), np.dtype(np.float32))
+            else:
+                errors += check_array(sd, name, p.shape, p.dtype)
         for prefix, module in self.named_modules():
             keys.append(prefix + "rng_state")
             errors += _check_rng(sd, prefix + "rng_state", module.rng)

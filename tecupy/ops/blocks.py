@@ -7,6 +7,7 @@ two (fc1, fc2) for layernorm_mlp.
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..fp8 import dact_cast
+from ..fp8_params import weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
@@ -93,7 +94,7 @@ def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
 def _gemm_fp8(qx, weight, q, out_dtype, bias):
     """qx @ weight.T (+ bias) with weight cast by q.weight -> (y, what its backward keeps:
     [qx, the weight's column-wise copy]; qx row-wise, a producer's codes)."""
-    qw = q.weight.quantize(weight, transpose=True)
+    qw = weight_fp8(q.weight, weight, True)
     return fp8_gemm(qx, qw, out_dtype, bias), [qx, columnwise(qw)]
 
 
@@ -267,7 +268,7 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)  # (maxed into the amax history row)
     qa = qi.wrap(codes)
-    qw = q.weight.quantize(fc2_weight, transpose=True)
+    qw = weight_fp8(q.weight, fc2_weight, True)
     y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias), h.shape[:-1] + (n,))
     saved = [qa, columnwise(qw)]  # qa: the activation wrote row-wise codes only
 

@@ -10,6 +10,7 @@ scaling, each tensor's own amax with no state or under Float8CurrentScaling.
 from .. import _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
 from ..fp8 import FP8Tensor
+from ..fp8_params import hp, weight_fp8
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
@@ -107,11 +108,12 @@ def _dbias(dy2, bias):
 def _linear_hp(x, weight, bias):
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    y = backends.dispatch("gemm", x2, weight, x.dtype, bias).reshape(x.shape[:-1] + (n,))
+    w = hp(weight)  # (an FP8 weight outside fp8_autocast: its dequantized value)
+    y = backends.dispatch("gemm", x2, w, x.dtype, bias).reshape(x.shape[:-1] + (n,))
 
     def backward(dy):
         dy2 = dy.reshape(-1, n)
-        dx = backends.dispatch("gemm", dy2, weight, x.dtype, None, trans_b=False)
+        dx = backends.dispatch("gemm", dy2, w, x.dtype, None, trans_b=False)
         dw = backends.dispatch("gemm", dy2.T, x2, weight.dtype, None, trans_b=False)
         db = _dbias(dy2, bias)
         return dx.reshape(x.shape), dw, db
@@ -125,7 +127,7 @@ def _linear_fp8(x, weight, bias, q):
     check_fp8_dims("linear", m, n, k)
     tr = keeping()  # the backward needs the transposed FP8 copies (none in a checkpoint)
     qx = q.input.quantize(as_2d(x, m, k), transpose=tr)
-    qw = q.weight.quantize(weight, transpose=tr)
+    qw = weight_fp8(q.weight, weight, tr)
     y = as_nd(fp8_gemm(qx, qw, x.dtype, bias), x.shape[:-1] + (n,))
     if not tr:
         return y

@@ -13,8 +13,10 @@ CHUNK, PACK, ROWS = 4096, 256, 5  # kChunk, kPack, kRows of optim.cu
 THREADS, PROLOGUE_THREADS = 256, 1024
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 CTYPE = {F32: "float", F16: "__half", bfloat16: "__nv_bfloat16"}
-# (param, grad) dtype pairs: a gradient in the parameter's dtype or in float32
-PAIRS = [(F32, F32), (F16, F16), (F16, F32), (bfloat16, bfloat16), (bfloat16, F32)]
+# (param, grad) dtype pairs: a gradient in the parameter's dtype or in float32; a float32
+# parameter with a 16-bit gradient: an FP8 weight's master copy (fp8_params.py)
+PAIRS = [(F32, F32), (F32, F16), (F32, bfloat16), (F16, F16), (F16, F32),
+         (bfloat16, bfloat16), (bfloat16, F32)]
 MOMENTS = (F32, bfloat16)
 loader.declare(FILE, ["optim_prologue"]
                + [f"grad_sumsq<{CTYPE[g]}>" for g in CTYPE]

@@ -5,6 +5,7 @@ import numpy as np
 
 from .. import _check
 from .._array import FLOAT_SET, bfloat16, is_cupy, to_numpy
+from ..fp8_params import FP8Weight
 from ..fp8_state import check_array, mismatch
 from ..graphs import capturing
 from . import kernels, reference
@@ -21,6 +22,13 @@ class Optimizer:
     def __init__(self, params, lr, max_grad_norm, schedule, master_weights):
         op = type(self).__name__
         self.names, self.params, self._keyed = _parse_params(op, params)
+        # FP8 weights (quantized_model_init): the optimizer owns their float32 master copy,
+        # which stands in their place below (updated as a float32 parameter from the
+        # weight's gradient); each step casts it into the weight's codes
+        self._grad_dtypes = [p.dtype for p in self.params]
+        self._fp8 = [(i, p) for i, p in enumerate(self.params) if isinstance(p, FP8Weight)]
+        for i, p in self._fp8:
+            self.params[i] = p.master()
         self.max_grad_norm = _max_grad_norm(op, max_grad_norm)
         self.schedule = _schedule(op, schedule)
         lr = _check.real(op, "lr", lr, 0)
@@ -95,13 +103,15 @@ class Optimizer:
             kernels.step(self.kind, self._table, [grads[i] for i in self._order], self._dtypes,
                          self._moments_dtype(), (self.step_array, self.lr_array, self._sc),
                          self._kernel_hyper(), self.max_grad_norm, self.schedule)
-            return
-        if capturing():
+        elif capturing():
             raise RuntimeError(
                 f"{type(self).__name__}.step: these parameters run on the reference optimizer "
                 "(its step counter lives on the host), which a CUDA graph cannot capture; the "
                 "fused kernels take C-contiguous float32, float16 or bfloat16 CuPy arrays")
-        self._reference_step(grads)
+        else:
+            self._reference_step(grads)
+        for i, weight in self._fp8:
+            weight.quantize_(self.params[i])
 
     def _reference_step(self, grads):
         clip = self.max_grad_norm is not None
@@ -135,16 +145,16 @@ class Optimizer:
         if len(grads) != len(self.params):
             raise ValueError(f"{op}: grads must have one array per parameter "
                              f"({len(self.params)}), got {len(grads)}")
-        return [self._check_grad(op, n, g, p)
-                for n, g, p in zip(self.names, grads, self.params)]
+        return [self._check_grad(op, n, g, p, d)
+                for n, g, p, d in zip(self.names, grads, self.params, self._grad_dtypes)]
 
-    def _check_grad(self, op, name, g, p):
+    def _check_grad(self, op, name, g, p, dtype):
         where = f"grads[{name!r}]" if self._keyed else f"grads[{name}]"
         kind = "a cupy array" if is_cupy(p) else "a numpy array"
         if not (isinstance(g, np.ndarray) or is_cupy(g)) or is_cupy(g) != is_cupy(p):
             _check.fail(op, where, f"{kind} (as its parameter)", g, TypeError)
-        if g.shape != p.shape or g.dtype not in (p.dtype, np.float32):
-            _check.fail(op, where, f"an array of shape {tuple(p.shape)} and dtype {p.dtype} "
+        if g.shape != p.shape or g.dtype not in (dtype, np.float32):
+            _check.fail(op, where, f"an array of shape {tuple(p.shape)} and dtype {dtype} "
                         "or float32 (as its parameter)", g)
         if is_cupy(g):
             if g.device.id != p.device.id:
@@ -160,6 +170,7 @@ class Optimizer:
         out = {}
         for slot, row in list(self._slots().items()) + [("master", self.masters)]:
             out.update({f"{slot}.{n}": a for n, a in zip(self.names, row) if a is not None})
+        out.update({f"master.{self.names[i]}": self.params[i] for i, _ in self._fp8})
         return out
 
     def _values(self):
@@ -184,7 +195,8 @@ class Optimizer:
           <slot>.<name>    each parameter's state (AdamW: exp_avg, exp_avg_sq; SGD with
                            momentum: momentum_buffer), <name> its index in the parameter list
                            or its key in the parameter dict
-          master.<name>    the float32 master copy of each 16-bit parameter that has one
+          master.<name>    the float32 master copy of each 16-bit parameter that has one,
+                           and of each FP8 weight (quantized_model_init)
         The parameters themselves are the module's (Module.state_dict)."""
         sd = {k: np.array(to_numpy(a)) for k, a in self._arrays().items()}
         sd.update(self._values())
@@ -271,10 +283,12 @@ def _parse_params(op, params):
         raise ValueError(f"{op}: params is empty; pass at least one parameter")
     for n, p in zip(names, arrays):
         where = f"params[{n!r}]" if keyed else f"params[{n}]"
+        if isinstance(p, FP8Weight):
+            continue
         if not (isinstance(p, np.ndarray) or is_cupy(p)) or p.dtype not in FLOAT_SET:
             _check.fail(op, where, "a numpy or cupy array of float16, bfloat16, float32 or "
-                        "float64", p, TypeError)
-        if is_cupy(p) != is_cupy(arrays[0]):
+                        "float64, or an FP8Weight", p, TypeError)
+        if is_cupy(p) != is_cupy(_codes(arrays[0])):
             raise TypeError(f"{op}: params mix numpy and cupy arrays; keep them on one device")
     if len({id(p) for p in arrays}) != len(arrays):
         raise ValueError(f"{op}: params holds the same array twice; it would be updated twice")
@@ -292,3 +306,8 @@ def _schedule(op, schedule):
     if not (schedule is None or isinstance(schedule, WarmupCosine)):
         _check.fail(op, "schedule", "None or a tecupy.optim.WarmupCosine", schedule, TypeError)
     return schedule
+
+
+def _codes(p):
+    """An array standing for p's device: p, or an FP8 weight's codes."""
+    return p.data if isinstance(p, FP8Weight) else p
