@@ -325,14 +325,15 @@ _MAX_CODE = {f.name: int(np.array(f.max, np.float32).astype(f.ml_dtype).view(np.
 
 def _in_graph(xp):
     """Whether a CUDA graph is being recorded on this thread's current stream (or by
-    make_graphed_step, whatever the stream): cudaStreamIsCapturing, nonzero while active
-    or invalidated. xp: the data's array module (NumPy: never)."""
+    make_graphed_step, whatever the stream): CuPy's streamIsCapturing (a bool; a capture
+    that an error invalidated raises CuPy's RuntimeError). xp: the data's array module
+    (NumPy: never)."""
     from .graphs import capturing
     if capturing():
         return True
     if xp is np:
         return False
-    return xp.cuda.runtime.streamIsCapturing(xp.cuda.get_current_stream().ptr) != 0
+    return bool(xp.cuda.runtime.streamIsCapturing(xp.cuda.get_current_stream().ptr))
 
 
 def _refuse_graph(xp):
