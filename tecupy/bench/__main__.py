@@ -15,6 +15,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # a suite with its own options (bench/train.py parses them)
         return importlib.import_module("tecupy.bench.train").main(argv[1:])
+    if argv[:1] == ["distributed"]:  # NCCL on this host's GPUs (bench/distributed.py --help)
+        return importlib.import_module("tecupy.bench.distributed").main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m tecupy.bench", description=__doc__)
     p.add_argument("suite", choices=SUITES)
     p.add_argument("--cpu", action="store_true",

@@ -8,8 +8,9 @@ gradient is complete; a bucket is reduced as soon as it and every bucket before 
 (every rank launches the same all-reduces in the same order, as NCCL needs), on a side
 stream on the GPU, so its all-reduce overlaps the rest of the backward; `finish()` waits
 and writes the means back. The tape has no such hook yet (README, "Multi-GPU"), so
-all_reduce_gradients calls ready() for every gradient after the backward: the buckets
-still cut the launches from one per gradient to one per bucket_mb.
+all_reduce_gradients calls ready() for every gradient after the backward, on the current
+stream (a side stream would have nothing to overlap): the buckets still cut the launches
+from one per gradient to one per bucket_mb.
 
 Buckets: consecutive gradients of one dtype, in the order given (reverse them to match a
 backward that finishes the last layer first), each up to bucket_mb MiB (a single larger
@@ -108,7 +109,7 @@ def all_reduce_gradients(grads, group, bucket_mb=25, average=True):
     live = [g for g in items if g is not None]
     if not live:
         return grads
-    reducer = GradientReducer(group, live, bucket_mb, average)
+    reducer = GradientReducer(group, live, bucket_mb, average, side_stream=False)
     for i, g in enumerate(live):
         reducer.ready(i, g)
     reducer.finish()

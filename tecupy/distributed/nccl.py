@@ -18,6 +18,7 @@ exits the process with status 1, as PyTorch's NCCL watchdog does.
 The NCCL calls go through an api object (CupyNccl here; tests pass a fake that runs on
 NumPy through the store, so everything but NCCL itself is checked without a GPU).
 """
+import json
 import os
 import sys
 import threading
@@ -58,9 +59,16 @@ class CupyNccl:
         return local_rank
 
     def get_unique_id(self):
-        return bytes(bytearray(self.nccl.get_unique_id()))
+        """-> bytes for the store: cupy's id (bytes, or a tuple of 128 signed chars in
+        older CuPy) tagged so that communicator() hands back the same type."""
+        uid = self.nccl.get_unique_id()
+        if isinstance(uid, (bytes, bytearray)):
+            return b"B" + bytes(uid)
+        return b"T" + json.dumps([int(v) for v in uid]).encode()
 
     def communicator(self, size, uid, rank):
+        uid = bytes(uid)
+        uid = uid[1:] if uid[:1] == b"B" else tuple(json.loads(uid[1:]))
         return self.nccl.NcclCommunicator(size, uid, rank)
 
     def can_split(self):
@@ -117,6 +125,8 @@ class _Job:
             self.reason = reason
         if self.lock.acquire(timeout=self.grace):  # not beneath a running enqueue
             try:
+                if self.comms:
+                    self.api.set_device(self.device)  # (this thread's CUDA device)
                 for comm in self.comms:
                     try:
                         comm.abort()
@@ -135,10 +145,17 @@ class _Job:
             reason = str(e)
         if self.closed:
             return
-        self._abort_comms(reason)
+        if self.reason is None:
+            self.reason = reason  # (the main thread's next collective raises it)
+        end = time.monotonic() + self.grace
+        # ncclCommAbort in a thread of its own: were it to block, this one still ends the
+        # process on time
+        aborting = threading.Thread(target=self._abort_comms, args=(reason,), daemon=True)
+        aborting.start()
+        aborting.join(self.grace)
         if self.local or not self.exit_on_abort:
             return
-        time.sleep(self.grace)
+        time.sleep(max(0.0, end - time.monotonic()))
         sys.stderr.write(f"tecupy.distributed: rank {self.rank} of {self.size} exits: group "
                          f"aborted: {reason}\n")
         sys.stderr.flush()

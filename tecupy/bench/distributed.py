@@ -1,0 +1,161 @@
+"""python -m tecupy.bench distributed [--nproc N] [--sizes 1,4,16,64,256] [--no-torch]:
+NcclGroup on the GPUs of this host, one process each (spawned).
+
+1. all_reduce of bf16 buffers of 1-256 MiB: time per call (CUDA events on rank 0, median of
+   ITERS calls back to back after a warm-up) and bus bandwidth, nccl-tests' definition:
+   bytes * 2 (n - 1) / n / time. PyTorch's torch.distributed all_reduce on the same sizes in
+   separate processes (same run) is the peer, where torch is importable.
+2. Data parallel: averaging the gradients of the quickstart TransformerLayer (hidden 4096,
+   ffn 16384, 32 heads; bf16) with all_reduce_gradients: 25 MiB buckets, one bucket per
+   parameter, and everything in one bucket; the time the 256 MiB bus bandwidth predicts.
+"""
+import argparse
+import statistics
+
+ITERS, WARMUP = 20, 5
+LAYER = (4096, 16384, 32)  # the quickstart layer: hidden, ffn, heads
+
+
+def _events_ms(fn, iters):
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def _rank(g, sizes_mib):
+    """-> (all_reduce ms per size, DP rows) of this rank."""
+    import cupy
+
+    import tecupy
+    from tecupy import distributed as dist
+    out = {"all_reduce": [], "dp": []}
+    for mib in sizes_mib:
+        x = cupy.ones(mib * 2**20 // 2, dtype=tecupy.bfloat16)
+        for _ in range(WARMUP):
+            g.all_reduce(x)
+        g.barrier()
+        out["all_reduce"].append(_events_ms(lambda: g.all_reduce(x), ITERS))
+    hidden, ffn, heads = LAYER
+    layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, params_dtype=tecupy.bfloat16,
+                                       device="cuda", seed=0)
+    grads = [cupy.full(p.shape, 0.5, p.dtype) for p in reversed(layer.parameters())]
+    del layer
+    nbytes = sum(a.nbytes for a in grads)
+    for name, mb in (("25 MiB buckets", 25), ("one per parameter", 0),
+                     ("one bucket", nbytes / 2**20 + 1)):
+        for _ in range(2):
+            dist.all_reduce_gradients(grads, g, bucket_mb=mb)
+        g.barrier()
+        ms = _events_ms(lambda: dist.all_reduce_gradients(grads, g, bucket_mb=mb), 5)
+        out["dp"].append((name, ms))
+    out["dp_bytes"], out["dp_count"] = nbytes, len(grads)
+    return out
+
+
+def _torch_rank(rank, n, port, sizes_mib, queue):
+    import os
+
+    import torch
+    import torch.distributed as tdist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    tdist.init_process_group("nccl", rank=rank, world_size=n)
+    times = []
+    for mib in sizes_mib:
+        x = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device="cuda")
+        for _ in range(WARMUP):
+            tdist.all_reduce(x)
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(ITERS):
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            tdist.all_reduce(x)
+            stop.record()
+            stop.synchronize()
+            ms.append(start.elapsed_time(stop))
+        times.append(statistics.median(ms))
+    tdist.destroy_process_group()
+    if rank == 0:
+        queue.put(times)
+
+
+def _torch_peer(n, sizes_mib):
+    """torch.distributed all_reduce ms per size (None without torch, or if it fails)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    import multiprocessing as mp
+
+    from tecupy.distributed.multiproc import free_port
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_torch_rank, args=(r, n, port, sizes_mib, queue))
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        return queue.get(timeout=300)
+    except Exception as e:  # noqa: BLE001 - the peer is optional: say why it is missing
+        print(f"(PyTorch peer failed: {type(e).__name__}: {e})")
+        return None
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tecupy.bench distributed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
+    p.add_argument("--sizes", default="1,4,16,64,256", help="all_reduce sizes in MiB")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    args = p.parse_args(argv)
+    import tecupy
+    if not tecupy.gpu_available():
+        raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
+    run(args)
+
+
+def run(args):
+    import cupy
+
+    from tecupy import distributed as dist
+    from .timing import gpu_name
+    n = args.nproc or cupy.cuda.runtime.getDeviceCount()
+    if n < 2:
+        raise SystemExit(f"tecupy.bench distributed needs 2+ GPUs (this host has {n})")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    got = dist.spawn(_rank, n, sizes, timeout=300)[0]
+    peer = None if args.no_torch else _torch_peer(n, sizes)
+    print(f"GPU: {gpu_name()} x {n}; all_reduce of bf16, median of {ITERS} calls")
+    print("| MiB | tecupy ms | bus GB/s | torch ms | bus GB/s | tecupy / torch |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    bus = lambda mib, ms: mib * 2**20 * 2 * (n - 1) / n / (ms * 1e-3) / 1e9  # noqa: E731
+    for i, mib in enumerate(sizes):
+        ms = got["all_reduce"][i]
+        tail = "| - | - | - |" if peer is None else \
+            f"| {peer[i]:.3f} | {bus(mib, peer[i]):.0f} | {peer[i] / ms:.2f}x |"
+        print(f"| {mib} | {ms:.3f} | {bus(mib, ms):.0f} {tail}")
+    big = bus(sizes[-1], got["all_reduce"][-1]) * 1e9
+    mib = got["dp_bytes"] / 2**20
+    ideal = got["dp_bytes"] * 2 * (n - 1) / n / big * 1e3
+    print(f"\nData parallel: the quickstart layer's {got['dp_count']} gradients ({mib:.0f} MiB "
+          f"bf16) averaged with all_reduce_gradients; {ideal:.2f} ms at the "
+          f"{sizes[-1]} MiB bus bandwidth")
+    print("| buckets | ms | vs that bandwidth |")
+    print("| --- | --- | --- |")
+    for name, ms in got["dp"]:
+        print(f"| {name} | {ms:.2f} | {ideal / ms:.0%} |")
+    return got, peer

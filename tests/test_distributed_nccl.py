@@ -1,0 +1,263 @@
+"""NcclGroup on real GPUs (2+, one process each, spawned): collectives against NumPy for
+every dtype, split subgroups, data-parallel gradient averaging on the side stream, a TP=2
+column -> gelu -> row MLP (nn.Linear) against the single-GPU run in high precision and
+under fp8_autocast, a raising rank ending every rank within 10 s, and an init timeout
+naming the absent rank. Skipped unless CuPy sees 2+ GPUs and loads NCCL.
+
+    python -m pytest -q -s -p no:cacheprovider tests/test_distributed_nccl.py
+
+prints one table row per check (-s shows them)."""
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from tecupy import distributed as dist
+from tecupy._array import bfloat16
+
+
+def _gpus():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+            from cupy.cuda import nccl
+            return cupy.cuda.runtime.getDeviceCount() if nccl.available else 0
+    except Exception:  # noqa: BLE001 - no CUDA, no NCCL: skipped
+        return 0
+
+
+NGPU = _gpus()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(NGPU < 2, reason="needs 2+ GPUs visible to CuPy and NCCL")]
+N = min(NGPU, 4)
+DTYPES = [np.float32, np.float16, bfloat16, np.uint8, np.int32, np.int64]
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def row(check, ranks, result, detail=""):
+    print(f"\n| {check:<34} | {ranks} | {result:<4} | {detail}")
+
+
+def _data(rank, dtype, shape=(12, 12)):
+    rng = np.random.default_rng(rank)
+    return (rng.standard_normal(shape) * 8).astype(dtype)
+
+
+def _xp(g):
+    """The group's array module (cupy; numpy where a test drives these with a fake NCCL)."""
+    return g._job.api.xp
+
+
+def _np(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def _collectives(g):
+    cupy = _xp(g)
+    out = {}
+    for dt in DTYPES:
+        x = cupy.asarray(_data(g.rank, dt))
+        res = [g.all_reduce(x.copy()), g.all_reduce(x.copy(), op="max"),
+               g.all_gather(x, axis=0), g.all_gather(x[:, 1:], axis=1),
+               g.reduce_scatter(x, axis=0), g.reduce_scatter(x, axis=1, op="max"),
+               g.broadcast(x.copy(), root=g.size - 1)]
+        out[np.dtype(dt).name] = [_np(a) for a in res]
+    if cupy is not np:
+        with pytest.raises(TypeError, match="x must be a cupy array on this rank's GPU"):
+            g.all_reduce(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="dtype complex64 is not supported"):
+        g.all_reduce(cupy.ones(3, cupy.complex64))
+    g.barrier()
+    return out
+
+
+def _close(got, want, exact, what):
+    if exact:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return 0.0
+    tol = 1e-5 if got.dtype == np.float32 else 2e-2
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 8, err_msg=what)
+    return float(np.max(np.abs(got - want)))
+
+
+def test_collectives_equal_numpy():
+    """Sums bit-exact for integers and for 2 ranks (a + b commutes), else within the
+    dtype's tolerance (NCCL's order is not rank order); everything else bit-exact."""
+    t0 = time.perf_counter()
+    got = dist.spawn(_collectives, N, timeout=120)
+    worst = 0.0
+    for dt in DTYPES:
+        name = np.dtype(dt).name
+        xs = [_data(r, dt) for r in range(N)]
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc += x
+        mx = np.max(xs, axis=0)
+        exact = N == 2 or np.issubdtype(np.dtype(dt), np.integer)
+        for r in range(N):
+            s, m, g0, g1, rs, rsm, b = got[r][name]
+            worst = max(worst, _close(s, acc, exact, f"{name} all_reduce rank {r}"),
+                        _close(rs, np.split(acc, N, 0)[r], exact,
+                               f"{name} reduce_scatter rank {r}"))
+            np.testing.assert_array_equal(m, mx)
+            np.testing.assert_array_equal(g0, np.concatenate(xs, 0))
+            np.testing.assert_array_equal(g1, np.concatenate([x[:, 1:] for x in xs], 1))
+            np.testing.assert_array_equal(rsm, np.split(mx, N, axis=1)[r])
+            np.testing.assert_array_equal(b, xs[N - 1])
+    row("collectives x 6 dtypes vs NumPy", N, "ok",
+        f"{'bit-exact' if N == 2 else f'max float sum err {worst:.2g}'}; "
+        f"{time.perf_counter() - t0:.1f} s incl. spawn")
+
+
+def _splits(g):
+    cupy = _xp(g)
+    pair = g.split(color=0, key=-g.rank)  # every rank, order reversed
+    alone = g.split(color=g.rank)
+    first = g.split(color=None if g.rank else 0)
+    halves = g.split(color=g.rank % 2, key=g.rank) if g.size == 4 else None
+    r = [pair.rank, _np(pair.all_gather(cupy.array([g.rank]))).tolist(),
+         alone.size, _np(alone.all_reduce(cupy.array([g.rank + 1.0])))[0],
+         first is None]
+    if halves is not None:
+        r.append(_np(halves.all_reduce(cupy.array([float(g.rank)])))[0])
+    return r
+
+
+def test_split_subgroups():
+    got = dist.spawn(_splits, N, timeout=120)
+    for r, o in enumerate(got):
+        assert o[:5] == [N - 1 - r, list(range(N - 1, -1, -1)), 1, r + 1.0, r != 0]
+        if N == 4:
+            assert o[5] == (2.0 if r % 2 == 0 else 4.0)
+    row("split (commSplit): reversed, singletons", N, "ok")
+
+
+def _grads(g):
+    cupy = _xp(g)
+    rng = np.random.default_rng(g.rank)
+    host = [rng.standard_normal(s).astype(dt) for s, dt in
+            (((256, 64), np.float32), ((64,), np.float32), ((128, 256), bfloat16),
+             ((3000,), np.float32))]
+    grads = [cupy.asarray(a) for a in host]
+    dist.all_reduce_gradients(grads, g, bucket_mb=0.05)  # several buckets, side stream
+    return [_np(a) for a in grads]
+
+
+def test_all_reduce_gradients_mean():
+    got = dist.spawn(_grads, N, timeout=120)
+    rngs = [np.random.default_rng(r) for r in range(N)]
+    shapes = [((256, 64), np.float32), ((64,), np.float32), ((128, 256), bfloat16),
+              ((3000,), np.float32)]
+    per = [[rng.standard_normal(s).astype(dt) for s, dt in shapes] for rng in rngs]
+    for i, (_, dt) in enumerate(shapes):
+        mean = np.mean([p[i].astype(np.float64) for p in per], axis=0)
+        tol = 1e-6 if dt == np.float32 else 2e-2
+        for r in range(N):
+            np.testing.assert_allclose(got[r][i].astype(np.float64), mean, rtol=tol, atol=tol)
+            np.testing.assert_array_equal(got[r][i], got[0][i])  # every rank the same bits
+    row("all_reduce_gradients (buckets)", N, "ok", "mean, same bits on every rank")
+
+
+def _mlp(g, fp8):
+    """TP=2 (ranks 0, 1) column -> gelu -> row MLP of nn.Linear and, on rank 0, the
+    single-GPU MLP of the same seeds; -> outputs and gradients (NumPy)."""
+    import tecupy
+    cupy = _xp(g)
+    rng = np.random.default_rng(7)
+    x = cupy.asarray(rng.standard_normal((64, 256)).astype(np.float32))
+    dy = cupy.asarray(rng.standard_normal((64, 256)).astype(np.float32))
+    tp = g.split(color=0 if g.rank < 2 else None)
+    mk = dict(params_dtype=np.float32, device="cpu" if cupy is np else "cuda")
+
+    def run(fc1, fc2):
+        ctx = tecupy.fp8_autocast(fp8_recipe=tecupy.recipe.DelayedScaling()) if fp8 else \
+            contextlib.nullcontext()
+        with tecupy.Tape() as tape, ctx:
+            y = fc2(tecupy.gelu(fc1(x)))
+        grads = tape.gradient(y, [x, fc1.weight, fc1.bias, fc2.weight, fc2.bias],
+                              output_grad=dy)
+        return [_np(a) for a in [y, *grads]]
+    if tp is None:
+        return None
+    a = tecupy.nn.Linear(256, 1024, seed=5, parallel_mode="column", tp_group=tp, **mk)
+    b = tecupy.nn.Linear(1024, 256, seed=6, parallel_mode="row", tp_group=tp, **mk)
+    out = {"tp": run(a, b)}
+    if g.rank == 0:
+        out["single"] = run(tecupy.nn.Linear(256, 1024, seed=5, **mk),
+                            tecupy.nn.Linear(1024, 256, seed=6, **mk))
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+def test_tp2_mlp_equals_single_gpu(fp8):
+    got = dist.spawn(_mlp, N, fp8, timeout=120)
+    want = got[0]["single"]
+    rtol, atol = (0.125, 0.0675) if fp8 else (1e-5, 1e-5)  # E4M3; float32 with K split
+    exact, worst = [], 0.0
+    names = ["y", "dx", "dw1", "db1", "dw2", "db2"]
+    for r in range(2):
+        for name, a, full, axis in zip(names, got[r]["tp"], want, (None, None, 0, 0, 1, None)):
+            ref = full if axis is None else np.split(full, 2, axis=axis)[r]
+            np.testing.assert_allclose(a, ref, rtol=rtol, atol=atol, err_msg=f"{name} rank {r}")
+            worst = max(worst, float(np.max(np.abs(a - ref))))
+            if np.array_equal(a, ref):
+                exact.append(f"{name}@{r}")
+    row(f"TP=2 MLP vs 1 GPU ({'fp8' if fp8 else 'fp32 HP'})", 2, "ok",
+        f"max abs err {worst:.2g}; bit-exact: {', '.join(exact) or 'none'}")
+
+
+def _raise_on_1(g):
+    import cupy
+    x = cupy.ones(1 << 20, cupy.float32)
+    g.all_reduce(x)
+    cupy.cuda.get_current_stream().synchronize()
+    if g.rank == 1:
+        raise ValueError(f"boom on rank 1 at {time.time()!r}")
+    g.all_reduce(x)  # rank 1 never joins: the host waits below for ever, unaided
+    cupy.cuda.get_current_stream().synchronize()
+    g.barrier()
+
+
+def test_raising_rank_ends_every_rank_within_10_s():
+    with pytest.raises(ValueError, match="boom on rank 1 at") as e:
+        dist.spawn(_raise_on_1, N, timeout=120, grace=30)
+    dt = time.time() - float(str(e.value).rsplit(" ", 1)[1])
+    assert dt < 10  # every rank ended (spawn waited for them) within 10 s of the raise
+    notes = "\n".join(e.value.__notes__)
+    for r in range(N):
+        if r != 1:
+            assert f"rank {r}: " in notes
+    row("fault: rank 1 raises, others in NCCL", N, "ok", f"all ranks ended {dt:.1f} s after")
+
+
+def test_init_timeout_names_the_absent_rank(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        from tecupy import distributed as dist
+        if os.environ["RANK"] == "1":
+            sys.exit(0)  # never arrives
+        try:
+            dist.init_process_group(timeout=3)
+        except dist.InitTimeout as e:
+            print(e)
+            sys.exit(3)
+        """))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "tecupy.distributed.launch", "--nproc", "2",
+                        str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    dt = time.perf_counter() - t0
+    assert p.returncode == 3, p.stderr
+    assert "rank(s) [1] of 2 did not arrive at the store" in p.stdout
+    assert dt < 30
+    row("init timeout names rank 1", 2, "ok", f"{dt:.1f} s (timeout 3 s)")
