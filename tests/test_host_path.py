@@ -89,14 +89,21 @@ def fake_driver(monkeypatch):
     """A Hopper with PDL, its cuLaunchKernelEx recording (config, function, the packed
     argument bytes); returns that record."""
     import cupy
-    launched = []
+    launched, sizes, real_state = [], {}, launch_mod._launch_state
+
+    def launch_state(*args):  # (each argument buffer's size, by its params' address)
+        st, buf, params, cfg = real_state(*args)
+        sizes[ctypes.addressof(params)] = st.size
+        return st, buf, params, cfg
 
     def launch_ex(cfg_ptr, f, params, extra):
         cfg = launch_mod._LaunchConfig.from_address(cfg_ptr)
         ptrs = (ctypes.c_void_p * 1).from_address(params)  # the first argument's slot
-        raw = ctypes.string_at(ptrs[0], 8 * 16)  # (every kernel here has < 16 arguments)
-        launched.append((tuple(cfg.grid), tuple(cfg.block), cfg.stream, f, raw))
+        raw = ctypes.string_at(ptrs[0], sizes[params])
+        launched.append((tuple(cfg.grid), tuple(cfg.block), cfg.stream, f, raw,
+                         cfg.num_attrs, cfg.shared))
         return 0
+    monkeypatch.setattr(launch_mod, "_launch_state", launch_state)
     stream = type("Stream", (), {"ptr": 0x5000, "is_capturing": lambda self: False})()
     monkeypatch.setattr(launch_mod, "_cupy", [cupy.ndarray, lambda: stream, launch_ex])
     monkeypatch.setattr(launch_mod, "hopper", lambda: True)
@@ -117,13 +124,15 @@ def _fake_gpu(monkeypatch, module, sms=132):
     return made
 
 
-def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_path):
+def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_path,
+                                                           fake_driver):
     made = _fake_gpu(monkeypatch, gemm_kernels)
     monkeypatch.setenv("TECUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gemm_kernels, "_tuned_cache", {})
     args = (256, 4096, 4096, E4M3, E4M3, True, tecupy.bfloat16, False, False, False)
     plan = gemm_kernels._shape_plan(*args)
-    fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype, ints, _ = plan
+    fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype, ints, _, run = plan
+    assert (run.k, run.grid, run.shared_mem, run.pdl) == (fn, grid, smem, False)
     config = gemm_kernels.default_config(256, 4096, True)
     assert fn.name == gemm_kernels.kernel_name("e4m3", "e4m3", "__nv_bfloat16", 1, False,
                                                config)
@@ -252,14 +261,34 @@ def _gemm_operands(m, n, k):
 
 
 def _fake_gemm(monkeypatch):
+    encoded = []
     monkeypatch.setattr(gemm_kernels, "sm_count", lambda: 132)
     monkeypatch.setattr(gemm_kernels, "hopper", lambda: True)
     monkeypatch.setattr(gemm_kernels, "_plans", {})
-    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: args)
+    monkeypatch.setattr(gemm_kernels, "_descs", {})
+    monkeypatch.setattr(gemm_kernels, "_gemm_desc_sets", {})
+    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: encoded.append(args) or
+                        np.full(16, len(encoded), np.uint64).view("V128"))
+    return encoded
+
+
+_GEMM_ARGS = "Q" * 7 + "i4x" * 3 + "128s" * 3  # pointers, M, N, K, 3 TMA descriptors
+
+
+def _gemm_launch(fake_driver, i=-1):
+    """The i-th launch's arguments, pointers named by their FakeArray (None: a raw one),
+    descriptors by the number the fake encoder gave them."""
+    grid, block, _, _, raw, num_attrs, shared = fake_driver[i]
+    assert block == (384, 1, 1) and num_attrs == 0 and shared > 0  # no PDL: no PDL_WAIT
+    args = _packed(raw, _GEMM_ARGS)
+    arrays = {a.data.ptr: a for a in FakeArray.made}
+    return ([arrays.get(p) for p in args[:7]] + list(args[7:10])
+            + [np.frombuffer(d, np.uint64)[0] for d in args[10:]])
 
 
 @pytest.mark.parametrize("out_dtype", [tecupy.bfloat16, np.float16])
-def test_fp8_gemm_16bit_bias_goes_to_the_kernel_as_it_is(fake_cupy, monkeypatch, out_dtype):
+def test_fp8_gemm_16bit_bias_goes_to_the_kernel_as_it_is(fake_cupy, fake_driver, monkeypatch,
+                                                         out_dtype):
     """The FP8 linears' case (bias in x's dtype, D in x's dtype): the bias array itself is
     the kernel's argument, no float32 copy per call (issue 21: ~17 us of host time)."""
     _fake_gemm(monkeypatch)
@@ -270,16 +299,18 @@ def test_fp8_gemm_16bit_bias_goes_to_the_kernel_as_it_is(fake_cupy, monkeypatch,
     before = len(FakeArray.made)
     out = gemm_kernels.fp8_gemm(*args)
     assert FakeArray.made[before:] == [out]  # the output, and no copy of the bias
-    (k,) = fake_cupy.values()
-    assert k.calls[0][2][2] is bias and ", 1, false, false>" in k.name  # EPI 1
+    sent = _gemm_launch(fake_driver)
+    assert sent[:7] == [sa, sb, bias, sa, sa, out, out] and sent[7:10] == [256, 4096, 4096]
+    (name,) = fake_cupy
+    assert ", 1, false, false>" in name  # EPI 1
 
 
 @pytest.mark.parametrize("out_dtype,bias_dtype,copied", [
     (np.float32, tecupy.bfloat16, True),     # float32 D: bf16 -> float32, exact
     (np.float32, np.float32, False),
     (tecupy.bfloat16, tecupy.bfloat16, True)])  # (a strided view: made contiguous)
-def test_fp8_gemm_bias_copies_only_where_needed(fake_cupy, monkeypatch, out_dtype, bias_dtype,
-                                                copied):
+def test_fp8_gemm_bias_copies_only_where_needed(fake_cupy, fake_driver, monkeypatch,
+                                                out_dtype, bias_dtype, copied):
     _fake_gemm(monkeypatch)
     a, sa, b, sb = _gemm_operands(64, 32, 48)
     strided = out_dtype != np.float32
@@ -287,8 +318,7 @@ def test_fp8_gemm_bias_copies_only_where_needed(fake_cupy, monkeypatch, out_dtyp
     args = (a, E4M3, sa, b, E4M3, sb, np.dtype(out_dtype), bias)
     assert gemm_kernels.supported(*args)
     gemm_kernels.fp8_gemm(*args)
-    (k,) = fake_cupy.values()
-    sent = k.calls[0][2][2]
+    sent = _gemm_launch(fake_driver)[2]
     assert (sent is not bias) == copied
     assert sent.dtype == gemm_kernels.bias_dtype(out_dtype) and sent.flags.c_contiguous
 
@@ -306,15 +336,36 @@ def test_fp8_gemm_refuses_a_bias_its_epilogue_would_round(fake_cupy, monkeypatch
     assert not gemm_kernels.supported(*args, FakeArray((32,), bias_dtype))
 
 
-def test_fp8_gemm_dgelu_without_bias_gets_zeros_of_the_bias_type(fake_cupy, monkeypatch):
+def test_fp8_gemm_dgelu_without_bias_gets_zeros_of_the_bias_type(fake_cupy, fake_driver,
+                                                                 monkeypatch):
     _fake_gemm(monkeypatch)
     a, sa, b, sb = _gemm_operands(64, 32, 48)
     aux = FakeArray((64, 32), tecupy.bfloat16)
-    gemm_kernels.fp8_gemm(a, E5M2, sa, b, E4M3, sb, tecupy.bfloat16, None,
-                          split_accumulator=True, dgelu_aux=aux)
-    (k,) = fake_cupy.values()
-    sent = k.calls[0][2][2]
-    assert sent.shape == (32,) and sent.dtype == tecupy.bfloat16 and ", 3, false, " in k.name
+    out = gemm_kernels.fp8_gemm(a, E5M2, sa, b, E4M3, sb, tecupy.bfloat16, None,
+                                split_accumulator=True, dgelu_aux=aux)
+    sent = _gemm_launch(fake_driver)
+    assert sent[2].shape == (32,) and sent[2].dtype == tecupy.bfloat16
+    assert sent[5:7] == [out, aux] and ", 3, false, " in next(iter(fake_cupy))
+
+
+def test_fp8_gemm_descriptors_per_call_addresses(fake_cupy, fake_driver, monkeypatch):
+    """A call's three TMA descriptors are looked up by its plan and A, B, D's addresses:
+    encoded once per address set, the same ones launched again."""
+    encoded = _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(256, 512, 128)
+    out = FakeArray((256, 512), tecupy.bfloat16)
+    for _ in range(2):
+        gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
+    assert len(encoded) == 3 and [e[0] for e in encoded] == [a.data.ptr, b.data.ptr,
+                                                             out.data.ptr]
+    assert _gemm_launch(fake_driver, 0)[7:] == _gemm_launch(fake_driver, 1)[7:] == [
+        256, 512, 128, 1, 2, 3]
+    a2 = FakeArray((256, 128), np.uint8)  # another A: its own descriptor, B's and D's kept
+    gemm_kernels.fp8_gemm(a2, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
+    assert len(encoded) == 4 and _gemm_launch(fake_driver)[-3:] == [4, 2, 3]
+    fp32 = gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, np.float32)  # another plan, D
+    assert _gemm_launch(fake_driver)[-3:] == [1, 2, 1]  # not staged: A's descriptor there
+    assert _gemm_launch(fake_driver)[5] is fp32 and len(encoded) == 4
 
 
 # ---- the delayed-scaling update's launch plan (kernels/scaling.py) ----------------------
@@ -403,8 +454,8 @@ def test_launcher_packs_arrays_raw_pointers_and_scalars(fake_cupy, fake_driver):
     a, b = FakeArray((4,), np.float32), FakeArray((8,), np.uint8)
     run((a, b, np.int32(-7), np.float32(0.5)))
     run((b, np.uint64(0), np.int32(9), np.float32(2.0)))
-    (g0, blk, stream, f, raw0), (_, _, _, _, raw1) = fake_driver
-    assert (g0, blk, stream, f) == ((3, 1, 1), (256, 1, 1), 0x5000, k.kernel.ptr)
+    (g0, blk, stream, f, raw0, pdl, _), (_, _, _, _, raw1, _, _) = fake_driver
+    assert (g0, blk, stream, f, pdl) == ((3, 1, 1), (256, 1, 1), 0x5000, k.kernel.ptr, 1)
     assert _packed(raw0, "QQi4xf4x") == (a.data.ptr, b.data.ptr, -7, 0.5)
     assert _packed(raw1, "QQi4xf4x") == (b.data.ptr, 0, 9, 2.0)
     assert k.calls == []  # (cuLaunchKernelEx, not CuPy's launch)
@@ -483,29 +534,8 @@ def test_cast_to_fp8_call_packs_its_plan(fake_cupy, fake_driver, monkeypatch):
                                                          for _ in range(2))
     q, got = cast_kernels.cast_to_fp8(x, scale, E5M2, amax)
     assert got is amax and q.shape == (3, 40) and q.dtype == np.uint8
-    grid, _, _, _, raw = fake_driver[-1]
+    grid, _, _, _, raw, _, _ = fake_driver[-1]
     assert grid == (7, 1, 1)
     assert _packed(raw, "QQQQQQq") == (x.data.ptr, scale.data.ptr, q.data.ptr, 0,
                                        amax.data.ptr, 0, 120)
 
-
-def test_fp8_gemm_descriptors_per_call_addresses(fake_cupy, monkeypatch):
-    """A call's three TMA descriptors are looked up by its plan and A, B, D's addresses:
-    encoded once per address set, the same objects launched again."""
-    _fake_gemm(monkeypatch)
-    encoded = []
-    monkeypatch.setattr(gemm_kernels, "tma_encode", lambda *args: encoded.append(args) or
-                        len(encoded))
-    monkeypatch.setattr(gemm_kernels, "_descs", {})
-    monkeypatch.setattr(gemm_kernels, "_gemm_desc_sets", {})
-    a, sa, b, sb = _gemm_operands(256, 512, 128)
-    out = FakeArray((256, 512), tecupy.bfloat16)
-    for _ in range(2):
-        gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
-    (k,) = fake_cupy.values()
-    assert len(encoded) == 3 and k.calls[0][2][-3:] == k.calls[1][2][-3:] == (1, 2, 3)
-    assert [e[0] for e in encoded] == [a.data.ptr, b.data.ptr, out.data.ptr]
-    assert k.calls[0][2][7:10] == (256, 512, 128)
-    a2 = FakeArray((256, 128), np.uint8)  # another A: its own descriptor, B's and D's kept
-    gemm_kernels.fp8_gemm(a2, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, out=out)
-    assert len(encoded) == 4 and k.calls[2][2][-3:] == (4, 2, 3)

@@ -45,3 +45,20 @@ def test_unsupported_argument_type_is_named(bad):
     with pytest.raises(TypeError, match=f"{bad.__name__}.*accepted: CuPy arrays and NumPy "
                                         "int32/int64/float32/uint32/uint64"):
         launch._launch_state((cupy.ndarray, bad), (1,), (32,), 0)
+
+
+def test_128_byte_arguments_and_no_pdl():
+    """The FP8 GEMM's arguments: 7 pointers, 3 int32, 3 TMA descriptors of 128 bytes; each
+    void* points at its own argument (the driver copies each parameter's size from there),
+    and a launch without PDL carries no attribute."""
+    kinds = (cupy.ndarray,) * 7 + (np.int32,) * 3 + (bytes,) * 3
+    st, buf, params, cfg = launch._launch_state(kinds, (132,), (384,), 200000, pdl=False)
+    descs = [bytes([i]) * 128 for i in (1, 2, 3)]
+    st.pack_into(buf, 0, *range(10, 17), 256, 4096, 1024, *descs)
+    base = ctypes.addressof(buf)
+    offsets = [params[i] - base for i in range(len(kinds))]
+    assert offsets == [8 * i for i in range(10)] + [80, 208, 336] and st.size == 464
+    assert [struct.unpack_from("<Q", buf.raw, o)[0] for o in offsets[:7]] == list(range(10, 17))
+    assert [struct.unpack_from("<i", buf.raw, o)[0] for o in offsets[7:10]] == [256, 4096, 1024]
+    assert [buf.raw[o:o + 128] for o in offsets[10:]] == descs
+    assert (cfg.num_attrs, bool(cfg.attrs), cfg.shared) == (0, False, 200000)

@@ -20,7 +20,7 @@ from .. import backends, loader
 from .._array import bfloat16, is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
-from .launch import hopper, planned, sm_count
+from .launch import Launcher, hopper, planned, sm_count
 from .tma import tma_desc as tma_encode
 
 FILE = "fp8_gemm.cu"
@@ -254,8 +254,8 @@ def _device():
 
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
-    kernel's int32 M, N, K, a number naming the plan) of `config` for an M x N output, K
-    deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
+    kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
+    M x N output, K deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -274,13 +274,21 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k):
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     grid = (min(units, sm_count() // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
-            (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids))
+            (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids),
+            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=False))
+
+
+def _kinds():
+    """The kernel's argument types: scale_inv_a, scale_inv_b, bias, scale_out, amax_out, d,
+    aux (pointers), M, N, K (int32), the 3 TMA descriptors (128 bytes each)."""
+    import cupy
+    return (cupy.ndarray,) * 7 + (np.int32,) * 3 + (bytes,) * 3
 
 
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
          dgelu_aux=None):
     import cupy
-    fn, grid, smem, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id = plan
+    _, _, _, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id, run = plan
     m, n = a.shape[0], b.shape[0]
     if out is None:
         out = cupy.empty((m, n), out_dtype)
@@ -299,12 +307,15 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
     # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
     aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
     da, db, dd = _gemm_descs(plan_id, a, b, out, bn, staged)
-    fn(grid, (THREADS,), (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32,
-                          n32, k32, da, db, dd), shared_mem=smem)
+    # through cuLaunchKernelEx, arguments packed by the plan's struct (CuPy's launch costs
+    # more per argument, and reads each descriptor from a NumPy array per call)
+    run((a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32, n32, k32, da, db,
+         dd))
     return (out, aux) if act == "gelu" else out
 
 
 _gemm_desc_sets = {}  # (plan number, addresses of A, B, D) -> the call's 3 TMA descriptors
+#                     as bytes (the Launcher's 128-byte arguments)
 
 
 def _gemm_descs(plan_id, a, b, out, bn, staged):
@@ -316,9 +327,9 @@ def _gemm_descs(plan_id, a, b, out, bn, staged):
     if descs is None:
         if len(_gemm_desc_sets) > 512:  # many addresses: start over rather than grow
             _gemm_desc_sets.clear()
-        da = tma_desc(a, BM)
-        descs = _gemm_desc_sets[key] = (da, tma_desc(b, bn),
-                                        tma_desc(out, 64) if staged else da)
+        da = tma_desc(a, BM).tobytes()
+        descs = _gemm_desc_sets[key] = (da, tma_desc(b, bn).tobytes(),
+                                        tma_desc(out, 64).tobytes() if staged else da)
     return descs
 
 

@@ -2,6 +2,7 @@
 beyond 48 KB, the wrappers' cache of launch plans, and the launch with programmatic
 dependent launch (PDL) through cuLaunchKernelEx."""
 import ctypes
+import itertools
 import struct
 import threading
 
@@ -108,27 +109,34 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 _PDL_ATTR = _LaunchAttr(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PDL_ATTR.value[0] = 1
-# each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size)
+# each kernel argument in 8 bytes (little-endian; the driver copies the parameter's size
+# from where its pointer points), a 128-byte one (bytes: a TMA descriptor, CUtensorMap) in 128
 _ARG_FORMATS = {np.int32: "i4x", np.int64: "q", np.float32: "f4x", np.uint32: "I4x",
-                np.uint64: "Q"}
+                np.uint64: "Q", bytes: "128s"}
 
 
-def _launch_state(kinds, grid, block, shared_mem):
-    """(struct packing arguments of types `kinds`, its buffer, void** into the buffer, the
-    launch config with the PDL attribute) for this grid, block and shared size."""
+def _launch_state(kinds, grid, block, shared_mem, pdl=True):
+    """(struct packing arguments of types `kinds`, its buffer, void** to each argument in
+    the buffer, the launch config, with the PDL attribute where pdl) for this grid, block
+    and shared size."""
     import cupy
     fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
     bad = [t.__name__ for t in kinds if t not in fmts]
     if bad:
         raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
-                        "and NumPy int32/int64/float32/uint32/uint64")
-    st = struct.Struct("<" + "".join(fmts[t] for t in kinds))
+                        "and NumPy int32/int64/float32/uint32/uint64 (and bytes: a 128-byte "
+                        "parameter such as a TMA descriptor)")
+    items = [fmts[t] for t in kinds]
+    st = struct.Struct("<" + "".join(items))
     buf = ctypes.create_string_buffer(st.size)
+    offsets = itertools.accumulate((struct.calcsize("<" + f) for f in items[:-1]), initial=0)
     base = ctypes.addressof(buf)
-    params = (ctypes.c_void_p * len(kinds))(*range(base, base + 8 * len(kinds), 8))
+    params = (ctypes.c_void_p * len(kinds))(*(base + o for o in offsets))
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*g), block=(ctypes.c_uint * 3)(*b),
-                        shared=shared_mem, attrs=ctypes.pointer(_PDL_ATTR), num_attrs=1)
+                        shared=shared_mem)
+    if pdl:
+        cfg.attrs, cfg.num_attrs = ctypes.pointer(_PDL_ATTR), 1
     return st, buf, params, cfg
 
 
@@ -148,34 +156,37 @@ def _driver():
 
 
 class Launcher:
-    """The launch of loader function k (its kernel begins with PDL_WAIT()) with grid, block,
-    shared bytes and argument types fixed: what a wrapper's launch plan keeps, so that a call
-    only packs its arguments and launches (no type tuple, key or dict per call). `kinds`:
-    each argument's type; a position of a CuPy array or an np.uint64 takes either (a
-    pointer: an array's address, or a raw one such as a null). The struct, buffer and config
-    are per thread: two threads never pack into one buffer. Without PDL (not a Hopper GPU,
-    or PDL off) a call is CuPy's own launch."""
+    """The launch of loader function k with grid, block, shared bytes and argument types
+    fixed: what a wrapper's launch plan keeps, so that a call only packs its arguments and
+    launches (no type tuple, key or dict per call). `kinds`: each argument's type; a
+    position of a CuPy array or an np.uint64 takes either (a pointer: an array's address,
+    or a raw one such as a null). The struct, buffer and config are per thread: two threads
+    never pack into one buffer. pdl: the kernel begins with PDL_WAIT() and launches with
+    PDL; without (PDL off, or not a Hopper GPU) a call is CuPy's own launch. pdl=False:
+    always through cuLaunchKernelEx, without the attribute (the FP8 GEMM, whose 128-byte TMA
+    descriptors are bytes here)."""
 
-    def __init__(self, k, grid, block, kinds, shared_mem=0):
+    def __init__(self, k, grid, block, kinds, shared_mem=0, pdl=True):
         nd = _driver()[0]
         self.k, self.grid, self.block, self.shared_mem = k, grid, block, shared_mem
-        self.kinds = tuple(kinds)
+        self.kinds, self.pdl = tuple(kinds), pdl
         self.ptrs = tuple(i for i, t in enumerate(kinds) if t is nd or t is np.uint64)
         self.hopper = hopper()  # (a plan is made per device)
         self.local = threading.local()
         self._state()  # (an argument type it cannot pack fails here, not at a call)
-        self.f = k.kernel.ptr if self.hopper else None
+        self.f = k.kernel.ptr
 
     def _state(self):
         """This thread's (struct, buffer, config, void** params' address, config address,
         the params array: kept alive with its address)."""
-        st, buf, params, cfg = _launch_state(self.kinds, self.grid, self.block, self.shared_mem)
+        st, buf, params, cfg = _launch_state(self.kinds, self.grid, self.block,
+                                             self.shared_mem, self.pdl)
         self.local.state = (st, buf, cfg, ctypes.addressof(params), ctypes.addressof(cfg),
                             params)
         return self.local.state
 
     def __call__(self, args):
-        if not (PDL and self.hopper):
+        if self.pdl and not (PDL and self.hopper):
             return self.k(self.grid, self.block, args, shared_mem=self.shared_mem)
         try:
             st, buf, cfg, params, cfg_ptr, _ = self.local.state
