@@ -14,7 +14,9 @@ LayerNormMLP's dGELU + cast of fc1's grad_output) and direct calls of tecupy.qua
 fp8.quantize_current, FP8State.quantize_fwd / _bwd). Each record is a few passes of array
 ops over the tensor on its own device (about 45 bytes moved per bf16 element; a cast counted
 from its codes, 6), kept as a float64 vector there; nothing is read to the host until
-`step()` (or exit). When none is active, a cast pays one contextvar read.
+`step()` (or exit). When none is active, a cast pays one contextvar read. Not seen: the
+casts of FP8 weights (fp8_params.py: the optimizer writes their codes with fp8.cast after its
+step; the forward reads them without a cast).
 
 Per tensor and step:
     amax       max |x| (NaN ignored), the max over the step's casts of that tensor
