@@ -328,6 +328,11 @@ def _launch(tmp_path, body, *args, timeout=60):
         from tecupy import distributed as dist
         from test_distributed_launch import FAKE
         rank = int(os.environ["RANK"])
+
+
+        def say(*words):  # one write per line: the ranks share the pipe
+            sys.stdout.write(" ".join(map(str, words)) + "\\n")
+            sys.stdout.flush()
         """) + textwrap.dedent(body))
     cmd = [sys.executable, "-m", "tecupy.distributed.launch", *args, str(script)]
     t0 = time.perf_counter()
@@ -338,9 +343,9 @@ def _launch(tmp_path, body, *args, timeout=60):
 def test_launch_sets_torchruns_variables(tmp_path):
     body = """
         keys = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT"
-        print(" ".join(os.environ[k] for k in keys.split()))
+        say(" ".join(os.environ[k] for k in keys.split()))
         cfg = dist.init_from_env()
-        print("cfg", cfg.rank, cfg.world_size, cfg.local_rank, cfg.launcher)
+        say("cfg", cfg.rank, cfg.world_size, cfg.local_rank, cfg.launcher)
         """
     p, _ = _launch(tmp_path, body, "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
                    "--master-addr", "node0", "--master-port", "29511")
@@ -353,7 +358,7 @@ def test_launch_sets_torchruns_variables(tmp_path):
 def test_launch_whole_job_and_an_uncaught_exception(tmp_path):
     body = """
         g = dist.init_process_group(FAKE, timeout=30, grace=5)
-        print("sum", g.all_reduce(np.full(2, rank + 1.0, np.float32)).tolist())
+        say("sum", g.all_reduce(np.full(2, rank + 1.0, np.float32)).tolist())
         if rank == 1:
             raise KeyError("rank 1 fails after the first all-reduce")
         g.all_reduce(np.ones(2, np.float32))
@@ -374,7 +379,7 @@ def test_init_timeout_names_the_rank_that_did_not_arrive(tmp_path):
         try:
             dist.init_process_group(FAKE, timeout=0.5)
         except dist.InitTimeout as e:
-            print(f"rank {rank}: {e}", flush=True)
+            say(f"rank {rank}: {e}")
             if rank == 1:
                 open(flag, "w").close()
             sys.exit(3)

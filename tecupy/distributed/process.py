@@ -59,7 +59,7 @@ def init_process_group(backend="nccl", timeout=DEFAULT_TIMEOUT, env=None, grace=
     except BaseException:
         store.close()
         if server is not None:
-            server.wait_clients_closed(timeout=min(timeout, 5.0))
+            server.wait_clients_closed(timeout=5.0)  # (the others learn why first)
             server.close()
         raise
     try:
