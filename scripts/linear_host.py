@@ -132,6 +132,13 @@ def main():
         report(f"(b) FP8 Linear forward, one Tape + fp8_autocast over {a.held} calls, host",
                rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
                       held=held_context(r)))
+        if not a.fake:  # the GEMM's two launch paths, same run (fp8_gemm.CTYPES_LAUNCH)
+            from tecupy.kernels import fp8_gemm
+            fp8_gemm.CTYPES_LAUNCH = False
+            report("(a) with the FP8 GEMM through CuPy's launch", rounds(fwd, a.calls, sync))
+            fp8_gemm.CTYPES_LAUNCH = True
+            report("(a) with the FP8 GEMM through the Launcher, again",
+                   rounds(fwd, a.calls, sync))
         if a.parts:
             parts(lin, x)
         prof = cProfile.Profile()

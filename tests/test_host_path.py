@@ -539,3 +539,20 @@ def test_cast_to_fp8_call_packs_its_plan(fake_cupy, fake_driver, monkeypatch):
     assert _packed(raw, "QQQQQQq") == (x.data.ptr, scale.data.ptr, q.data.ptr, 0,
                                        amax.data.ptr, 0, 120)
 
+
+
+def test_fp8_gemm_cupy_launch_gets_the_same_arguments(fake_cupy, fake_driver, monkeypatch):
+    """CTYPES_LAUNCH off (the comparison scripts/linear_host.py runs on the GPU): CuPy's
+    launch gets the same pointers, int32s and descriptors (as NumPy V128)."""
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(256, 512, 128)
+    bias = FakeArray((512,), tecupy.bfloat16)
+    out = gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, bias)
+    monkeypatch.setattr(gemm_kernels, "CTYPES_LAUNCH", False)
+    gemm_kernels.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, bias, out=out)
+    (k,) = fake_cupy.values()
+    assert len(fake_driver) == 1 and len(k.calls) == 1
+    grid, block, args = k.calls[0]
+    assert (grid, block) == (fake_driver[0][0][:1], (384,))
+    assert args[:10] == (sa, sb, bias, sa, sa, out, out, 256, 512, 128)
+    assert [d.tobytes() for d in args[10:]] == list(_packed(fake_driver[0][4], _GEMM_ARGS)[10:])

@@ -288,7 +288,7 @@ def _kinds():
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
          dgelu_aux=None):
     import cupy
-    _, _, _, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id, run = plan
+    fn, grid, smem, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id, run = plan
     m, n = a.shape[0], b.shape[0]
     if out is None:
         out = cupy.empty((m, n), out_dtype)
@@ -306,16 +306,21 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
     amax_out = a_scale_inv if amax_out is None else amax_out
     # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
     aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
-    da, db, dd = _gemm_descs(plan_id, a, b, out, bn, staged)
-    # through cuLaunchKernelEx, arguments packed by the plan's struct (CuPy's launch costs
-    # more per argument, and reads each descriptor from a NumPy array per call)
-    run((a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32, n32, k32, da, db,
-         dd))
+    packed, arrays = _gemm_descs(plan_id, a, b, out, bn, staged)
+    args = (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32, n32, k32)
+    if CTYPES_LAUNCH:
+        run(args + packed)
+    else:
+        fn(grid, (THREADS,), args + arrays, shared_mem=smem)
     return (out, aux) if act == "gelu" else out
 
 
-_gemm_desc_sets = {}  # (plan number, addresses of A, B, D) -> the call's 3 TMA descriptors
-#                     as bytes (the Launcher's 128-byte arguments)
+# The launch: through cuLaunchKernelEx with the plan's Launcher (arguments packed by its
+# struct, the descriptors as bytes), or CuPy's launch (which converts every argument per
+# call): scripts/linear_host.py times both on the GPU (PERFLOG.md, issue 21).
+CTYPES_LAUNCH = True
+_gemm_desc_sets = {}  # (plan number, addresses of A, B, D) -> the call's 3 TMA descriptors,
+#                     as bytes (the Launcher's 128-byte arguments) and as NumPy (CuPy's)
 
 
 def _gemm_descs(plan_id, a, b, out, bn, staged):
@@ -327,9 +332,9 @@ def _gemm_descs(plan_id, a, b, out, bn, staged):
     if descs is None:
         if len(_gemm_desc_sets) > 512:  # many addresses: start over rather than grow
             _gemm_desc_sets.clear()
-        da = tma_desc(a, BM).tobytes()
-        descs = _gemm_desc_sets[key] = (da, tma_desc(b, bn).tobytes(),
-                                        tma_desc(out, 64).tobytes() if staged else da)
+        da = tma_desc(a, BM)
+        arrays = (da, tma_desc(b, bn), tma_desc(out, 64) if staged else da)
+        descs = _gemm_desc_sets[key] = (tuple(d.tobytes() for d in arrays), arrays)
     return descs
 
 
