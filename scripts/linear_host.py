@@ -17,6 +17,7 @@ lent hosts, PERFLOG.md) comes on top on a GPU.
 import argparse
 import contextlib
 import cProfile
+import itertools
 import math
 import os
 import pstats
@@ -165,6 +166,7 @@ class _Flags:
 class FakeArray:
     """What the CUDA wrappers read of a CuPy array: shape, dtype, sizes, data.ptr, flags."""
     flags = _Flags()
+    _free, _next = {}, itertools.count(1 << 32, 1 << 12)  # size -> freed addresses; new ones
 
     def __init__(self, shape, dtype):  # (about what CuPy's own constructor costs, ~1 us)
         self.shape = shape = tuple(shape) if type(shape) is not int else (shape,)
@@ -172,7 +174,11 @@ class FakeArray:
         self.ndim, self.itemsize = len(shape), dtype.itemsize
         self.size = math.prod(shape)
         self.nbytes = self.size * self.itemsize
-        self.data = _Mem(id(self))  # (an address freed is reused, as in CuPy's pool)
+        free = FakeArray._free.get(self.nbytes)  # an address freed is reused, as in CuPy's
+        self.data = _Mem(free.pop() if free else next(FakeArray._next))  # pool (same size)
+
+    def __del__(self):
+        FakeArray._free.setdefault(self.nbytes, []).append(self.data.ptr)
 
     def astype(self, dtype, copy=True):
         return self if not copy and np.dtype(dtype) == self.dtype else FakeArray(self.shape,

@@ -76,8 +76,8 @@ def _array_type():
 def _cast_plan(n, vec, dtype, fmt):
     """(the Launcher, n as the kernel's int64): kernel, grid and argument kinds fixed."""
     k = loader.function(FILE, f"cast_to_fp8<{CTYPE[dtype]}, {FP8TYPE[fmt]}, {vec}>")
-    nd = _array_type()
-    kinds = (nd, nd, nd, nd, nd, np.uint64, np.int64)
+    nd = _array_type()  # x, scale, q, inv (or null), amax, slot (or an array), n
+    kinds = (nd, nd, nd, np.uint64, nd, np.uint64, np.int64)
     return Launcher(k, (amax_grid(k, n, vec),), (256,), kinds), np.int64(n)
 
 
@@ -173,6 +173,7 @@ def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
                               f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
     grid = (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
-    nd = _array_type()  # x, scale, q, qt, inv, amax, slot, part, rows, cols, h, hbias
-    kinds = (nd,) * 6 + (np.uint64, nd, np.int32, np.int32, np.uint64, np.uint64)
+    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb
+    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,
+                         np.uint64)
     return Launcher(k, grid, (256,), kinds), np.int32(rows), np.int32(cols)
