@@ -42,8 +42,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _table_header():
+    print("\n| check | ranks | result | detail |\n| --- | --- | --- | --- |")
+
+
 def row(check, ranks, result, detail=""):
-    print(f"\n| {check:<34} | {ranks} | {result:<4} | {detail}")
+    print(f"\n| {check} | {ranks} | {result} | {detail} |")
 
 
 def _data(rank, dtype, shape=(12, 12)):
@@ -148,8 +153,14 @@ def _grads(g):
             (((256, 64), np.float32), ((64,), np.float32), ((128, 256), bfloat16),
              ((3000,), np.float32))]
     grads = [cupy.asarray(a) for a in host]
-    dist.all_reduce_gradients(grads, g, bucket_mb=0.05)  # several buckets, side stream
-    return [_np(a) for a in grads]
+    dist.all_reduce_gradients(grads, g, bucket_mb=0.05)  # several buckets
+    # the hook's path: gradients ready last-first, buckets all-reduced on a side stream
+    again = [cupy.asarray(a) for a in host]
+    reducer = dist.GradientReducer(g, again, bucket_mb=0.05)
+    for i in reversed(range(len(again))):
+        reducer.ready(i, again[i])
+    reducer.finish()
+    return [_np(a) for a in grads], [_np(a) for a in again]
 
 
 def test_all_reduce_gradients_mean():
@@ -162,9 +173,12 @@ def test_all_reduce_gradients_mean():
         mean = np.mean([p[i].astype(np.float64) for p in per], axis=0)
         tol = 1e-6 if dt == np.float32 else 2e-2
         for r in range(N):
-            np.testing.assert_allclose(got[r][i].astype(np.float64), mean, rtol=tol, atol=tol)
-            np.testing.assert_array_equal(got[r][i], got[0][i])  # every rank the same bits
-    row("all_reduce_gradients (buckets)", N, "ok", "mean, same bits on every rank")
+            after, hooked = got[r][0][i], got[r][1][i]
+            np.testing.assert_allclose(after.astype(np.float64), mean, rtol=tol, atol=tol)
+            np.testing.assert_array_equal(after, got[0][0][i])  # every rank the same bits
+            np.testing.assert_array_equal(hooked, after)  # side stream, any order: the same
+    row("all_reduce_gradients / GradientReducer", N, "ok",
+        "mean; same bits on every rank and on the side stream")
 
 
 def _mlp(g, fp8):
