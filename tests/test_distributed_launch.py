@@ -116,6 +116,9 @@ class FakeNccl:
     def synchronize(self):
         pass
 
+    def synchronize_device(self):
+        pass
+
 
 FAKE = FakeNccl()
 

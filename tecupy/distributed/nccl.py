@@ -93,6 +93,9 @@ class CupyNccl:
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
 
+    def synchronize_device(self):
+        self.xp.cuda.Device().synchronize()
+
 
 class _Job:
     """This process's part of the job: store clients, the abort, every communicator."""
@@ -161,6 +164,14 @@ class _Job:
         sys.stderr.flush()
         os._exit(1)
 
+    def _destroy(self, comms):
+        self.api.set_device(self.device)
+        for comm in comms:
+            try:
+                comm.destroy()
+            except Exception:  # noqa: BLE001 - best effort at the end
+                pass
+
     def check(self, what):
         if self.reason is not None:
             raise GroupAborted(f"{what} on rank {self.rank}: group aborted: {self.reason}")
@@ -168,16 +179,23 @@ class _Job:
             raise GroupAborted(f"{what} on rank {self.rank}: the process group was destroyed")
 
     def close(self):
-        """A clean end: say bye to the store; rank 0 waits for the others to go first."""
+        """A clean end: this GPU's work done (collectives the peers take part in
+        included; the watchdog still guards the wait), the communicators destroyed (in a
+        thread, given 10 s: an exit never hangs on it), bye to the store; rank 0 waits for
+        the others to go first."""
         if self.closed:
             return
-        self.closed = True
-        for comm in self.comms:
+        if self.reason is None and self.comms:
             try:
-                comm.destroy()
-            except Exception:  # noqa: BLE001
+                self.api.synchronize_device()
+            except Exception:  # noqa: BLE001 - an aborted or broken job: nothing to wait for
                 pass
-        self.comms = []
+        self.closed = True
+        comms, self.comms = self.comms, []
+        if comms:
+            ending = threading.Thread(target=self._destroy, args=(comms,), daemon=True)
+            ending.start()
+            ending.join(10.0)
         self.store.close()
         self._watch.close()
         if self.server is not None:
