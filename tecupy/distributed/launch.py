@@ -54,6 +54,12 @@ def main(argv=None):
         env = {**os.environ, **rank_env(rank, local, world, a.nproc, a.master_addr, port,
                                         a.node_rank)}
         procs.append((rank, subprocess.Popen(cmd, env=env)))
+
+    def forward(signum, frame):  # (scancel, kill: the ranks go too; their exits end the wait)
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+    signal.signal(signal.SIGTERM, forward)
     return _supervise(procs, a.grace)
 
 
