@@ -2,8 +2,9 @@
 21's 60 us target) on the GPU, two ways:
   (a) a Tape and fp8_autocast entered per call (the exit's delayed-scaling update in every
       call), as a notebook cell runs it;
-  (b) one Tape and fp8_autocast held over --calls calls (the per-Linear cost inside a
+  (b) one Tape and fp8_autocast held over --held calls (the per-Linear cost inside a
       training step, which pays the exit's update once per step);
+  (c), (d) the same with the weight as FP8 codes (quantized_model_init: no weight cast);
 and where (a) goes: cProfile's top functions by own time over --calls calls.
 
     python scripts/linear_host.py [--top 30] [--calls 300]
@@ -41,6 +42,20 @@ def make(cupy, fake):
         lin.weight, lin.bias = cupy.asarray(lin.weight), cupy.asarray(lin.bias)
     x = cupy.asarray(np.random.default_rng(0).standard_normal((M, K)).astype(tecupy.bfloat16))
     return lin, x
+
+
+def make_fp8_weights(cupy, fake, recipe):
+    """The Linear with its weight as FP8 codes (quantized_model_init: no weight cast per
+    forward). fake: made on the CPU, its codes and bias as fakes, a fresh FP8 state."""
+    with tecupy.quantized_model_init(recipe=recipe):
+        lin = tecupy.nn.Linear(K, N, params_dtype=tecupy.bfloat16, seed=0,
+                               device="cpu" if fake else "cuda")
+    if fake:
+        w = lin.weight
+        w.data, w.data_t, w.scale_inv = map(cupy.asarray, (w.data, w.data_t, w.scale_inv))
+        lin.bias = cupy.asarray(lin.bias)
+        lin.fp8_state = tecupy.FP8State(lin.fp8_state.num_gemms)
+    return lin
 
 
 def per_call(lin, x, recipe):
@@ -132,6 +147,12 @@ def main():
                rounds(fwd, a.calls, sync))
         report(f"(b) FP8 Linear forward, one Tape + fp8_autocast over {a.held} calls, host",
                rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
+                      held=held_context(r)))
+        lin8 = make_fp8_weights(cupy, a.fake, r)
+        report("(c) as (a), the weight as FP8 codes (quantized_model_init)",
+               rounds(per_call(lin8, x, r), a.calls, sync))
+        report(f"(d) as (b), the weight as FP8 codes, held over {a.held} calls",
+               rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
                       held=held_context(r)))
         if not a.fake:  # the GEMM's two launch paths, same run (fp8_gemm.CTYPES_LAUNCH)
             from tecupy.kernels import fp8_gemm
