@@ -556,3 +556,19 @@ def test_fp8_gemm_cupy_launch_gets_the_same_arguments(fake_cupy, fake_driver, mo
     assert (grid, block) == (fake_driver[0][0][:1], (384,))
     assert args[:10] == (sa, sb, bias, sa, sa, out, out, 256, 512, 128)
     assert [d.tobytes() for d in args[10:]] == list(_packed(fake_driver[0][4], _GEMM_ARGS)[10:])
+
+
+def test_fp8_gemm_declines_operands_tma_cannot_load(fake_cupy, monkeypatch):
+    """A, B and D contiguous at 16-byte aligned addresses (TMA), else the reference runs."""
+    _fake_gemm(monkeypatch)
+    a, sa, b, sb = _gemm_operands(64, 32, 48)
+    out = FakeArray((64, 32), np.float32)
+    assert gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
+    for t in (a, b, out):
+        ptr = t.data.ptr
+        t.data = _Mem(ptr + 8)  # misaligned
+        assert not gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
+        t.data, t.flags = _Mem(ptr), _Flags(False)  # strided
+        assert not gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
+        t.flags = _Flags(True)
+    assert gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
