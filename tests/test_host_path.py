@@ -572,3 +572,31 @@ def test_fp8_gemm_declines_operands_tma_cannot_load(fake_cupy, monkeypatch):
         assert not gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
         t.flags = _Flags(True)
     assert gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, np.float32, out=out)
+
+
+@pytest.mark.parametrize("out_dtype,kw,ok", [
+    (tecupy.bfloat16, {}, True),
+    (E4M3, {}, True),
+    (E4M3, {"split_accumulator": True}, False),  # FP8 D: forward GEMMs only
+    (np.float64, {}, False),
+    (tecupy.bfloat16, {"gelu": True}, True),
+    (tecupy.bfloat16, {"gelu": True, "split_accumulator": True}, False),
+    (np.float32, {"accumulate": True}, False),  # accumulates into a given out only
+    (np.float32, {"accumulate": True, "out": "out32"}, True),
+    (tecupy.bfloat16, {"accumulate": True, "out": "out16"}, False),
+    (tecupy.bfloat16, {"dgelu_aux": "aux16", "split_accumulator": True}, True),
+    (tecupy.bfloat16, {"dgelu_aux": "aux16"}, False),  # built for dgrad: split
+    (np.float32, {"dgelu_aux": "aux32", "split_accumulator": True}, False)])  # 16-bit D
+def test_fp8_gemm_supports_what_is_built(fake_cupy, monkeypatch, out_dtype, kw, ok):
+    """supports(): the output, bias and epilogue combinations a kernel is built for (kept per
+    combination), the same answer at a second call."""
+    _fake_gemm(monkeypatch)
+    monkeypatch.setattr(gemm_kernels, "_built", {})
+    a, sa, b, sb = _gemm_operands(64, 32, 48)
+    arrays = {"out32": FakeArray((64, 32), np.float32), "out16": FakeArray((64, 32),
+                                                                           tecupy.bfloat16),
+              "aux16": FakeArray((64, 32), tecupy.bfloat16),
+              "aux32": FakeArray((64, 32), np.float32)}
+    kw = {k: arrays.get(v, v) if isinstance(v, str) else v for k, v in kw.items()}
+    for _ in range(2):
+        assert gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, out_dtype, **kw) is ok

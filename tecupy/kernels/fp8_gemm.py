@@ -112,24 +112,44 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
         return False
     if a.ndim != 2 or b.ndim != 2:
         return False
-    k = a.shape[1]
-    if isinstance(out_dtype, FP8Format):
-        out_ok = not split_accumulator and out is None and not accumulate and not gelu
-    else:
-        out_ok = np.dtype(out_dtype) in _OUT_DTYPES
-    out_ok = out_ok and not (gelu and (split_accumulator or accumulate))
-    if dgelu_aux is not None:  # built for dgrad: split accumulation, a 16-bit D, no more
-        out_ok = (out_ok and split_accumulator and not (gelu or accumulate)
-                  and (out is None or out is dgelu_aux)  # (in place: each element read first)
-                  and np.dtype(out_dtype).itemsize == 2 and is_cupy(dgelu_aux)
-                  and dgelu_aux.dtype == np.dtype(out_dtype) and dgelu_aux.flags.c_contiguous
-                  and dgelu_aux.shape == (a.shape[0], b.shape[0]))
-    if bias is not None:  # the epilogue's bias type (bias_t) holds it exactly
-        out_ok = out_ok and is_cupy(bias) and _bias_fits(bias.dtype, out_dtype)
+    if not _built_for(out_dtype, None if bias is None else bias.dtype, out is None,
+                      accumulate, split_accumulator, gelu, dgelu_aux is None):
+        return False
+    if dgelu_aux is not None and not (
+            (out is None or out is dgelu_aux)  # (in place: each element read first)
+            and is_cupy(dgelu_aux) and dgelu_aux.dtype == np.dtype(out_dtype)
+            and dgelu_aux.flags.c_contiguous and dgelu_aux.shape == (a.shape[0], b.shape[0])):
+        return False
+    if bias is not None and not is_cupy(bias):
+        return False
     # TMA: 16-byte aligned bases and row strides (K codes; N values of a 16-bit D)
-    ok = out_ok and b.shape[1] == k and k % 16 == 0 and k > 0 and b.shape[0] % 8 == 0
-    ok = ok and _tma_ok(a) and _tma_ok(b) and (out is None or _tma_ok(out))
-    return ok and (not accumulate or (out is not None and np.dtype(out_dtype) == np.float32))
+    k = a.shape[1]
+    ok = b.shape[1] == k and k % 16 == 0 and k > 0 and b.shape[0] % 8 == 0
+    return ok and _tma_ok(a) and _tma_ok(b) and (out is None or _tma_ok(out))
+
+
+_built = {}  # _built_for's answers: supported() runs on every call
+
+
+def _built_for(out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu):
+    """Whether a kernel is built for this output, bias dtype and epilogue (what does not
+    depend on the arrays themselves), kept per combination."""
+    key = (out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu)
+    ok = _built.get(key)
+    if ok is None:
+        if isinstance(out_dtype, FP8Format):
+            ok = not split and no_out and not accumulate and not gelu
+        else:
+            ok = np.dtype(out_dtype) in _OUT_DTYPES
+        ok = ok and not (gelu and (split or accumulate))
+        if not no_dgelu:  # built for dgrad: split accumulation, a 16-bit D, no more
+            ok = (ok and split and not (gelu or accumulate) and not isinstance(
+                out_dtype, FP8Format) and np.dtype(out_dtype).itemsize == 2)
+        if bias_dtype is not None:  # the epilogue's bias type (bias_t) holds it exactly
+            ok = ok and _bias_fits(bias_dtype, out_dtype)
+        ok = ok and (not accumulate or (not no_out and np.dtype(out_dtype) == np.float32))
+        _built[key] = ok
+    return ok
 
 
 def _tma_ok(t):
@@ -154,17 +174,9 @@ def _bias_fits(dtype, out_dtype):
     """A bias of `dtype` gives the reference's sums (bias.astype(float32) added in float32):
     it is the epilogue's bias type, or that type is float32 (the wrapper copies it into
     float32, as the reference does). A float32 bias with a bf16 D would be rounded to bf16:
-    refused (the reference runs it), as no kernel is built for that pair. (Kept per pair:
-    supported() runs on every call.)"""
-    key = (dtype, out_dtype)
-    fits = _fits.get(key)
-    if fits is None:
-        want = bias_dtype(out_dtype)
-        fits = _fits[key] = dtype == want or want == _F32
-    return fits
-
-
-_fits = {}
+    refused (the reference runs it), as no kernel is built for that pair."""
+    want = bias_dtype(out_dtype)
+    return dtype == want or want == _F32
 
 
 _descs = {}  # (address, shape, dtype, box rows) -> descriptor: three per GEMM call
