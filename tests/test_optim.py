@@ -348,6 +348,17 @@ def _master_atol(opt):
     return 2 * 1e-2 * 2.0 ** -8 if bf16 else 1e-5
 
 
+def _moment_atol(fused, ref_row):
+    """bf16 moments: a tie rounded the other way (see _master_atol) is carried by the later
+    steps, scaled by beta, while the moment itself may shrink by cancellation (seen on an
+    H100: 4.6e-4 apart at a moment of 8e-3, 5.6%): two bf16 ulps of the moment's largest
+    magnitude; float32 moments: 1e-5."""
+    from conftest import asnp
+    if getattr(fused, "moments_dtype", None) != BF16 or not ref_row.size:
+        return 1e-5
+    return 2 * 2.0 ** -8 * float(np.abs(asnp(ref_row).astype(np.float64)).max())
+
+
 def _compare(fused, ref, ref64):
     """Masters (else params) to float32 tolerance and within 2x the same-precision
     reference's error of float64; params, moments, step, lr and the norm."""
@@ -358,10 +369,11 @@ def _compare(fused, ref, ref64):
         if main.size:
             assert_within_2x_reference(main, ref64.params[i], ref_main, f"param {i}", 1e-6)
         if fused.masters[i] is not None:  # (else p was main, checked above)
-            _close(p, ref.params[i], p.dtype)
+            _close(p, ref.params[i], p.dtype, _master_atol(fused))
         for slot, rows in fused._slots().items():
             if rows[i] is not None:
-                _close(rows[i], ref._slots()[slot][i], rows[i].dtype)
+                want = ref._slots()[slot][i]
+                _close(rows[i], want, rows[i].dtype, _moment_atol(fused, want))
     assert fused.step_count == ref.step_count  # (the schedule: double on either side)
     assert fused.get_lr() == pytest.approx(ref.get_lr(), rel=1e-7)
     if fused.last_grad_norm is not None:
