@@ -11,12 +11,14 @@ While active (in this thread or context: the inspector is a contextvar), every F
 calls it: the quantizers' (quantization.py: DelayedQuantizer / CurrentQuantizer .quantize,
 and .wrap for producer-fused casts), the fused activation-backward cast (fp8.dact_cast:
 LayerNormMLP's dGELU + cast of fc1's grad_output) and direct calls of tecupy.quantize (also
-fp8.quantize_current, FP8State.quantize_fwd / _bwd). Each record is a few passes of array
-ops over the tensor on its own device (about 45 bytes moved per bf16 element; a cast counted
-from its codes, 6), kept as a float64 vector there; nothing is read to the host until
-`step()` (or exit). When none is active, a cast pays one contextvar read. Not seen: the
-casts of FP8 weights (fp8_params.py: the optimizer writes their codes with fp8.cast after its
-step; the forward reads them without a cast).
+fp8.quantize_current, FP8State.quantize_fwd / _bwd). Each record is one pass over the cast's
+input and its codes (backend op inspect_cast: cuda/inspect.cu on CuPy, 3 bytes read per bf16
+element; a cast counted from its codes, inspect_codes: 1 byte), adding into a row of this
+step's int64 accumulator on the tensor's device (current scaling first recomputes the scale
+from x's amax: one more read of x); nothing is read to the host until `step()` (or exit).
+When none is active, a cast pays one contextvar read. Not seen: the casts of FP8 weights
+(fp8_params.py: the optimizer writes their codes with fp8.cast after its step; the forward
+reads them without a cast).
 
 Per tensor and step:
     amax       max |x| (NaN ignored), the max over the step's casts of that tensor
@@ -61,7 +63,7 @@ import numpy as np
 
 from . import _check, backends
 from ._array import to_numpy, xp_of
-from .fp8 import E4M3, E5M2, current_scale
+from .fp8 import current_scale
 from .fp8 import amax as _amax
 
 # The inspector the quantizers report to (None: off). A contextvar, as the autocast stack:
@@ -71,7 +73,8 @@ ACTIVE_INSPECTOR = contextvars.ContextVar("tecupy_fp8_inspector", default=None)
 TENSORS = ("input", "weight", "grad_output")
 FIELDS = ("amax", "scale", "underflow", "overflow", "rel_error", "numel")
 _OP = "FP8Inspector"
-# a record on the device: amax, scale, nonzero, flushed, non-NaN, saturated, err^2, ref^2
+# a record on the device (int64 words; float64 bits for amax, scale and the sums): amax,
+# scale, nonzero, flushed, non-NaN, saturated, err^2, ref^2 (cuda/inspect.cu)
 _N_RECORD = 8
 
 
@@ -88,7 +91,8 @@ class FP8Inspector:
         self.sample = _check.integer(_OP, "sample", sample, low=1)
         self.formats = {}     # label -> "e4m3" / "e5m2"
         self._rows = []       # per finished step: {label: np.array(FIELDS)}
-        self._pending = []    # this step: (label, device vector, numel)
+        self._pending = []    # this step: (label, _Records, row, numel)
+        self._acc = {}        # this step: (array module, device) -> _Records being filled
         self.counted_from = {}  # label -> "input" / "codes" (producer-fused) / "input+codes"
         self._seen = {}       # this step's casts per kind (the n of current<n>, quantize<n>)
         self._token = None
@@ -120,10 +124,9 @@ class FP8Inspector:
         if label is None:
             return
         if x is None:
-            self._add(label, t, _code_stats(t, quantizer.scale, quantizer.amax_out), "codes")
+            self._codes(label, t, quantizer.scale, quantizer.amax_out)
         else:
-            self._add(label, t, _cast_stats(x, t, quantizer.scale, self.exact, self.sample),
-                      "input")
+            self._cast(label, x, t, quantizer.scale, self.exact)
 
     def record_dact(self, t, scale, amax_out, make_dx):
         """fp8.dact_cast's cast t (with the `scale` and amax slot `amax_out` it was given) of
@@ -136,23 +139,54 @@ class FP8Inspector:
         if label is None:
             return
         if self.exact:
-            self._add(label, t, _cast_stats(make_dx(), t, scale, True, self.sample), "input")
+            self._cast(label, make_dx(), t, scale, True)
         else:
-            self._add(label, t, _code_stats(t, scale, amax_out), "codes")
+            self._codes(label, t, scale, amax_out)
 
     def record_quantize(self, x, t, scale):
         """A direct fp8.quantize (tecupy.quantize) of x into t with `scale` (float32 (1,))."""
         _refuse_graph(xp_of(t.data))
         label = self._direct_label("quantize")
         if label is not None:
-            self._add(label, t, _cast_stats(x, t, scale, self.exact, self.sample), "input")
+            self._cast(label, x, t, scale, self.exact)
 
-    def _add(self, label, t, vec, counted_from):
+    def _cast(self, label, x, t, scale, exact):
+        """The record of one cast of x with `scale` (float32 (1,); None: current scaling's,
+        from x's amax) into t: one pass over x and its codes (kernels/inspect.py), the
+        round-trip error over a strided sample of at most self.sample elements unless
+        exact."""
+        if scale is None:  # current scaling computed it from this same amax: the same value
+            scale = current_scale(_amax(x), t.fmt)
+        rec, row = self._row(t.data)
+        stride = 1 if exact else -(-x.size // self.sample)
+        backends.dispatch("inspect_cast", x, t.data, t.fmt, scale, t.scale_inv, rec.buf, row,
+                          stride)
+        self._add(label, t, rec, row, "input")
+
+    def _codes(self, label, t, scale, amax_out):
+        """The record of a producer-fused cast t from its codes alone: amax the slot's
+        amax_out so far (NaN without one), the scale, non-NaN codes (as nonzero and as
+        valid), +-0 codes (as flushed), +-max codes (as saturated); rel_error NaN."""
+        rec, row = self._row(t.data)
+        backends.dispatch("inspect_codes", t.data, t.fmt, scale, amax_out, rec.buf, row)
+        self._add(label, t, rec, row, "codes")
+
+    def _row(self, data):
+        """(this step's _Records on data's device, a fresh row of it)."""
+        xp = xp_of(data)
+        key = (xp, None if xp is np else data.device.id)
+        rec = self._acc.get(key)
+        if rec is None or rec.used == len(rec.buf):
+            rec = self._acc[key] = _Records(xp, key[1])
+        rec.used += 1
+        return rec, rec.used - 1
+
+    def _add(self, label, t, rec, row, counted_from):
         self.formats.setdefault(label, t.fmt.name)
         was = self.counted_from.setdefault(label, counted_from)
         if counted_from not in was.split("+"):
             self.counted_from[label] = "input+codes"
-        self._pending.append((label, vec, int(t.data.size)))
+        self._pending.append((label, rec, row, int(t.data.size)))
 
     def _label(self, quantizer):
         site = getattr(quantizer, "site", None)
@@ -191,18 +225,16 @@ class FP8Inspector:
 
     # ---- reading back ---------------------------------------------------------------------
     def step(self):
-        """End a step: read its records to the host (one copy per device) into a row."""
-        by_xp = {}
-        for label, vec, numel in self._pending:
-            by_xp.setdefault(xp_of(vec), []).append((label, vec, numel))
-        for xp in by_xp:
+        """End a step: read its records to the host (one copy per device and 64 casts)
+        into a row."""
+        chunks = {id(rec): rec for _, rec, _, _ in self._pending}
+        for xp in {xp_of(rec.buf) for rec in chunks.values()}:
             _refuse_graph(xp)  # (the read below would sync inside the graph)
-        self._pending, self._seen = [], {}
+        pending, self._pending, self._seen, self._acc = self._pending, [], {}, {}
+        host = {k: _decode(to_numpy(rec.buf[:rec.used])) for k, rec in chunks.items()}
         totals = {}
-        for xp, recs in by_xp.items():
-            host = to_numpy(xp.stack([v for _, v, _ in recs]))
-            for (label, _, numel), h in zip(recs, host):
-                _accumulate(totals, label, h, numel)
+        for label, rec, row, numel in pending:
+            _accumulate(totals, label, host[id(rec)][row], numel)
         self._rows.append({label: _finish(t) for label, t in totals.items()})
 
     @property
@@ -262,67 +294,28 @@ def _finish(total):
                      numel], np.float64)
 
 
-def _cast_stats(x, t, scale, exact, sample):
-    """The record of one cast of x with `scale` (float32 (1,); None: current scaling's,
-    from x's amax) into t (float64 (_N_RECORD,) on x's device), in array ops: counts of
-    nonzero elements rather than boolean masks combined, to read x few times."""
-    xp, fmt = xp_of(x), t.fmt
-    xf = x.reshape(-1)
-    if xf.dtype not in (np.float32, np.float64):  # half types: exact in float32
-        xf = xf.astype(np.float32)
-    codes = t.data.reshape(-1)
-    a = _amax(x)
-    if scale is None:  # current scaling computed it from this same amax: the same value
-        scale = current_scale(a, fmt)
-    # NaN x is nonzero and gets the code 0x7F; x = +-0 and flushed x get a +-0 code: the
-    # nonzero codes are the unflushed nonzero x and the NaNs
-    nonzero_or_nan = xp.count_nonzero(xf)
-    valid = xp.count_nonzero(xf == xf)
-    nonzero = nonzero_or_nan - (xf.size - valid)
-    flushed = nonzero_or_nan - xp.count_nonzero(codes & 0x7F)
-    with np.errstate(over="ignore", invalid="ignore"):  # as the cast: float32 product
-        v = xf.astype(np.float32, copy=False) * scale[0]
-        saturated = xp.count_nonzero(xp.abs(v, out=v) > np.float32(fmt.max))
-    del v
-    err2, ref2 = _round_trip(xf, codes, t, exact, sample)
-    counts = xp.stack([xp.asarray(c).reshape(()) for c in (nonzero, flushed, valid,
-                                                             saturated)])
-    return xp.concatenate([a.astype(np.float64), scale.reshape(1).astype(np.float64),
-                           counts.astype(np.float64), xp.stack([err2, ref2])])
+class _Records:
+    """This step's records on one device: int64 [RECORDS, _N_RECORD], zero until a cast's
+    statistics are added into its row (cuda/inspect.cu describes the words); rows handed
+    out in cast order, a new _Records when full."""
+    __slots__ = ("buf", "used")
+    RECORDS = 64
+
+    def __init__(self, xp, device):
+        if device is None:
+            self.buf = xp.zeros((self.RECORDS, _N_RECORD), np.int64)
+        else:
+            with xp.cuda.Device(device):
+                self.buf = xp.zeros((self.RECORDS, _N_RECORD), np.int64)
+        self.used = 0
 
 
-def _round_trip(xf, codes, t, exact, sample):
-    """(sum of squared errors of the dequantized codes, sum of squares of x) over the finite
-    elements of a fixed strided sample (every element when exact or small)."""
-    xp = xp_of(xf)
-    if not exact and xf.size > sample:
-        stride = -(-xf.size // sample)  # ceil: at most `sample` elements
-        xf, codes = xf[::stride], xp.ascontiguousarray(codes[::stride])
-    deq = backends.dispatch("fp8_dequantize", codes, t.fmt, t.scale_inv, np.dtype(np.float32))
-    ref = xf.astype(np.float64)
-    finite = xp.isfinite(ref)
-    ref = xp.where(finite, ref, 0.0)
-    err = xp.where(finite, deq.astype(np.float64) - ref, 0.0)
-    return (err * err).sum(), (ref * ref).sum()
-
-
-def _code_stats(t, scale, amax_out):
-    """A producer-fused cast, from its codes alone: amax (the slot's amax_out so far; NaN
-    without one), the scale, non-NaN codes (as nonzero and as valid), +-0 codes (as
-    flushed), +-max codes (as saturated); no round-trip error (NaN)."""
-    xp = xp_of(t.data)
-    mag = t.data.reshape(-1) & 0x7F
-    top = _MAX_CODE[t.fmt.name]
-    valid = (mag <= top).sum()  # above max: inf and NaN codes (casts write NaN as 0x7F)
-    a = xp.full((1,), np.nan, np.float32) if amax_out is None else amax_out
-    head = xp.concatenate([a.reshape(1), scale.reshape(1)]).astype(np.float64)
-    counts = xp.stack([valid, (mag == 0).sum(), valid, (mag == top).sum()]).astype(np.float64)
-    return xp.concatenate([head, counts, xp.full((2,), np.nan, np.float64)])
-
-
-# the magnitude code of each format's max (0x7E: 448 in E4M3, 0x7B: 57344 in E5M2)
-_MAX_CODE = {f.name: int(np.array(f.max, np.float32).astype(f.ml_dtype).view(np.uint8))
-             for f in (E4M3, E5M2)}
+def _decode(words):
+    """Records as read from the device (int64 [n, _N_RECORD]) -> float64 [n, _N_RECORD]:
+    amax, scale and the two sums are float64 bits, the four counts integers."""
+    out = words.view(np.float64).copy()
+    out[:, 2:6] = words[:, 2:6]
+    return out
 
 
 def _in_graph(xp):
