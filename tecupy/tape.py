@@ -242,7 +242,7 @@ class Tape:
             ids.update(id(a) for a in node.outputs)
         return ids
 
-    def gradient(self, outputs, wrt, output_grad=None, retain_graph=False):
+    def gradient(self, outputs, wrt, output_grad=None, retain_graph=False, on_grad=None):
         """Gradients of `outputs` (weighted by `output_grad`, default ones) w.r.t. `wrt`.
 
         `wrt` may be one array, a list/tuple (a list comes back), a dict name -> array (a dict
@@ -254,12 +254,29 @@ class Tape:
         freed during the backward; a second gradient() through the same ops is then a clear
         error, unless the first call passed retain_graph=True. Ops whose backward may run
         only once (FP8 ops; see _check_once) refuse a second run even so.
+
+        on_grad: None, or a callable on_grad(i, grad) called once per wrt[i] (i: the position
+        in the list, or in the key order of a dict or of a module's named_parameters()), as
+        soon as that gradient is final, during the backward: right after the backward of the
+        earliest-recorded node that takes wrt[i] as an input (the last of its consumers to
+        run; also when that node gets no gradient and is skipped), in backward order. grad is
+        the very array this call returns for wrt[i] (unbroadcast, in wrt[i]'s dtype), so a
+        data-parallel reducer can start its all-reduce while the backward goes on and write
+        the mean back in place (tecupy.distributed.GradientReducer). A wrt[i] that got no
+        gradient by then (no node reached it, or every backward gave it None) is passed
+        after the backward, in index order, as the zeros that are returned, so every rank
+        hands every index over and the buckets' all-reduces line up; so is an output asked
+        for that no node consumes (its output_grad). Do not write into grad before this call
+        returns when wrt[i] is an intermediate array: its producer's backward still reads it.
         """
+        if on_grad is not None and not callable(on_grad):
+            raise TypeError(f"Tape.gradient: on_grad must be None or a callable "
+                            f"on_grad(i, grad); got {type(on_grad).__name__} {on_grad!r:.40}")
         if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
             wrt = wrt.named_parameters()
         if isinstance(wrt, dict):
             return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad,
-                                               retain_graph)))
+                                               retain_graph, on_grad)))
         # the peak is at the start of the backward: free what only the tape holds first
         # (what the caller passed here is referenced by this frame, so it stays)
         index = _sweep(self._nodes)
@@ -272,17 +289,23 @@ class Tape:
         known = self._known_ids()
         grads = self._seed(outs, output_grad, known)
         self._check_known(targets, known)
-        self._check_once(grads)
+        reached = self._reached(grads)
+        self._check_once(reached)
+        hand = None if on_grad is None else _Handover(on_grad, targets, reached)
+        del reached
         token = _retain.set(bool(retain_graph))
         try:
-            self._backprop(grads, None if retain_graph else index, {id(t) for t in targets})
+            self._backprop(grads, None if retain_graph else index, {id(t) for t in targets},
+                           hand)
         finally:
             _retain.reset(token)
         del index
         result = []
-        for t in targets:
-            g = grads.get(id(t))
+        for i, t in enumerate(targets):
+            g = grads.get(id(t)) if hand is None else hand.given.get(i, grads.get(id(t)))
             result.append(_zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
+        if hand is not None:
+            hand.rest(result)
         return result if many else result[0]
 
     def _seed(self, outs, output_grad, known):
@@ -319,14 +342,14 @@ class Tape:
                 live.update(id(x) for x in node.inputs if x is not None)
         return out
 
-    def _check_once(self, grads):
+    def _check_once(self, reached):
         """A node recorded with `once` has a backward with effects beyond its gradients:
         FP8 ops record the gradients' amaxes and then the backward scales are updated, once
         per backward, as Transformer Engine does; a second backward through them would
         quantize with the new scales and record the amaxes again (a different result, a
         corrupted history). PyTorch likewise refuses a second backward through a freed
-        graph. Checked before anything runs: nothing is half-applied."""
-        reached = self._reached(grads)
+        graph. Checked before anything runs: nothing is half-applied. reached: _reached's
+        nodes."""
         spent = next((n for n in reached if n.once and n.spent), None)
         if spent is not None:
             what, why = spent.once
@@ -341,27 +364,75 @@ class Tape:
                 "it again (as in PyTorch), ask for every gradient in one call, "
                 "tape.gradient(outputs, [a, b, ...]), or record the forward again.")
 
-    def _backprop(self, grads, index, keep):
+    def _backprop(self, grads, index, keep, hand=None):
         """Run the reached nodes' backwards in reverse. index: None (retain_graph), else the
         tape's _index: after each node's backward its closure is dropped, and what only the
         tape then holds of its inputs and outputs is freed (issue 22: the tuples would keep
         what the closure released alive until the tape dies). A node's output gradients are
         complete when it runs (every consumer ran before it) and are handed to it, not kept,
         unless asked for (ids in `keep`): an intermediate gradient lives no longer than in
-        PyTorch's autograd (issue 22: 0.6 GiB of them at the quickstart layer's attention)."""
+        PyTorch's autograd (issue 22: 0.6 GiB of them at the quickstart layer's attention).
+        hand: None, or the call's _Handover: after each node (run or skipped), the
+        gradients it completed go to on_grad."""
         hooks = {}  # fn -> {id(item): item}, in the order first met
         for node in reversed(self._nodes):
-            if not any(id(o) in grads for o in node.outputs):
-                continue
-            _accumulate(node, _run(node, _output_grads(node, grads, keep), grads), grads)
-            node.spent = node.once is not None
-            if index is not None:
-                node.backward = None  # the closure held the op's saved arrays: freed now
-                _release(index, _ids(node), grads)
-            for fn, item in node.after:
-                hooks.setdefault(fn, {}).setdefault(id(item), item)
+            if any(id(o) in grads for o in node.outputs):
+                _accumulate(node, _run(node, _output_grads(node, grads, keep), grads), grads)
+                node.spent = node.once is not None
+                if index is not None:
+                    node.backward = None  # the closure held the op's saved arrays: freed now
+                    _release(index, _ids(node), grads)
+                for fn, item in node.after:
+                    hooks.setdefault(fn, {}).setdefault(id(item), item)
+            if hand is not None and id(node) in hand.due:
+                hand.give(node, grads)
         for fn, items in hooks.items():
             fn(list(items.values()))
+
+
+class _Handover:
+    """Tape.gradient's on_grad: which gradients each node completes, and those handed over.
+
+    due: {id(node): [i, ...]}, node the last of wrt[i]'s consumers to run (the earliest
+    recorded among the reached nodes): built in one pass over them, in backward order, each
+    later consumer overwriting. given: {i: the array passed}, which gradient() returns (the
+    caller gets it: no array is kept beyond those). Holds no node and no input array."""
+
+    def __init__(self, on_grad, targets, reached):
+        self.on_grad, self.targets, self.given = on_grad, targets, {}
+        want = {}
+        for i, t in enumerate(targets):
+            want.setdefault(id(t), []).append(i)
+        last, self.made = {}, set()  # made: targets some reached node outputs
+        for node in reached:
+            for x in node.inputs:
+                if id(x) in want:
+                    last[id(x)] = id(node)
+            self.made.update(id(o) for o in node.outputs if id(o) in want)
+        self.due = {}
+        for k, node in last.items():
+            self.due.setdefault(node, []).extend(want[k])
+
+    def give(self, node, grads):
+        """Hand over the gradients that `node` completed (after it ran, or was skipped)."""
+        for i in sorted(self.due.pop(id(node))):
+            t = self.targets[i]
+            g = grads.get(id(t))
+            if g is None:
+                continue  # no gradient came: zeros, after the backward (rest)
+            g = g.astype(t.dtype, copy=False)  # (as gradient() returns it)
+            if id(t) not in self.made:
+                grads[id(t)] = g  # a leaf: nothing reads the uncast one again
+            self.given[i] = g
+            self.on_grad(i, g)
+
+    def rest(self, result):
+        """After the backward: the gradients not handed over yet (zeros, or an output's
+        seed), in index order."""
+        for i, g in enumerate(result):
+            if i not in self.given:
+                self.given[i] = g
+                self.on_grad(i, g)
 
 
 def _output_grads(node, grads, keep):
