@@ -341,3 +341,26 @@ def test_a_cast_under_make_graphed_step_is_a_clear_error(rng):
             graphs._capturing.reset(token)
         ins.step()  # the record made before is kept
     assert ins.steps == 1 and ins.to_dict()["state0.gemm0.input"]["numel"][0] == 64
+
+
+def test_many_casts_in_a_step_and_a_fresh_accumulator_per_step(rng):
+    """More casts in a step than one accumulator holds (_Records.RECORDS rows): each keeps
+    its own numbers; the next step starts from zero (nothing carried over)."""
+    from tecupy.inspect import _Records
+    fmt = fp8.E5M2
+    xs = [known_input(rng, fmt, 2.0, n=int(rng.integers(60, 200)))[0]
+          for _ in range(_Records.RECORDS + 9)]
+    with FP8Inspector(exact=True) as ins:
+        for _ in range(2):
+            for x in xs:
+                tecupy.quantize(x, 2.0, fmt)
+            ins.step()
+    d = ins.to_dict()
+    assert ins.steps == 2 and len(d) == len(xs)
+    for k, x in enumerate(xs):
+        r = d[f"quantize{k}"]
+        under, over, rel = numpy_stats(x, fmt, 2.0)
+        for s in range(2):
+            assert (r["underflow"][s], r["overflow"][s]) == (under, over)
+            assert r["numel"][s] == x.size and r["amax"][s] == np.inf
+            np.testing.assert_allclose(r["rel_error"][s], rel, rtol=1e-12)
