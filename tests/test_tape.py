@@ -382,3 +382,277 @@ def test_partial_only_where_it_fits(rng):
         y = tecupy.add(plain(x, np.float64), summing(x, None))
     np.testing.assert_allclose(tape.gradient(y, x), np.full((2, 3), 5.0), rtol=1e-12)
     assert seen == [None]
+
+
+# -- on_grad: each gradient handed over as soon as it is final (issue 25) -------------------
+
+def _watch(monkeypatch):
+    """Counts node backwards as they run. -> (ran, calls, on_grad): ran[k] the ids of the
+    k-th node's inputs; calls (i, nodes run at the call, a copy of grad then, grad)."""
+    import tecupy.tape as tape_mod
+    ran, calls, real = [], [], tape_mod._run
+
+    def counting(node, ogs, grads):
+        ran.append({id(a) for a in node.inputs})
+        return real(node, ogs, grads)
+    monkeypatch.setattr(tape_mod, "_run", counting)
+
+    def on_grad(i, g):
+        calls.append((i, len(ran), asnp(g).copy(), g))
+    return ran, calls, on_grad
+
+
+def _check_handed_over(wrt, got, ran, calls):
+    """Each index once, in backward order; the very array returned, final when passed (its
+    copy then equals what comes back); passed right after its last consumer's backward, or
+    after the whole backward for one no node consumed. -> {i: nodes run at its call}."""
+    assert sorted(c[0] for c in calls) == list(range(len(wrt)))
+    counts = [c[1] for c in calls]
+    assert counts == sorted(counts)
+    for i, count, then, g in calls:
+        assert g is got[i], f"wrt[{i}]: not the array returned"
+        np.testing.assert_array_equal(then, asnp(got[i]), err_msg=f"wrt[{i}] changed later")
+        consumers = [k for k, ids in enumerate(ran) if id(wrt[i]) in ids]
+        assert count == (consumers[-1] + 1 if consumers else len(ran)), i
+    return {i: count for i, count, _, _ in calls}
+
+
+def _both(monkeypatch, make, wrt_of, **kw):
+    """make() -> (tape, outputs, extra); the gradients without on_grad, then of a second
+    make() with it (bit-identical), checked by _check_handed_over. -> (counts, nodes run)."""
+    tape, out, extra = make()
+    want = tape.gradient(out, wrt_of(extra), **kw)
+    tape, out, extra = make()
+    ran, calls, on_grad = _watch(monkeypatch)
+    wrt = wrt_of(extra)
+    got = tape.gradient(out, wrt, on_grad=on_grad, **kw)
+    if callable(getattr(wrt, "named_parameters", None)):
+        wrt = wrt.named_parameters()
+    if isinstance(wrt, dict):
+        assert list(got) == list(wrt)
+        wrt, got, want = list(wrt.values()), list(got.values()), list(want.values())
+    assert len(got) == len(want)
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, n
+        np.testing.assert_array_equal(asnp(a), asnp(b), err_msg=f"wrt[{n}]")
+    return _check_handed_over(wrt, got, ran, calls), len(ran)
+
+
+def test_on_grad_arrays_used_twice_and_an_intermediate(monkeypatch, xp):
+    """w feeds two linears, x a linear and the residual add, h an intermediate asked for:
+    each is passed after its earliest-recorded consumer; w2 and b2 after the first node."""
+    rng = np.random.default_rng()
+    x, w, w2, b2, dy = (xp.asarray(rng.standard_normal(s)) for s in
+                        ((5, 7), (7, 7), (3, 7), (3,), (5, 3)))
+    keep = {}
+
+    def make():
+        with tecupy.Tape() as tape:
+            h = tecupy.linear(x, w)
+            y = tecupy.linear(tecupy.add(tecupy.linear(tecupy.relu(h), w), x), w2, b2)
+        keep["h"] = h
+        return tape, y, None
+    counts, total = _both(monkeypatch, make, lambda _: [x, w, w2, b2, keep["h"]],
+                          output_grad=dy)
+    assert total == 5 and counts[2] == counts[3] == 1  # w2, b2: right after the last linear
+    assert counts[4] == 4 and counts[0] == counts[1] == 5  # h after relu; x, w at the end
+
+
+def test_on_grad_broadcast_inputs_are_unbroadcast(monkeypatch):
+    rng = np.random.default_rng()
+    a, b, c = rng.standard_normal((4, 6)), rng.standard_normal(6), rng.standard_normal((4, 1))
+
+    def make():
+        with tecupy.Tape() as tape:
+            y = tecupy.add(tecupy.relu(tecupy.add(a, b)), c)
+        return tape, y, None
+    counts, total = _both(monkeypatch, make, lambda _: [a, b, c])
+    assert counts == {2: 1, 0: 3, 1: 3} and total == 3
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "layernorm_mlp"])
+def test_on_grad_after_a_norm_that_takes_the_partial_gradient(monkeypatch, xp, norm):
+    """x + f(norm(x)): the norm's node pops x's gradient so far (the residual's) and returns
+    the sum: x is passed after it, with that sum; the norm's parameters with it."""
+    rng = np.random.default_rng()
+    hidden = 16
+    g, b = (xp.asarray(rng.standard_normal(hidden)) for _ in range(2))
+    w1, w2 = (xp.asarray(rng.standard_normal(s)) for s in ((32, hidden), (hidden, 32)))
+    x = xp.asarray(rng.standard_normal((3, 5, hidden)))
+    dy = xp.asarray(rng.standard_normal((3, 5, hidden)))
+
+    def make():
+        with tecupy.Tape() as tape:
+            f = tecupy.layernorm(x, g, b) if norm == "layernorm" else \
+                tecupy.layernorm_mlp(x, g, b, w1, None, w2, None)
+            y = tecupy.add(x, f)
+        return tape, y, None
+    wrt = [x, g, b] + ([w1, w2] if norm != "layernorm" else [])
+    counts, total = _both(monkeypatch, make, lambda _: wrt, output_grad=dy)
+    assert counts[0] == counts[1] == counts[2] == total  # the norm's node runs last
+    assert all(counts[i] < total for i in (3, 4)[:len(wrt) - 3])
+
+
+def _fp8_layers(seed):
+    return [tecupy.nn.Linear(32, 48, device="cpu", seed=seed),
+            tecupy.nn.Linear(48, 32, device="cpu", seed=seed + 1)]
+
+
+def test_on_grad_fp8_ops_and_a_dict_wrt(monkeypatch):
+    """Two FP8 linears (delayed scaling: run-once nodes, backward amaxes, the scales'
+    update after the backward): the second's gradients come first, before its FP8 state
+    is updated; a dict wrt numbers them in its key order."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    dy = rng.standard_normal((16, 32)).astype(np.float32)
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4)
+
+    def make():
+        a, b = _fp8_layers(3)
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe):
+            y = b(tecupy.gelu(a(x)))
+        return tape, y, (a, b)
+
+    def wrt(ab):
+        a, b = ab
+        return {"b.weight": b.weight, "x": x, "a.weight": a.weight, "b.bias": b.bias,
+                "a.bias": a.bias}
+    counts, total = _both(monkeypatch, make, wrt, output_grad=dy)
+    assert total == 3 and counts == {0: 1, 3: 1, 1: 3, 2: 3, 4: 3}
+
+
+def test_on_grad_module_wrt_follows_named_parameters(monkeypatch):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((16, 2, 32)).astype(np.float32)
+    dy = rng.standard_normal((16, 2, 32)).astype(np.float32)
+    holder = {}
+
+    def make():
+        layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3)
+        holder["layer"] = layer
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(
+                fp8_recipe=tecupy.recipe.DelayedScaling(amax_history_len=4)):
+            y = layer(x)
+        return tape, y, layer
+    counts, total = _both(monkeypatch, make, lambda layer: layer, output_grad=dy)
+    names = list(holder["layer"].named_parameters())
+    first = [n for n in names if n.startswith("layernorm_mlp")]
+    mlp = {counts[names.index(n)] for n in first}  # one fused node, the first to finish any
+    assert len(mlp) == 1 and mlp.pop() == min(counts.values())
+    assert min(counts.values()) < total // 2  # the MLP's: a few nodes into the backward
+    assert max(counts.values()) == total  # the first norm's: after the last node
+
+
+def test_on_grad_through_checkpoint(monkeypatch):
+    """A checkpointed module is one node: its parameters are passed together after it."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 32)).astype(np.float64)
+    dy = rng.standard_normal((4, 32))
+    mk = dict(device="cpu", params_dtype=np.float64)
+
+    def make():
+        a = tecupy.nn.Linear(32, 32, seed=1, **mk)
+        b = tecupy.nn.Linear(32, 32, seed=2, **mk)
+        with tecupy.Tape() as tape:
+            y = b(tecupy.checkpoint(a, x))
+        return tape, y, (a, b)
+    counts, total = _both(monkeypatch, make, lambda ab: [ab[0].weight, ab[0].bias, x,
+                                                         ab[1].weight, ab[1].bias],
+                          output_grad=dy)
+    # b's node, then the checkpoint's (counted as it starts) and the recompute's linear
+    assert total == 3 and counts == {3: 1, 4: 1, 0: 3, 1: 3, 2: 3}
+
+
+def test_on_grad_unreached_and_outputs_come_after_the_backward(monkeypatch):
+    """On the tape but off the path to the outputs: the zeros returned, after the backward,
+    in index order; an output asked for that nothing consumes: its output_grad then."""
+    rng = np.random.default_rng()
+    x, z = rng.standard_normal(5), rng.standard_normal(5)
+    ran, calls, on_grad = _watch(monkeypatch)
+    with tecupy.Tape() as tape:
+        y = tecupy.relu(x)
+        tecupy.gelu(z)
+    got = tape.gradient(y, [z, y, x], on_grad=on_grad)
+    assert [(i, n) for i, n, _, _ in calls] == [(2, 1), (0, 1), (1, 1)]
+    assert np.all(got[0] == 0) and np.all(got[1] == 1)
+    _check_handed_over([z, y, x], got, ran, calls)
+
+
+def test_on_grad_after_a_skipped_last_consumer(monkeypatch):
+    """t's earliest consumer gets no gradient (its consumer gave None) and is skipped: t is
+    passed where it would have run; u, whose every consumer gave None, gets zeros after
+    the backward."""
+    from tecupy.tape import record
+    rng = np.random.default_rng()
+    t, u = rng.standard_normal(4), rng.standard_normal(4)
+    ran, calls, on_grad = _watch(monkeypatch)
+    with tecupy.Tape() as tape:
+        z = 3 * t
+        record(lambda dz: (3 * dz,), (t,), (z,))
+        w = z * u
+        record(lambda dw: (None, None), (z, u), (w,))
+        y = 2 * t
+        record(lambda dy: (2 * dy,), (t,), (y,))
+        out = tecupy.add(w, y)
+    got = tape.gradient(out, [t, u], on_grad=on_grad)
+    assert len(ran) == 3  # add, y's node, w's node; z's node skipped
+    assert [(i, n) for i, n, _, _ in calls] == [(0, 3), (1, 3)]
+    np.testing.assert_array_equal(got[0], np.full(4, 2.0))
+    assert np.all(got[1] == 0) and calls[1][3] is got[1]
+
+
+def test_on_grad_dtype_cast_as_returned(monkeypatch):
+    """A float32 gradient of a float64 leaf and of a float64 intermediate: passed cast
+    to float64, the array returned; the intermediate's producer still gets the float32
+    gradient (the results are those without on_grad)."""
+    from tecupy.tape import record
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 3))
+    keep, seen = {}, []
+
+    def make():
+        with tecupy.Tape() as tape:
+            h = x * 3
+            record(lambda dh: (seen.append(dh.dtype) or (3 * dh).astype(np.float32),),
+                   (x,), (h,))
+            y = h * 2
+            record(lambda dy: ((2 * dy + 1e-9).astype(np.float32),), (h,), (y,))
+        keep["h"] = h
+        return tape, y, None
+    counts, _ = _both(monkeypatch, make, lambda _: [keep["h"], x])
+    assert counts == {0: 1, 1: 2} and seen == [np.float32, np.float32]
+
+
+def test_on_grad_must_be_callable_checked_before_anything_runs(rng):
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    tape, y = _fp8_step(lin, x)
+    with pytest.raises(TypeError, match=r"on_grad must be None or a callable on_grad\(i, "
+                                        r"grad\); got list"):
+        tape.gradient(y, lin, on_grad=[])
+    assert tape.gradient(y, x).shape == x.shape  # the run-once FP8 backward had not run
+
+
+def test_on_grad_keeps_the_release_and_no_reference(monkeypatch):
+    """With on_grad, the backward frees what each op saved as without it (the same
+    placeholders on the tape after it), and once gradient() returns nothing but the
+    caller holds the arrays passed."""
+    import sys
+
+    import tecupy.tape as tape_mod
+    x = np.random.default_rng(1).standard_normal((16, 2, 32)).astype(np.float32)
+
+    def run(on_grad):
+        layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3)
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(
+                fp8_recipe=tecupy.recipe.DelayedScaling(amax_history_len=4)):
+            y = layer(x)
+        got = tape.gradient(y, layer, on_grad=on_grad)
+        released = [isinstance(a, tape_mod._Released)
+                    for n in tape._nodes for a in (*n.inputs, *n.outputs)]
+        return got, released
+    want, released = run(None)
+    got, released_on = run(lambda i, g: None)
+    assert released_on == released and sum(released) > 0
+    for k in want:
+        assert sys.getrefcount(got[k]) == sys.getrefcount(want[k]), k
