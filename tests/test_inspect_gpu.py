@@ -172,3 +172,140 @@ def test_graph_recording_is_a_clear_error(rng):
     with FP8Inspector() as ins:
         graphed(x)
     assert ins.labels == []
+
+
+# ---- cuda/inspect.cu against its reference (tecupy/reference/inspect.py) -------------------
+def _on_gpu(a, offset):
+    """A CuPy copy of `a` starting `offset` elements into its allocation (offset 1: x no
+    longer 16-byte aligned, the kernel's element-by-element path)."""
+    import cupy
+    flat = cupy.empty(a.size + offset, a.dtype)[offset:]
+    flat[...] = cupy.asarray(a.reshape(-1))
+    return flat.reshape(a.shape)
+
+
+def _accumulators(xp):
+    """[3, 8] int64, row 1 zero (the record), rows 0 and 2 a pattern that must stay."""
+    acc = xp.full((3, 8), 777, np.int64)
+    acc[1] = 0
+    return acc
+
+
+def _same_record(got, want):
+    """got (CuPy, from the kernel) == want (NumPy, from the reference): rows 0 and 2 kept,
+    amax, scale and counts exactly, the sums to 1e-9."""
+    from tecupy.inspect import _decode
+    got = to_numpy(got)
+    assert (got[[0, 2]] == 777).all(), "the kernel wrote outside its row"
+    g, w = _decode(got[1:2])[0], _decode(want[1:2])[0]
+    np.testing.assert_array_equal(g[:6], w[:6])
+    np.testing.assert_allclose(g[6:], w[6:], rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("shape", [(1,), (7,), (100003,), (37, 91), (2_000_003,)], ids=str)
+def test_inspect_cast_kernel_equals_reference(rng, dtype, fmt, shape):
+    """Fresh data with NaN, inf, zeros, flushed and saturated values; the codes of the real
+    cast kernel; sampling strides from every element to only element 0; x and codes at
+    offsets that break the 16-byte vector loads; sizes that leave a tail."""
+    import cupy
+    from test_kernels_inspect import special_input
+    from tecupy import backends
+    from tecupy.kernels import inspect as cuda_impl
+    from tecupy.reference import inspect as ref_impl
+    n = int(np.prod(shape))
+    scale = np.float32(2.0 ** rng.uniform(-3, 3))
+    x = special_input(rng, fmt, scale, n, dtype).reshape(shape)
+    t = fp8.quantize(cupy.asarray(x), scale, fmt)
+    codes, inv = to_numpy(t.data), to_numpy(t.scale_inv)
+    s_np = np.array([scale], np.float32)
+    assert backends.chosen("inspect_cast", cupy.asarray(x), t.data, fmt, cupy.asarray(s_np),
+                           t.scale_inv, _accumulators(cupy), 1, 1) == "cuda"
+    strides = (1, 3, 64, -(-n // 65536), n + 5) if n < 10 ** 6 else (1, 7, -(-n // 65536))
+    offsets = ((0, 0), (1, 0), (0, 3)) if n < 10 ** 6 else ((0, 0), (1, 3))
+    for stride in strides:
+        want = _accumulators(np)
+        ref_impl.inspect_cast(x, codes, fmt, s_np, inv, want, 1, stride)
+        for x_off, q_off in offsets:
+            got = _accumulators(cupy)
+            cuda_impl.inspect_cast(_on_gpu(x, x_off), _on_gpu(codes, q_off), fmt,
+                                   cupy.asarray(s_np), t.scale_inv, got, 1, stride)
+            _same_record(got, want)
+
+
+def test_inspect_cast_kernel_adds_into_its_row(rng):
+    """Two casts into one row: counts and sums add, amax is the max of both, the scale the
+    last one's: as the reference."""
+    import cupy
+    from test_kernels_inspect import special_input
+    from tecupy.kernels import inspect as cuda_impl
+    from tecupy.reference import inspect as ref_impl
+    got, want = _accumulators(cupy), _accumulators(np)
+    for scale, n in ((4.0, 70001), (0.25, 333)):
+        s = np.array([scale], np.float32)
+        x = special_input(rng, fp8.E4M3, scale, n, tecupy.bfloat16)
+        t = fp8.quantize(cupy.asarray(x), scale, fp8.E4M3)
+        cuda_impl.inspect_cast(cupy.asarray(x), t.data, fp8.E4M3, cupy.asarray(s),
+                               t.scale_inv, got, 1, 5)
+        ref_impl.inspect_cast(x, to_numpy(t.data), fp8.E4M3, s, to_numpy(t.scale_inv), want,
+                              1, 5)
+    _same_record(got, want)
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 4099, 1_000_003])
+@pytest.mark.parametrize("offset", [0, 5])
+@pytest.mark.parametrize("with_amax", [False, True])
+def test_inspect_codes_kernel_equals_reference(rng, fmt, n, offset, with_amax):
+    import cupy
+    from tecupy.kernels import inspect as cuda_impl
+    from tecupy.reference import inspect as ref_impl
+    codes = rng.integers(0, 256, n, dtype=np.uint8)
+    scale = np.array([2.0 ** rng.uniform(-3, 3)], np.float32)
+    amax = np.array([rng.uniform(0, 100)], np.float32) if with_amax else None
+    want = _accumulators(np)
+    ref_impl.inspect_codes(codes, fmt, scale, amax, want, 1)
+    got = _accumulators(cupy)
+    cuda_impl.inspect_codes(_on_gpu(codes, offset), fmt, cupy.asarray(scale),
+                            None if amax is None else cupy.asarray(amax), got, 1)
+    from tecupy.inspect import _decode
+    g, w = _decode(to_numpy(got)[1:2])[0], _decode(want[1:2])[0]
+    assert (to_numpy(got)[[0, 2]] == 777).all()
+    np.testing.assert_array_equal(g, w)  # (NaN where NaN: sums, and amax without a slot)
+
+
+def test_float64_input_runs_the_reference_on_the_gpu(rng):
+    """No kernel for float64 x: the reference op runs on CuPy arrays, with the NumPy path's
+    numbers."""
+    import cupy
+    from tecupy import backends
+    x = rng.standard_normal(5000) * 100
+    x[::13] = 1e-9
+    acc = cupy.zeros((1, 8), np.int64)
+    one = cupy.ones(1, np.float32)
+    assert backends.chosen("inspect_cast", cupy.asarray(x), cupy.zeros(5000, np.uint8),
+                           fp8.E4M3, one, one, acc, 0, 1) == "reference"
+    out = []
+    for xp in (np, cupy):
+        with FP8Inspector(sample=700) as ins:
+            quantizer(xp, fp8.E4M3, 8.0).quantize(xp.asarray(x))
+        out.append(ins.to_dict()["state0.gemm0.input"])
+    for f in FIELDS:
+        np.testing.assert_allclose(out[1][f], out[0][f], rtol=1e-12, err_msg=f)
+
+
+def test_one_host_read_per_step(monkeypatch, rng):
+    """The layer's inspected step adds into one accumulator on the device; step() reads it
+    with one copy."""
+    import tecupy.inspect as inspect_mod
+    from tecupy.__main__ import build, step
+    reads = []
+    real = inspect_mod.to_numpy
+    monkeypatch.setattr(inspect_mod, "to_numpy", lambda a: reads.append(a.shape) or real(a))
+    layer, x, dy = build((256, 1024, 4, 64, 2), "cuda")
+    with FP8Inspector(layer) as ins:
+        step(layer, x, dy, recipe.DelayedScaling())
+        ins.step()
+    # (one row per cast: at least one per tensor seen)
+    assert len(reads) == 1 and reads[0][1] == 8 and reads[0][0] >= len(ins.labels) >= 12
