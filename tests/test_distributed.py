@@ -282,3 +282,144 @@ def test_linear_tp_option_errors():
         plain = tecupy.nn.Linear(4, 6, parallel_mode="column", device="cpu")  # no group: whole
         assert plain.weight.shape == (6, 4) and plain.tp_size == 1
     dist.run_threads(2, body)
+
+
+# -- data parallel: the all-reduce overlapped with the backward (Tape.gradient's on_grad) --
+
+@pytest.fixture
+def progress(monkeypatch):
+    """Per rank thread: node backwards run so far, and that count at each all-reduce."""
+    import threading
+
+    import tecupy.tape as tape_mod
+    ran, at_reduce = {}, {}
+    real_run, real_reduce = tape_mod._run, dist.ThreadGroup._all_reduce
+
+    def counting(node, ogs, grads):
+        me = threading.get_ident()
+        ran[me] = ran.get(me, 0) + 1
+        return real_run(node, ogs, grads)
+
+    def reducing(self, x, op):
+        me = threading.get_ident()
+        at_reduce.setdefault(me, []).append(ran.get(me, 0))
+        return real_reduce(self, x, op)
+    monkeypatch.setattr(tape_mod, "_run", counting)
+    monkeypatch.setattr(dist.ThreadGroup, "_all_reduce", reducing)
+
+    def take():
+        """-> this thread's (nodes run, [nodes run at each all-reduce]); starts anew."""
+        me = threading.get_ident()
+        return ran.pop(me, 0), at_reduce.pop(me, [])
+    return take
+
+
+def _dp_step(layer, rank, step, fp8):
+    """This rank's batch of this step through `layer`; -> (y, dy, tape)."""
+    rng = np.random.default_rng(100 * step + rank)
+    x = rng.standard_normal((8, 2, 32)).astype(np.float32)
+    dy = rng.standard_normal((8, 2, 32)).astype(np.float32)
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+        y = layer(x)
+    return y, dy, tape
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+def test_reducer_on_grad_equals_all_reduce_after_the_backward(n, fp8, progress):
+    """reducer.gradient (tape.gradient(on_grad=reducer.ready), then finish) on ThreadGroup
+    ranks: bit-identical to tape.gradient then all_reduce_gradients (a twin layer), on every
+    rank, two steps; its first buckets are all-reduced while the backward still runs, the
+    other path's after it."""
+    kb = 4096 / 2**20  # 4 KiB buckets: several per step
+
+    def body(g):
+        twins = [tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3) for _ in "ab"]
+        reducer = dist.GradientReducer(g, twins[0], bucket_mb=kb)
+        out = []
+        for step in range(2):
+            y, dy, tape = _dp_step(twins[0], g.rank, step, fp8)
+            over = reducer.gradient(tape, y, output_grad=dy)
+            total, at = progress()
+            assert len(at) == len(reducer.buckets) > 2
+            assert at[0] < total // 2 and at[-1] == total  # overlapped
+            y, dy, tape = _dp_step(twins[1], g.rank, step, fp8)
+            after = dist.all_reduce_gradients(tape.gradient(y, twins[1], output_grad=dy), g,
+                                              bucket_mb=kb)
+            total, at = progress()
+            assert at and set(at) == {total}  # after the backward
+            out.append((over, after))
+        return out
+    got = dist.run_threads(n, body)
+    for r in range(n):
+        for step in range(2):
+            over, after = got[r][step]
+            assert list(over) == list(after)
+            for k in after:
+                np.testing.assert_array_equal(over[k], after[k], err_msg=f"{k} rank {r}")
+                np.testing.assert_array_equal(after[k], got[0][step][1][k])  # every rank
+    assert not all(np.array_equal(a, b) for a, b in zip(got[0][0][0].values(),
+                                                        got[0][1][0].values()))
+
+
+def test_reducer_mean_with_a_parameter_unreached_on_one_rank():
+    """Rank 1's fc2 is on its tape but off the path to its output: its gradients are the
+    zeros passed after the backward; every rank gets (rank 0's + 0) / 2, and a bucket
+    whose gradients came early on rank 0 waits for rank 1's end (no deadlock)."""
+    mk = dict(device="cpu", params_dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((4, 8))
+
+    def body(g):
+        fc1, fc2 = tecupy.nn.Linear(8, 8, seed=1, **mk), tecupy.nn.Linear(8, 8, seed=2, **mk)
+        params = {"fc1.weight": fc1.weight, "fc1.bias": fc1.bias, "fc2.weight": fc2.weight,
+                  "fc2.bias": fc2.bias}
+        reducer = dist.GradientReducer(g, params, bucket_mb=600 / 2**20)
+        with tecupy.Tape() as tape:
+            h = fc1(x)
+            z = fc2(h)
+            y = tecupy.relu(z) if g.rank == 0 else tecupy.gelu(h)
+        grads = reducer.gradient(tape, y)
+        return grads, reducer.arrived
+    (g0, arrived0), (g1, arrived1) = dist.run_threads(2, body)
+    fc1, fc2 = (tecupy.nn.Linear(8, 8, seed=s, **mk) for s in (1, 2))
+    with tecupy.Tape() as tape:
+        y0 = tecupy.relu(fc2(fc1(x)))
+    with tecupy.Tape() as tape1:
+        y1 = tecupy.gelu(fc1(x))
+    want0 = tape.gradient(y0, [fc1.weight, fc1.bias, fc2.weight, fc2.bias])
+    want1 = tape1.gradient(y1, [fc1.weight, fc1.bias])
+    for k, name in enumerate(g0):
+        other = want1[k] if k < 2 else np.zeros_like(want0[k])
+        want = want0[k].copy()
+        want += other
+        want /= 2
+        np.testing.assert_array_equal(g0[name], want, err_msg=name)
+        np.testing.assert_array_equal(g1[name], want, err_msg=name)
+    assert arrived0 == [2, 3, 0, 1] and arrived1 == [0, 1, 2, 3]  # rank 1: fc2's at the end
+
+
+def test_reducer_gradient_after_a_failed_backward():
+    """A backward that fails after some gradients were handed over (and their bucket
+    all-reduced) leaves the reducer ready for the next step."""
+    from tecupy.tape import record
+    mk = dict(device="cpu", params_dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((4, 8))
+
+    def failing(dh):
+        raise RuntimeError("backward failed")
+
+    def body(g):
+        lin = tecupy.nn.Linear(8, 8, seed=1, **mk)
+        reducer = dist.GradientReducer(g, lin, bucket_mb=1)
+        with tecupy.Tape() as tape:
+            h = x * 1.0
+            record(failing, (x,), (h,))
+            y = lin(h)
+        with pytest.raises(RuntimeError, match="backward failed"):
+            reducer.gradient(tape, y)
+        with tecupy.Tape() as tape:
+            y = lin(x)
+        return reducer.gradient(tape, y)
+    for grads in dist.run_threads(2, body):
+        np.testing.assert_array_equal(grads["bias"], np.full(8, 4.0))

@@ -443,7 +443,8 @@ class _Recorder(dist.ProcessGroup):
 def test_reducer_launches_buckets_in_order_whatever_order_gradients_come():
     grads = [np.full(n, float(n), np.float32) for n in (4, 4, 8, 2)]
     group = _Recorder()
-    r = dist.GradientReducer(group, grads, bucket_mb=32 / 2**20)  # [[0, 1], [2], [3]]
+    r = dist.GradientReducer(group, grads, bucket_mb=32 / 2**20, order="given")
+    assert r.buckets == [[0, 1], [2], [3]]
     r.ready(3, grads[3])
     r.ready(2, grads[2])
     assert group.calls == []  # bucket 0 first, as on every other rank
@@ -453,8 +454,30 @@ def test_reducer_launches_buckets_in_order_whatever_order_gradients_come():
     with pytest.raises(ValueError, match="gradient 1 given twice"):
         r.ready(1, grads[1])
     assert [a[0] for a in r.finish()] == [4.0, 4.0, 8.0, 2.0]
+    assert r.arrived == [3, 2, 0, 1]
     with pytest.raises(ValueError, match=r"gradients \[0, 1, 2, 3\] never given"):
         r.finish()
+
+
+def test_reducer_buckets_follow_the_order():
+    """Buckets are cut along `order`: the reverse of the given order by default (a backward
+    finishes the last layers first), or a permutation such as a last step's `arrived`."""
+    grads = [np.zeros(n, np.float32) for n in (4, 4, 8, 2)]
+    group = _Recorder()
+    assert dist.GradientReducer(group, grads, 32 / 2**20).buckets == [[3], [2], [1, 0]]
+    r = dist.GradientReducer(group, grads, 32 / 2**20, order=[2, 0, 3, 1])
+    assert r.buckets == [[2], [0, 3], [1]]
+    r.ready(0, grads[0])
+    r.ready(2, grads[2])
+    assert group.calls == [8]
+    with pytest.raises(ValueError, match=r"no gradient 4 \(this reducer has 4: 0..3\)"):
+        r.ready(4, grads[0])
+    for bad in ([0, 1, 2], [0, 1, 2, 2], "backward"):
+        with pytest.raises(ValueError, match="order must be 'reverse', 'given' or a "
+                                             "permutation of 0..3"):
+            dist.GradientReducer(group, grads, order=bad)
+    with pytest.raises(TypeError, match="grads_like must be a list/tuple or dict"):
+        dist.GradientReducer(group, grads[0])
 
 
 @pytest.mark.parametrize("n", [2, 3])
