@@ -423,3 +423,32 @@ def test_reducer_gradient_after_a_failed_backward():
         return reducer.gradient(tape, y)
     for grads in dist.run_threads(2, body):
         np.testing.assert_array_equal(grads["bias"], np.full(8, 4.0))
+
+
+def test_bench_dp_steps_on_threads(capsys):
+    """python -m tecupy.bench distributed's part 3, its steps on ThreadGroup ranks (HP: the
+    layer is unchanged by a step): after and overlapped give the same bits, the mean of
+    the ranks' single-GPU gradients; the table's weak scaling is single / step."""
+    from tecupy.bench.distributed import dp_steps, print_steps
+
+    def body(g):
+        layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3, hidden_dropout=0.0,
+                                           attention_dropout=0.0)  # (as the bench's)
+        rng = np.random.default_rng(g.rank)
+        x, dy = (rng.standard_normal((8, 2, 32)).astype(np.float32) for _ in range(2))
+        steps = dp_steps(layer, x, dy, None, g, bucket_mb=4096 / 2**20)
+        return {kind: fn() for kind, fn in steps.items()}
+    got = dist.run_threads(2, body)
+    for k, single in got[0]["single"].items():
+        mean = single.copy()
+        mean += got[1]["single"][k]
+        mean /= 2
+        for r in range(2):
+            np.testing.assert_array_equal(got[r]["after"][k], mean, err_msg=k)
+            np.testing.assert_array_equal(got[r]["overlapped"][k], mean, err_msg=k)
+    rows = {"FP8": {"single": (10.0, 4.0), "after": (12.5, 4.1), "overlapped": (10.4, 4.2)}}
+    print_steps(rows, 4, "full", 25)
+    out = capsys.readouterr().out
+    assert "(4096, 16384, 32, 2048, 4)" in out and "25 MiB buckets" in out
+    assert "| FP8 | 4 GPUs, all-reduce after the backward | 12.50 | 4.10 | 80.0% |" in out
+    assert "| FP8 | 4 GPUs, all-reduce overlapped (on_grad) | 10.40 | 4.20 | 96.2% |" in out

@@ -421,6 +421,14 @@ def test_a_killed_rank_aborts_the_others():
 
 # -- data parallel: buckets ------------------------------------------------------------------
 
+def test_dp_overlap_over_fake_nccl():
+    """The GPU test's data-parallel body (tests/test_distributed_nccl.py: reducer.gradient
+    driven by Tape.gradient's on_grad vs all_reduce_gradients after the backward; FP8 layer)
+    in 2 processes through NcclGroup over the fake NCCL: bit-identical."""
+    from test_distributed_nccl import _dp_overlap, check_dp_overlap
+    check_dp_overlap(dist.spawn(_dp_overlap, 2, True, backend=FAKE, timeout=60), gpu=False)
+
+
 def test_plan_buckets():
     g = [np.zeros(n, dt) for n, dt in ((10, np.float32), (5, np.float32), (30, np.float32),
                                        (2, np.float64), (3, np.float64), (4, np.float32))]

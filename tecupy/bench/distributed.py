@@ -1,5 +1,6 @@
-"""python -m tecupy.bench distributed [--nproc N] [--sizes 1,4,16,64,256] [--no-torch]:
-NcclGroup on the GPUs of this host, one process each (spawned).
+"""python -m tecupy.bench distributed [--nproc N] [--sizes 1,4,16,64,256] [--no-torch]
+[--layer small|medium|full] [--bucket-mb 25]: NcclGroup on the GPUs of this host, one process
+each (spawned).
 
 1. all_reduce of bf16 buffers of 1-256 MiB: time per call (CUDA events on rank 0, median of
    ITERS calls back to back after a warm-up) and bus bandwidth, nccl-tests' definition:
@@ -8,6 +9,15 @@ NcclGroup on the GPUs of this host, one process each (spawned).
 2. Data parallel: averaging the gradients of the quickstart TransformerLayer (hidden 4096,
    ffn 16384, 32 heads; bf16) with all_reduce_gradients: 25 MiB buckets, one bucket per
    parameter, and everything in one bucket; the time the 256 MiB bus bandwidth predicts.
+3. The data-parallel step of the main job's TransformerLayer (--layer, default the
+   quickstart layer at seq 2048, batch 4 per rank; bf16, high precision and FP8 delayed
+   scaling): one forward + backward per rank and the gradients averaged over the ranks,
+   (a) after the backward (tape.gradient, then all_reduce_gradients) and (b) overlapped
+   with it (GradientReducer.gradient: Tape.gradient's on_grad hands each gradient over as
+   it is final, each bucket is all-reduced on a side stream as it fills), against the
+   single-GPU step (rank 0 alone, no all-reduce): ms per step on rank 0 (layer bench's
+   rule: CUDA events around back-to-back steps, median of rounds) and weak-scaling
+   efficiency = single-GPU step / data-parallel step (issue 25's target: >= 90% at 4 GPUs).
 """
 import argparse
 import statistics
@@ -29,12 +39,11 @@ def _events_ms(fn, iters):
     return statistics.median(times)
 
 
-def _rank(g, sizes_mib):
-    """-> (all_reduce ms per size, DP rows) of this rank."""
+def _rank(g, sizes_mib, layer_size="full", bucket_mb=25):
+    """-> (all_reduce ms per size, DP rows, DP step rows) of this rank."""
     import cupy
 
     import tecupy
-    from tecupy import distributed as dist
     out = {"all_reduce": [], "dp": []}
     for mib in sizes_mib:
         x = cupy.ones(mib * 2**20 // 2, dtype=tecupy.bfloat16)
@@ -42,21 +51,85 @@ def _rank(g, sizes_mib):
             g.all_reduce(x)
         g.barrier()
         out["all_reduce"].append(_events_ms(lambda: g.all_reduce(x), ITERS))
+    out["dp"], out["dp_bytes"], out["dp_count"] = _averaging(g)
+    out["steps"] = _step_rows(g, layer_size, bucket_mb)
+    return out
+
+
+def _averaging(g):
+    """Part 2: -> ([(buckets, ms)], gradient bytes, gradient count)."""
+    import cupy
+
+    import tecupy
+    from tecupy import distributed as dist
     hidden, ffn, heads = LAYER
     layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, params_dtype=tecupy.bfloat16,
                                        device="cuda", seed=0)
     grads = [cupy.full(p.shape, 0.5, p.dtype) for p in reversed(layer.parameters())]
     del layer
-    nbytes = sum(a.nbytes for a in grads)
+    nbytes, rows = sum(a.nbytes for a in grads), []
     for name, mb in (("25 MiB buckets", 25), ("one per parameter", 0),
                      ("one bucket", nbytes / 2**20 + 1)):
         for _ in range(2):
             dist.all_reduce_gradients(grads, g, bucket_mb=mb)
         g.barrier()
         ms = _events_ms(lambda: dist.all_reduce_gradients(grads, g, bucket_mb=mb), 5)
-        out["dp"].append((name, ms))
-    out["dp_bytes"], out["dp_count"] = nbytes, len(grads)
-    return out
+        rows.append((name, ms))
+    return rows, nbytes, len(grads)
+
+
+def dp_steps(layer, x, dy, recipe, group, bucket_mb=25):
+    """The three steps that part 3 times, each one forward + backward of `layer` on this
+    rank's (x, dy) -> its gradients (a dict by parameter name): single (no all-reduce: the
+    one-GPU step), after (tape.gradient, then all_reduce_gradients over the buckets the
+    reducer uses) and overlapped (GradientReducer.gradient: buckets all-reduced during the
+    backward). Any array module: tests run them on ThreadGroup ranks."""
+    import tecupy
+    from tecupy import distributed as dist
+    reducer = dist.GradientReducer(group, layer, bucket_mb)
+
+    def forward():
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=recipe is not None,
+                                                        fp8_recipe=recipe):
+            y = layer(x)
+        return tape, y
+
+    def single():
+        tape, y = forward()
+        return tape.gradient(y, layer, output_grad=dy)
+
+    def after():
+        grads = single()
+        # the reducer's buckets: its default order is the reverse of the parameters'
+        dist.all_reduce_gradients(list(grads.values())[::-1], group, bucket_mb)
+        return grads
+
+    def overlapped():
+        tape, y = forward()
+        return reducer.gradient(tape, y, output_grad=dy)
+    return {"single": single, "after": after, "overlapped": overlapped}
+
+
+def _step_rows(g, layer_size, bucket_mb):
+    """Part 3 on this rank: {precision: {step: (GPU ms, host ms) or None}} (rank 0 times
+    "single" alone; the other ranks wait at a barrier meanwhile)."""
+    import cupy
+
+    from tecupy.__main__ import build
+    from .layer import SIZES, _rate, _recipe
+    rows = {}
+    for name, recipe in (("HP", None), ("FP8", _recipe())):
+        layer, x, dy = build(SIZES[layer_size], "cuda")
+        steps = dp_steps(layer, x, dy, recipe, g, bucket_mb)
+        rows[name] = {}
+        for kind, fn in steps.items():
+            g.barrier()
+            alone = kind == "single"
+            rows[name][kind] = _rate(fn, cupy) if g.rank == 0 or not alone else None
+            g.barrier()
+        del layer, x, dy, steps
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
 
 
 def _torch_rank(rank, n, port, sizes_mib, queue):
@@ -121,6 +194,10 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
     p.add_argument("--sizes", default="1,4,16,64,256", help="all_reduce sizes in MiB")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    p.add_argument("--layer", choices=("small", "medium", "full"), default="full",
+                   help="the data-parallel step's TransformerLayer (bench layer's --size)")
+    p.add_argument("--bucket-mb", type=float, default=25,
+                   help="the data-parallel step's bucket size in MiB")
     args = p.parse_args(argv)
     import tecupy
     if not tecupy.gpu_available():
@@ -137,7 +214,7 @@ def run(args):
     if n < 2:
         raise SystemExit(f"tecupy.bench distributed needs 2+ GPUs (this host has {n})")
     sizes = [int(s) for s in args.sizes.split(",")]
-    got = dist.spawn(_rank, n, sizes, timeout=300)[0]
+    got = dist.spawn(_rank, n, sizes, args.layer, args.bucket_mb, timeout=900)[0]
     peer = None if args.no_torch else _torch_peer(n, sizes)
     print(f"GPU: {gpu_name()} x {n}; all_reduce of bf16, median of {ITERS} calls")
     print("| MiB | tecupy ms | bus GB/s | torch ms | bus GB/s | tecupy / torch |")
@@ -158,4 +235,21 @@ def run(args):
     print("| --- | --- | --- |")
     for name, ms in got["dp"]:
         print(f"| {name} | {ms:.2f} | {ideal / ms:.0%} |")
+    print_steps(got["steps"], n, args.layer, args.bucket_mb)
     return got, peer
+
+
+def print_steps(rows, n, layer_size, bucket_mb):
+    """Part 3's table: ms per step on rank 0 and weak-scaling efficiency."""
+    from .layer import SIZES
+    print(f"\nData-parallel step of the TransformerLayer {layer_size} {SIZES[layer_size]} "
+          f"(hidden, ffn, heads, seq, batch per rank), {bucket_mb:g} MiB buckets; rank 0's "
+          "GPU ms and host ms per step; weak scaling = single-GPU step / this step")
+    print("| precision | step | GPU ms | host ms | weak scaling |")
+    print("| --- | --- | --- | --- | --- |")
+    labels = {"single": "1 GPU, no all-reduce", "after": f"{n} GPUs, all-reduce after the "
+              "backward", "overlapped": f"{n} GPUs, all-reduce overlapped (on_grad)"}
+    for name, steps in rows.items():
+        one = steps["single"][0]
+        for kind, (gpu, host) in steps.items():
+            print(f"| {name} | {labels[kind]} | {gpu:.2f} | {host:.2f} | {one / gpu:.1%} |")
