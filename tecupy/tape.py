@@ -403,12 +403,15 @@ class _Handover:
         want = {}
         for i, t in enumerate(targets):
             want.setdefault(id(t), []).append(i)
-        last, self.made = {}, set()  # made: targets some reached node outputs
+        last, made = {}, set()  # made: targets some reached node outputs
         for node in reached:
             for x in node.inputs:
                 if id(x) in want:
                     last[id(x)] = id(node)
-            self.made.update(id(o) for o in node.outputs if id(o) in want)
+            for o in node.outputs:
+                if id(o) in want:
+                    made.add(id(o))
+        self.made = made
         self.due = {}
         for k, node in last.items():
             self.due.setdefault(node, []).extend(want[k])
