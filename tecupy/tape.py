@@ -266,8 +266,10 @@ class Tape:
         gradient by then (no node reached it, or every backward gave it None) is passed
         after the backward, in index order, as the zeros that are returned, so every rank
         hands every index over and the buckets' all-reduces line up; so is an output asked
-        for that no node consumes (its output_grad). Do not write into grad before this call
-        returns when wrt[i] is an intermediate array: its producer's backward still reads it.
+        for that no node consumes (its output_grad). Read grad, do not write into it, before
+        this call returns: the backward may still read that array (an intermediate's producer
+        reads its gradient; an add hands one dy to both inputs, so a leaf's gradient can be
+        another array's too).
         """
         if on_grad is not None and not callable(on_grad):
             raise TypeError(f"Tape.gradient: on_grad must be None or a callable "

@@ -452,3 +452,30 @@ def test_bench_dp_steps_on_threads(capsys):
     assert "(4096, 16384, 32, 2048, 4)" in out and "25 MiB buckets" in out
     assert "| FP8 | 4 GPUs, all-reduce after the backward | 12.50 | 4.10 | 80.0% |" in out
     assert "| FP8 | 4 GPUs, all-reduce overlapped (on_grad) | 10.40 | 4.20 | 96.2% |" in out
+
+
+def test_reducer_leaves_a_gradient_the_backward_still_reads_alone():
+    """y = x @ w.T + b, b of y's shape: add's backward hands the same dy to b and to the
+    linear's output, so b's gradient (handed over right after the add) is the array the
+    linear's backward reads next. The reducer must not change it before the backward ends
+    (an in-place all-reduce of a bucket of one would): w's mean as after the backward."""
+    mk = dict(device="cpu", params_dtype=np.float64)
+
+    def body(g, overlapped):
+        lin = tecupy.nn.Linear(8, 6, bias=False, seed=1, **mk)
+        b = np.random.default_rng(5).standard_normal((4, 6))
+        x = np.random.default_rng(g.rank).standard_normal((4, 8))
+        params = [lin.weight, b]
+        with tecupy.Tape() as tape:
+            y = tecupy.add(lin(x), b)
+        dy = np.random.default_rng(10 + g.rank).standard_normal((4, 6))
+        if overlapped:
+            reducer = dist.GradientReducer(g, params, bucket_mb=8 / 2**20)  # one per bucket
+            grads = reducer.gradient(tape, y, output_grad=dy)
+            assert reducer.arrived == [1, 0] and reducer.buckets == [[1], [0]]
+            return grads
+        return dist.all_reduce_gradients(tape.gradient(y, params, output_grad=dy), g)
+    want = dist.run_threads(2, body, False)
+    for r, got in enumerate(dist.run_threads(2, body, True)):
+        for a, b in zip(got, want[r]):
+            np.testing.assert_array_equal(a, b)

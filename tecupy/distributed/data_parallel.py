@@ -107,6 +107,10 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b):
+        # Always a copy, even of a gradient alone in its bucket: reduced in place during
+        # the backward, it would change under nodes that still read the same array (an
+        # add's backward hands dy to both inputs: a bias's gradient can be the gradient of
+        # the activation beside it). The means go back in finish(), after the backward.
         grads = [self._grads[i] for i in self.buckets[b]]
         xp = xp_of(grads[0])
         if self._stream is None:
@@ -138,13 +142,17 @@ class GradientReducer:
         return out
 
     def _unflatten(self):
+        n = self.group.size if self.average and self.group.size > 1 else None
         for b, idx in enumerate(self.buckets):
             flat, at = self._flat[b], 0
-            if self.average and self.group.size > 1:
-                flat /= self.group.size
+            xp = xp_of(flat)
             for i in idx:
                 g = self._grads[i]
-                g[...] = flat[at:at + g.size].reshape(g.shape)
+                part = flat[at:at + g.size].reshape(g.shape)
+                if n is None:
+                    g[...] = part
+                else:  # the mean written straight into the gradient: one pass
+                    xp.true_divide(part, n, out=g)
                 at += g.size
 
 
