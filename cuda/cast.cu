@@ -85,6 +85,8 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // makes both the word stores and the 16-byte loads conflict-free.
 // DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
 // the float32 sum of the tile's rows of x, for a second pass over the row blocks.
+// h's and q's rows are ldh and ldq elements apart (cols, or a column chunk's of wider arrays:
+// ops/blocks.py runs fc2's dgrad and the dact cast over column chunks, issue 22).
 // Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
 // element-wise loads, zeros past the edges, q by store_ragged; where rows % 16 != 0: qt by
 // store_ragged). A grid-stride loop over the tiles (row-major), with no more blocks than
@@ -95,15 +97,16 @@ __device__ __forceinline__ int tt_word(int col, int word) {  // word = 4-row gro
     return col * 32 * G + swz * 4 + (word & 3);
 }
 
-// row r, columns c .. c + 7 of x (c < cols); RAGGED: rows past the end are zeros, and rows
-// not 16-byte aligned (cols % 8 != 0) are read element-wise
+// row r, columns c .. c + 7 of x (c < cols; rows ld elements apart); RAGGED: rows past the
+// end are zeros, and rows not 16-byte aligned (cols % 8 != 0) are read element-wise
 template <bool RAGGED, typename T>
-__device__ __forceinline__ Vec<T, 8> load_tile_row(const T* x, int r, int c, int rows, int cols) {
-    if (!RAGGED || (cols % 8 == 0 && r < rows)) return load_vec<8>(x + (long long)r * cols + c);
+__device__ __forceinline__ Vec<T, 8> load_tile_row(const T* x, int r, int c, int rows, int cols,
+                                                   long long ld) {
+    if (!RAGGED || (cols % 8 == 0 && r < rows)) return load_vec<8>(x + r * ld + c);
     Vec<T, 8> v;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-        v.v[j] = r < rows && c + j < cols ? x[(long long)r * cols + c + j] : from_float<T>(0.f);
+        v.v[j] = r < rows && c + j < cols ? x[r * ld + c + j] : from_float<T>(0.f);
     return v;
 }
 
@@ -118,12 +121,12 @@ __device__ __forceinline__ unsigned char tt_byte(const unsigned* tt, int col, in
 
 template <int G>
 __device__ void store_ragged(const unsigned* tt, unsigned char* q, unsigned char* qt, int r0,
-                             int c0, int rows, int cols) {
+                             int c0, int rows, int cols, long long ldq) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = warp; i < 128 * G && r0 + i < rows && cols % 8; i += 8)  // q: tile rows
 #pragma unroll
         for (int col = lane; col < 64; col += 32)
-            if (c0 + col < cols) q[(long long)(r0 + i) * cols + c0 + col] = tt_byte<G>(tt, col, i);
+            if (c0 + col < cols) q[(r0 + i) * ldq + c0 + col] = tt_byte<G>(tt, col, i);
     for (int col = warp; col < 64 && c0 + col < cols && rows % 16; col += 8)  // qt: columns
 #pragma unroll
         for (int i = lane; i < 128 * G; i += 32)
@@ -149,7 +152,8 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                      float* __restrict__ scale_inv, float* __restrict__ amax,
                      unsigned* __restrict__ slot, float* __restrict__ part, int rows,
-                     int cols, const T* __restrict__ h, const T* __restrict__ hbias) {
+                     int cols, const T* __restrict__ h, const T* __restrict__ hbias,
+                     long long ldh, long long ldq) {
     constexpr bool ACT = !IsNoAct<DACT>::value;
     PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
@@ -170,8 +174,9 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
             for (int i = 0; i < 4; ++i) {
                 const int r = r0 + 128 * g + 4 * a + i;
                 if ((RAGGED || r < rows) && c < cols) {
-                    in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols);
-                    if constexpr (ACT) hin[g][i] = load_tile_row<RAGGED>(h, r, c, rows, cols);
+                    in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols, cols);
+                    if constexpr (ACT)
+                        hin[g][i] = load_tile_row<RAGGED>(h, r, c, rows, cols, ldh);
                 }
             }
     };
@@ -202,7 +207,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                 for (int k = 0; k < 4; ++k)
                     pair[i][k] = fp8x2<F8>(f[2 * k] * s, f[2 * k + 1] * s);
                 if (!RAGGED || (cols % 8 == 0 && r + i < rows))  // (else q from tt below)
-                    *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) =
+                    *reinterpret_cast<uint2*>(q + (r + i) * ldq + c) =
                         make_uint2(__byte_perm(pair[i][0], pair[i][1], 0x5410),
                                    __byte_perm(pair[i][2], pair[i][3], 0x5410));
             }
@@ -231,7 +236,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
             for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
             part[(long long)by * cols + c0 + threadIdx.x] = t;
         }
-        if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols);
+        if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols, ldq);
 #pragma unroll
         for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
             const int v = threadIdx.x + 256 * h, col = v / (8 * G), chunk = v % (8 * G);

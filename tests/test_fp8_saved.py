@@ -134,3 +134,44 @@ def test_mlp_dgelu_epilogue_path_equals_the_activation_cast_path(monkeypatch):
     assert not any(seen)
     for got, want in zip(with_epilogue, without):
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_mlp_dgrad_and_dact_in_column_chunks(monkeypatch, xp):
+    """fc2's dgrad output [M, ffn] made and cast in column chunks (DACT_CHUNK_BYTES; issue 22:
+    one chunk at a time in memory): the same gradients, FP8 state and amax history, bit for
+    bit, as in one piece; 6 chunks of 64 columns and a last one of 16 (ffn 400)."""
+    from tecupy.ops import blocks
+    rng = np.random.default_rng(2)
+    dt = tecupy.bfloat16 if xp.__name__ == "cupy" else np.float32
+    m, hidden, ffn = 48, 32, 400
+    arrays = [xp.asarray(a.astype(dt)) for a in (
+        rng.standard_normal((m, hidden)), np.ones(hidden), np.zeros(hidden),
+        rng.standard_normal((ffn, hidden)) * 0.1, rng.standard_normal(ffn) * 0.1,
+        rng.standard_normal((hidden, ffn)) * 0.1, rng.standard_normal(hidden) * 0.1)]
+
+    def run():
+        state = tecupy.FP8State(num_gemms=2)
+        dy = xp.asarray(rng.standard_normal((m, hidden)).astype(dt))
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling()):
+            y = tecupy.layernorm_mlp(*arrays, fp8_state=state)
+        grads = tape.gradient(y, arrays, output_grad=dy)
+        return [np.asarray(tecupy._array.to_numpy(a)) for a in (
+            *grads, state.bwd.amax_history, state.bwd.scale)]
+    widths = []
+    real = backends.dispatch
+
+    def dispatch(op, *a, **k):
+        if op == "dact_cast_transpose":
+            widths.append(a[0].shape[1])
+        return real(op, *a, **k)
+    monkeypatch.setattr(backends, "dispatch", dispatch)
+    rng = np.random.default_rng(3)
+    whole = run()
+    assert widths == [ffn]
+    monkeypatch.setattr(blocks, "DACT_CHUNK_BYTES", m * 64 * np.dtype(dt).itemsize + 1)
+    widths.clear()
+    rng = np.random.default_rng(3)
+    chunked = run()
+    assert widths == [64] * 6 + [16]
+    for got, want in zip(chunked, whole):
+        assert got.tobytes() == want.tobytes()

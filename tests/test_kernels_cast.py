@@ -229,3 +229,35 @@ def test_dact_cast_transpose_matches_act_bwd_then_cast(rng, name, dtype, shape, 
     tol += np.abs(want) * float(ml_dtypes.finfo(dtype).eps)
     assert db.dtype == np.dtype(dtype)
     assert (np.abs(cupy.asnumpy(db).astype(np.float64) - want) <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_dact_cast_transpose_into_column_chunks(rng, dtype, bias):
+    """h read and q written as column chunks of wider arrays (rows ld apart), qt as a row
+    chunk: each chunk's codes, transposed codes and dbias equal the whole array's, bit for
+    bit, and nothing outside the chunk is written (the pool poisoned, the rest 0xAA)."""
+    import cupy
+    rows, cols = 272, 200  # chunks of 64, 64, 72 columns: 8-column multiples, odd tile ends
+    dy = cupy.asarray(rng.standard_normal((rows, cols)).astype(dtype))
+    h = cupy.asarray((rng.standard_normal((rows, cols)) * 3).astype(dtype))
+    b = cupy.asarray(rng.standard_normal(cols).astype(dtype)) if bias else None
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    inv = cupy.empty((1,), np.float32)
+    q, qt, _, db = tecupy.backends.dispatch("dact_cast_transpose", dy, h, b, "gelu", scale,
+                                            E5M2, np.dtype(dtype), None, inv)
+    poison_gpu_pool()
+    q2, qt2 = cupy.full((rows, cols), 0xAA, np.uint8), cupy.full((cols, rows), 0xAA, np.uint8)
+    for c0, c1 in ((0, 64), (64, 128), (128, 200)):
+        args = (cupy.ascontiguousarray(dy[:, c0:c1]), h[:, c0:c1],
+                None if b is None else b[c0:c1], "gelu", scale, E5M2, np.dtype(dtype), None,
+                inv)
+        out = (q2[:, c0:c1], qt2[c0:c1])
+        assert tecupy.backends.chosen("dact_cast_transpose", *args, out=out) == "cuda"
+        got = tecupy.backends.dispatch("dact_cast_transpose", *args, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        assert cupy.asnumpy(got[3]).tobytes() == cupy.asnumpy(db[c0:c1]).tobytes()
+        seen = cupy.asnumpy(q2[:, c1:])
+        assert (seen == 0xAA).all(), "written past the chunk"
+    assert cupy.asnumpy(q2).tobytes() == cupy.asnumpy(q).tobytes()
+    assert cupy.asnumpy(qt2).tobytes() == cupy.asnumpy(qt).tobytes()

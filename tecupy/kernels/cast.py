@@ -108,33 +108,46 @@ def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_ou
     return _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
 
 
-def _dact_supported(dy, x, bias, name, *args, **kwargs):
+def _dact_supported(dy, x, bias, name, *args, out=None, **kwargs):
     """Plain activations, 2-D, rows % 16 and cols % 8 (the FP8 GEMMs' shapes: no ragged
-    variant is built)."""
+    variant is built); x and out's q may be column chunks of wider arrays (rows apart by a
+    multiple of 8 elements, 16-byte aligned), out's qt whole rows."""
     return (_ct_supported(dy, None, None) and not TABLE[name].gated and x.shape == dy.shape
             and x.dtype == dy.dtype and dy.shape[0] % 16 == 0 and dy.shape[1] % 8 == 0
-            and (bias is None or bias.dtype == dy.dtype))
+            and (bias is None or bias.dtype == dy.dtype) and _rows_ok(x, 8)
+            and (out is None or (_rows_ok(out[0], 8) and out[1].flags.c_contiguous)))
+
+
+def _rows_ok(a, align):
+    """a's rows are contiguous, `align`-element multiples apart, and start 16-byte aligned."""
+    return (a.strides[-1] == a.itemsize and a.strides[0] % (align * a.itemsize) == 0
+            and a.data.ptr % 16 == 0)
 
 
 @backends.register("dact_cast_transpose", "cuda", supports=_dact_supported)
 def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_out=None,
-                        scale_inv_out=None):
+                        scale_inv_out=None, out=None):
     """The activation `name`'s backward, dx = dy * f'(x + bias) rounded to dy's dtype, cast
     and transposed in the same pass (cast_transpose_dbias of dx without dx in memory:
-    Transformer Engine's cast_transpose_dbias_dgelu) -> (q, qt, amax, dbias or None)."""
+    Transformer Engine's cast_transpose_dbias_dgelu) -> (q, qt, amax, dbias or None).
+    out: None or (q, qt) to write: q [rows, cols] and qt [cols, rows] may be a column chunk
+    and a row chunk of wider arrays (x too: its rows are read ld apart)."""
     import cupy
-    act = (TABLE[name].cuda, cupy.ascontiguousarray(x),
-           None if bias is None else cupy.ascontiguousarray(bias))
-    out = _cast_transpose(dy, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act)
-    return out if dbias_dtype is not None else out + (None,)
+    act = (TABLE[name].cuda, x, None if bias is None else cupy.ascontiguousarray(bias))
+    res = _cast_transpose(dy, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act, out)
+    return res if dbias_dtype is not None else res + (None,)
 
 
-def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=None):
-    """act: None, or (struct of act_math.cuh, h, hbias or None): x is dy, cast is dx."""
+def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=None, out=None):
+    """act: None, or (struct of act_math.cuh, h, hbias or None): x is dy, cast is dx (h's
+    rows may be ld apart); out: None or (q, qt) to write (q's rows may be ld apart)."""
     import cupy
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
-    q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
+    if out is None:
+        q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
+    else:
+        q, qt = out
     amax, slot = amax_args(amax_out, x.size)
     inv = _inv_arg(scale, scale_inv_out, x.size)
     dbias = dbias_dtype is not None
@@ -145,8 +158,10 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
             _plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()), _ct_plan, rows,
             cols, x.dtype, fmt.name, dbias, name)
         h, hb = (_NULL, _NULL) if act is None else act[1:]
+        ldh = cols if act is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
+        ldq = cols if out is None else q.strides[0]
         run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32, h,
-             _NULL if hb is None else hb))
+             _NULL if hb is None else hb, np.int64(ldh), np.int64(ldq)))
     if not dbias:
         return q, qt, amax
     if not x.size:
@@ -173,7 +188,7 @@ def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
                               f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
     grid = (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
-    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb
-    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,
-                         np.uint64)
+    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb,
+    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,  # ldh,
+                         np.uint64, np.int64, np.int64)                                # ldq
     return Launcher(k, grid, (256,), kinds), np.int32(rows), np.int32(cols)

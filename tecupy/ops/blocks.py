@@ -6,13 +6,13 @@ two (fc1, fc2) for layernorm_mlp.
 """
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
-from ..fp8 import dact_cast
+from ..fp8 import dact_cast_chunked
 from ..fp8_params import weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
-from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, columnwise, fp8_gemm,
-                     fp8_grads, fp8_linear_backward, linear, linear_with, transposed)
+from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, fp8_dy, fp8_gemm,
+                     fp8_grads, fp8_linear_backward, linear, linear_with)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -61,7 +61,7 @@ def released(saved):
     node's whole backward returns: its second part (the norm's or activation's backward)
     allocates as much again (issue 22: fc2's input codes are 128 MiB at the quickstart
     layer). Unless the tape retains the graph for another backward (current scaling)."""
-    operands = [transposed(saved[0]), saved[1]]
+    operands = [saved[0].columnwise(), saved[1]]
     if not retaining():
         saved.clear()
     return operands
@@ -95,7 +95,7 @@ def _gemm_fp8(qx, weight, q, out_dtype, bias):
     """qx @ weight.T (+ bias) with weight cast by q.weight -> (y, what its backward keeps:
     [qx, the weight's column-wise copy]; qx row-wise, a producer's codes)."""
     qw = weight_fp8(q.weight, weight, True)
-    return fp8_gemm(qx, qw, out_dtype, bias), [qx, columnwise(qw)]
+    return fp8_gemm(qx, qw, out_dtype, bias), [qx, qw.columnwise()]
 
 
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
@@ -237,10 +237,9 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
             qdh, db1 = (qdh, None) if b1 is None else qdh
             del dh
         else:  # the activation's backward cast in one pass, from fc2's dgrad output
-            da, dw2, db2 = fp8_linear_backward(dy2, released(saved2), b2, q2.grad_output,
-                                               x.dtype)
-            qdh, db1 = dact_cast(da, h, b1, activation, g.scale, g.fmt, g.amax_out, db_dtype)
-            del da, h
+            qdh, db1, dw2, db2 = _dgrad_dact(dy2, saved2, b2, q2.grad_output, h, b1,
+                                             activation, g, x.dtype)
+            del h
         d_ln, dw1 = fp8_grads(qdh, released(saved1), x.dtype)
         del qdh
         dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial)
@@ -250,6 +249,32 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     record(backward, (x, ln_weight, ln_bias, w1, b1, w2, b2), (y,),
            after_backward=q1.after_backward + q2.after_backward, once=q1.once, partial=0)
     return y
+
+
+# fc2's dgrad output [M, ffn] (the activation's output gradient) is made and cast in column
+# chunks of at most this many bytes (issue 22: 256 MiB at the quickstart layer, in one piece
+# the largest transient of its backward); smaller ones in one piece
+DACT_CHUNK_BYTES = 64 << 20
+
+
+def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
+    """fc2's backward and the activation's backward cast (fp8.dact_cast_chunked): dy cast
+    (and fc2's dbias), wgrad first (then the activation's codes die), then dgrad column
+    chunk by column chunk, each cast with its columns of h by the quantizer g (and fc1's
+    dbias) -> (FP8Tensor of dh, db1, dw2, db2)."""
+    qdy, db2 = fp8_dy(q_dy, dy2, b2)
+    qa_t, qw_t = released(saved2)
+    dw2 = fp8_gemm(qdy.T, qa_t, dtype, split_accumulator=True)
+    del qa_t
+    m, ffn = h.shape
+    chunk = max(64, DACT_CHUNK_BYTES // (m * h.itemsize) // 64 * 64)
+
+    def dgrad(c0, c1):  # dy's columns c0:c1 = qdy @ (rows c0:c1 of w2's transposed codes).T
+        return fp8_gemm(qdy, qw_t.rows(c0, c1), dtype, split_accumulator=True)
+    db_dtype = None if b1 is None else b1.dtype
+    qdh, db1 = dact_cast_chunked(dgrad, h, b1, activation, g.scale, g.fmt, g.amax_out,
+                                 db_dtype, chunk)
+    return qdh, db1, dw2, db2
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
@@ -270,7 +295,7 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     qa = qi.wrap(codes)
     qw = weight_fp8(q.weight, fc2_weight, True)
     y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias), h.shape[:-1] + (n,))
-    saved = [qa, columnwise(qw)]  # qa: the activation wrote row-wise codes only
+    saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
         da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), released(saved), fc2_bias,

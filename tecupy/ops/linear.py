@@ -9,7 +9,6 @@ scaling, each tensor's own amax with no state or under Float8CurrentScaling.
 """
 from .. import _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
-from ..fp8 import FP8Tensor
 from ..fp8_params import hp, weight_fp8
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
@@ -133,7 +132,7 @@ def _linear_fp8(x, weight, bias, q):
         return y
 
     x_shape, x_dtype = x.shape, x.dtype  # the backward keeps the FP8 codes, not x
-    saved = [columnwise(qx), columnwise(qw)]  # and of those, the column-wise copies only
+    saved = [qx.columnwise(), qw.columnwise()]  # and of those, the column-wise copies
 
     def backward(dy):
         dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
@@ -153,19 +152,6 @@ def as_nd(a, shape):
     return a if len(shape) == 2 else a.reshape(shape)
 
 
-def columnwise(q):
-    """The column-wise copy of an FP8 operand (made by its cast) as a tensor of its own,
-    holding no reference to the row-wise codes: the backward GEMMs read only these (dgrad
-    the weight's, wgrad the input's), so the row-wise codes are freed once the forward GEMM
-    has run (issue 22: a fifth of the FP8 step's memory at the quickstart size)."""
-    return FP8Tensor.made(q.data_t, q.fmt, q.scale_inv)
-
-
-def transposed(q):
-    """q's column-wise copy (made now) as a tensor of its own: q.T refers to q's codes."""
-    return FP8Tensor.made(q.T.data, q.fmt, q.scale_inv)
-
-
 def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype, dgelu=None):
     """dy2 [M, N] -> (dx [M, K], dw [N, K], dbias) from saved = [qx_t, qw_t], the column-wise
     FP8 copies of x ([K, M]) and w ([K, N]), taken out of the list (unless the tape is
@@ -176,11 +162,16 @@ def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype, dgelu=None):
     operand; dgrad's output the largest result: they need not live at once). dgelu:
     (h, bias, in_place) of a gelu that made x, whose backward dgrad's epilogue then applies
     (dx is gelu's input gradient; written over h where in_place)."""
-    qdy = q_dy.quantize(dy2, transpose=True,
-                        dbias_dtype=None if bias is None else bias.dtype)
-    qdy, db = (qdy, None) if bias is None else qdy
+    qdy, db = fp8_dy(q_dy, dy2, bias)
     dx, dw = fp8_grads(qdy, saved, x_dtype, dgelu)
     return dx, dw, db
+
+
+def fp8_dy(q_dy, dy2, bias):
+    """dy2 cast by q_dy with its transposed copy, and dbias (None without a bias) from the
+    same read -> (FP8Tensor, dbias)."""
+    qdy = q_dy.quantize(dy2, transpose=True, dbias_dtype=None if bias is None else bias.dtype)
+    return (qdy, None) if bias is None else qdy
 
 
 def fp8_grads(qdy, saved, x_dtype, dgelu=None):

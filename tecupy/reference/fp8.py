@@ -80,13 +80,19 @@ def cast_transpose(x, scale, fmt, amax_out=None, scale_inv_out=None):
 
 @backends.register("dact_cast_transpose", "reference")
 def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_out=None,
-                        scale_inv_out=None):
+                        scale_inv_out=None, out=None):
     """The activation `name`'s backward (its <name>_bwd: dx in dy's dtype), then
-    cast_transpose(_dbias) of dx -> (q, qt, amax, dbias or None)."""
+    cast_transpose(_dbias) of dx -> (q, qt, amax, dbias or None); out: None or (q, qt)
+    to write them into (views of wider arrays allowed)."""
     dx, _ = backends.dispatch(f"{name}_bwd", dy, x, bias)
     if dbias_dtype is None:
-        return cast_transpose(dx, scale, fmt, amax_out, scale_inv_out) + (None,)
-    return cast_transpose_dbias(dx, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
+        res = cast_transpose(dx, scale, fmt, amax_out, scale_inv_out) + (None,)
+    else:
+        res = cast_transpose_dbias(dx, scale, fmt, dbias_dtype, amax_out, scale_inv_out)
+    if out is None:
+        return res
+    out[0][...], out[1][...] = res[0], res[1]
+    return (*out, *res[2:])
 
 
 @backends.register("cast_transpose_dbias", "reference")
