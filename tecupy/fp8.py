@@ -111,6 +111,11 @@ class FP8Tensor:
             t = backends.dispatch("fp8_transpose", self.data)
         return type(self).made(t, self.fmt, self.scale_inv)
 
+    def rowwise(self):
+        """The row-wise codes as a tensor of their own, with no reference to the column-wise
+        copy (a GEMM that read that copy is done with it)."""
+        return type(self).made(self.data, self.fmt, self.scale_inv)
+
     def rows(self, start, stop):
         """Rows start:stop of 2-D codes as a tensor of their own (a view; the same scale)."""
         return type(self).made(self.data[start:stop], self.fmt, self.scale_inv)

@@ -175,3 +175,36 @@ def test_mlp_dgrad_and_dact_in_column_chunks(monkeypatch, xp):
     assert widths == [64] * 6 + [16]
     for got, want in zip(chunked, whole):
         assert got.tobytes() == want.tobytes()
+
+
+def test_dy_copy_dies_after_wgrad(monkeypatch):
+    """dy's column-wise codes (wgrad's A operand) die once wgrad has run, before dgrad
+    allocates: in a linear and in layernorm_mlp (fc2's dy, and fc1's dh cast)."""
+    def run(fn, *arrays):
+        refs, alive = [], []
+        real = backends.dispatch
+
+        def dispatch(op, *args, **kwargs):
+            if op == "fp8_gemm":
+                gc.collect()
+                alive.append([r() is not None for r in refs])
+            out = real(op, *args, **kwargs)
+            if op in ("cast_transpose", "cast_transpose_dbias", "dact_cast_transpose"):
+                refs.append(weakref.ref(out[1]))  # the column-wise copy
+            return out
+        monkeypatch.setattr(backends, "dispatch", dispatch)
+        _step(fn, *arrays)
+        monkeypatch.setattr(backends, "dispatch", real)
+        return alive
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 48)).astype(np.float32)
+    w = rng.standard_normal((64, 48)).astype(np.float32) * 0.1
+    alive = run(lambda *a, fp8_state: tecupy.linear(*a, fp8_state=fp8_state), x, w)
+    # casts: x, w (forward), dy (backward); GEMMs: forward, wgrad, dgrad
+    assert alive[1] == [True, True, True] and alive[2][2] is False
+    x, g, b, w1, w2 = _mlp_inputs()
+    alive = run(lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state),
+                x, g, b, w1, None, w2, None)
+    # casts: w1, w2 (forward), fc2's dy, fc1's dh; GEMMs: fc1, fc2, fc2 wgrad, fc2 dgrad,
+    # fc1 wgrad, fc1 dgrad
+    assert alive[3][2] is False and alive[4][3] is True and alive[5][3] is False

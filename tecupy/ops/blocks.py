@@ -240,8 +240,9 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
             qdh, db1, dw2, db2 = _dgrad_dact(dy2, saved2, b2, q2.grad_output, h, b1,
                                              activation, g, x.dtype)
             del h
-        d_ln, dw1 = fp8_grads(qdh, released(saved1), x.dtype)
+        held = [qdh]
         del qdh
+        d_ln, dw1 = fp8_grads(held, released(saved1), x.dtype)
         dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial)
         return (as_nd(dx, x.shape), dg, dbeta, dw1.astype(w1.dtype, copy=False), db1,
                 dw2.astype(w2.dtype, copy=False), db2)
@@ -266,6 +267,7 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
     qa_t, qw_t = released(saved2)
     dw2 = fp8_gemm(qdy.T, qa_t, dtype, split_accumulator=True)
     del qa_t
+    qdy = qdy.rowwise()  # (dy's column-wise copy is wgrad's: dead now)
     m, ffn = h.shape
     chunk = max(64, DACT_CHUNK_BYTES // (m * h.itemsize) // 64 * 64)
 

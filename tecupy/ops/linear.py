@@ -163,7 +163,9 @@ def fp8_linear_backward(dy2, saved, bias, q_dy, x_dtype, dgelu=None):
     (h, bias, in_place) of a gelu that made x, whose backward dgrad's epilogue then applies
     (dx is gelu's input gradient; written over h where in_place)."""
     qdy, db = fp8_dy(q_dy, dy2, bias)
-    dx, dw = fp8_grads(qdy, saved, x_dtype, dgelu)
+    held = [qdy]
+    del qdy
+    dx, dw = fp8_grads(held, saved, x_dtype, dgelu)
     return dx, dw, db
 
 
@@ -174,13 +176,18 @@ def fp8_dy(q_dy, dy2, bias):
     return (qdy, None) if bias is None else qdy
 
 
-def fp8_grads(qdy, saved, x_dtype, dgelu=None):
-    """(dx, dw) of fp8_linear_backward from dy's FP8 tensor (with its transposed copy)."""
+def fp8_grads(held, saved, x_dtype, dgelu=None):
+    """(dx, dw) of fp8_linear_backward from held = [dy's FP8 tensor, with its transposed
+    copy], taken out of the list: the copy dies once wgrad has read it, before dgrad
+    allocates (issue 22: [M, N] bytes less at dgrad; fc1's dh copy is 128 MiB at the
+    quickstart layer)."""
     qx_t, qw_t = saved
     if not retaining():
         saved.clear()
+    qdy = held.pop()
     dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
     del qx_t
+    qdy = qdy.rowwise()
     if dgelu is None:
         dx = fp8_gemm(qdy, qw_t, x_dtype, split_accumulator=True)  # [M, N] x [K, N]^T
     else:
