@@ -64,8 +64,10 @@ def test_norm_linear_releases_its_codes_before_the_norm_backward(monkeypatch):
     assert len(refs) == 1 and alive == [0]
 
 
-def _gemm_operands(monkeypatch):
-    """At each FP8 GEMM, whether the B operand (codes) of each earlier GEMM is alive."""
+def _gemm_operands(monkeypatch, watch=lambda op, args, out: args[3] if op == "fp8_gemm"
+                   else None):
+    """At each FP8 GEMM, whether each array `watch` picked so far is alive (default: the B
+    operand, codes, of each earlier GEMM; watch(op, args, out) -> an array or None)."""
     refs, alive = [], []
     real = backends.dispatch
 
@@ -73,8 +75,11 @@ def _gemm_operands(monkeypatch):
         if op == "fp8_gemm":
             gc.collect()
             alive.append([r() is not None for r in refs])
-            refs.append(weakref.ref(args[3]))
-        return real(op, *args, **kwargs)
+        out = real(op, *args, **kwargs)
+        picked = watch(op, args, out)
+        if picked is not None:
+            refs.append(weakref.ref(picked))
+        return out
     monkeypatch.setattr(backends, "dispatch", dispatch)
     return alive
 
@@ -180,19 +185,12 @@ def test_mlp_dgrad_and_dact_in_column_chunks(monkeypatch, xp):
 def test_dy_copy_dies_after_wgrad(monkeypatch):
     """dy's column-wise codes (wgrad's A operand) die once wgrad has run, before dgrad
     allocates: in a linear and in layernorm_mlp (fc2's dy, and fc1's dh cast)."""
-    def run(fn, *arrays):
-        refs, alive = [], []
-        real = backends.dispatch
+    casts = ("cast_transpose", "cast_transpose_dbias", "dact_cast_transpose")
 
-        def dispatch(op, *args, **kwargs):
-            if op == "fp8_gemm":
-                gc.collect()
-                alive.append([r() is not None for r in refs])
-            out = real(op, *args, **kwargs)
-            if op in ("cast_transpose", "cast_transpose_dbias", "dact_cast_transpose"):
-                refs.append(weakref.ref(out[1]))  # the column-wise copy
-            return out
-        monkeypatch.setattr(backends, "dispatch", dispatch)
+    def run(fn, *arrays):  # the column-wise copy of each cast
+        real = backends.dispatch
+        alive = _gemm_operands(monkeypatch, lambda op, args, out: out[1] if op in casts
+                               else None)
         _step(fn, *arrays)
         monkeypatch.setattr(backends, "dispatch", real)
         return alive

@@ -17,8 +17,7 @@ a drift of the GPU's clocks does not land on one of them.
 """
 import contextlib
 
-from .layer import ROUNDS, SIZES, STEPS, _rate, _recipe
-from .timing import gpu_name
+from .layer import _rate, _recipe, header
 
 PASSES = 2
 CONFIGS = ("no hooks", "off", "on", "on, exact")
@@ -74,11 +73,7 @@ def measure(shape, device, rate=_rate, passes=PASSES):
 
 
 def run(args):
-    size = getattr(args, "size", None) or "full"
-    shape = SIZES[size]
-    print(f"GPU: {gpu_name()}; TransformerLayer {size} (hidden, ffn, heads, seq, batch) = "
-          f"{shape}, bf16, FP8 delayed scaling, forward + backward; {STEPS} steps back to "
-          f"back, median of {ROUNDS}, best of {PASSES} passes")
+    _, shape = header(args, f", FP8 delayed scaling (best of {PASSES} passes)")
     rows, seen = measure(shape, "cuda")
     base = rows["no hooks"][0]
     print(f"  {'':12s}{'ms/step':>9s}{'host ms':>9s}{'/ no hooks':>12s}  target")

@@ -146,12 +146,19 @@ def _graphs_match(shape):
                                                                                   np.ndarray))
 
 
-def run(args):
+def header(args, what=""):
+    """The layer's size from args (default full) and its shape, printed with the GPU and
+    the timing method; `what` goes after "bf16"."""
     size = getattr(args, "size", None) or "full"
     shape = SIZES[size]
     print(f"GPU: {gpu_name()}; TransformerLayer {size} (hidden, ffn, heads, seq, batch) = "
-          f"{shape}, bf16, forward + backward; {STEPS} steps back to back, median of "
+          f"{shape}, bf16{what}, forward + backward; {STEPS} steps back to back, median of "
           f"{ROUNDS}")
+    return size, shape
+
+
+def run(args):
+    size, shape = header(args)
     rows, pools = _tecupy_rows(shape)
     rows.update(_torch_rows(shape))
     eager, graphed = rows.get("PyTorch bf16 eager"), rows.get("PyTorch bf16 graphed")
