@@ -121,6 +121,103 @@ class FP8Tensor:
         return type(self).made(self.data[start:stop], self.fmt, self.scale_inv)
 
 
+
+class FP8BlockTensor(FP8Tensor):
+    """FP8 codes with one float32 scale per block (recipe.Float8BlockScaling): `data`
+    [rows, cols] uint8 with `scale_inv` (its blocks' dequantizing factors), and optionally
+    the column-wise copy `data_t` [cols, rows] with its own `scale_inv_t`: quantized from the
+    high-precision tensor, not transposed from `data` (1x128 blocks along a row and along a
+    column are different blocks). block_dim 1: 1x128 blocks, scale_inv [ceil(cols / 128),
+    rows] (scale_inv[j, r] for data[r, 128j:128j+128], K-block major as the GEMM reads it);
+    block_dim 2: 128x128 blocks, scale_inv [ceil(rows / 128), ceil(cols / 128)];
+    scale_inv_t is laid out the same way for data_t (reference/block_scaling.py). A GEMM of
+    two of these is the backend op "fp8_block_gemm". Dequantize with t.dequantize()."""
+    gemm_op = "fp8_block_gemm"
+
+    def __init__(self, data, fmt, scale_inv, data_t=None, scale_inv_t=None, block_dim=1):
+        from .reference.block_scaling import block_dim_of
+        array_module("FP8BlockTensor", data=data, scale_inv=scale_inv, data_t=data_t,
+                     scale_inv_t=scale_inv_t)
+        if block_dim not in (1, 2):
+            raise ValueError(f"FP8BlockTensor: block_dim must be 1 (1x128 blocks) or 2 "
+                             f"(128x128), got {block_dim!r}")
+        for name, a, s in (("data", data, scale_inv), ("data_t", data_t, scale_inv_t)):
+            if a is None:
+                if s is not None:
+                    raise ValueError(f"FP8BlockTensor: {name} is None but its scales are not")
+                continue
+            if a.dtype != np.uint8 or a.ndim != 2:
+                fail("FP8BlockTensor", name, "a 2-D uint8 array (FP8 codes)", a, TypeError)
+            if s is None or s.dtype != np.float32:
+                fail("FP8BlockTensor", f"scale_inv of {name}", "a float32 array", s, TypeError)
+            if block_dim_of(a.shape, s.shape, "FP8BlockTensor") != block_dim \
+                    and min(a.shape) > 1:
+                raise ValueError(f"FP8BlockTensor: the scales of {name} are not "
+                                 f"block_dim={block_dim}'s layout")
+        if data_t is not None and tuple(data_t.shape) != tuple(data.shape)[::-1]:
+            raise ValueError(f"FP8BlockTensor: data_t has shape {tuple(data_t.shape)}, "
+                             f"expected {tuple(data.shape)[::-1]} (the transpose of data)")
+        self.data, self.fmt, self.scale_inv = data, as_format(fmt, "FP8BlockTensor"), scale_inv
+        self.data_t, self.scale_inv_t, self.block_dim = data_t, scale_inv_t, block_dim
+
+    @classmethod
+    def made(cls, data, fmt, scale_inv, data_t=None, scale_inv_t=None, block_dim=1):
+        """As FP8Tensor.made: arrays tecupy made itself, no checks."""
+        t = cls.__new__(cls)
+        t.data, t.fmt, t.scale_inv, t.data_t = data, fmt, scale_inv, data_t
+        t.scale_inv_t, t.block_dim = scale_inv_t, block_dim
+        return t
+
+    def __repr__(self):
+        return (f"FP8BlockTensor(shape={self.shape}, fmt={self.fmt.name}, "
+                f"blocks={'1x128' if self.block_dim == 1 else '128x128'})")
+
+    def dequantize(self, dtype=np.float32):
+        """decode(data) * its block's scale_inv, in `dtype` (a floating dtype)."""
+        dt = _float_dtype("FP8BlockTensor.dequantize", "dtype", dtype)
+        return backends.dispatch("fp8_block_dequantize", self.data, self.fmt, self.scale_inv,
+                                 dt)
+
+    def _copy_t(self, what):
+        if self.data_t is not None:
+            return self.data_t, self.scale_inv_t
+        if self.block_dim == 2:  # the same 128x128 blocks: the transpose is exact
+            xp = xp_of(self.data)
+            return (backends.dispatch("fp8_transpose", self.data),
+                    xp.ascontiguousarray(self.scale_inv.T))
+        raise ValueError(f"FP8BlockTensor.{what}: 1x128-blocked codes have no column-wise "
+                         "copy unless the cast made one (quantize with transpose=True): "
+                         "transposing them would need other blocks")
+
+    def transpose(self):
+        """The column-wise copy as the row-wise tensor, this one as its copy."""
+        t, st = self._copy_t("transpose")
+        return FP8BlockTensor.made(t, self.fmt, st, self.data, self.scale_inv, self.block_dim)
+
+    T = property(transpose)
+
+    def columnwise(self):
+        t, st = self._copy_t("columnwise")
+        return FP8BlockTensor.made(t, self.fmt, st, block_dim=self.block_dim)
+
+    def rowwise(self):
+        return FP8BlockTensor.made(self.data, self.fmt, self.scale_inv,
+                                   block_dim=self.block_dim)
+
+    def rows(self, start, stop):
+        """Rows start:stop (a view of the codes) with their scales (1x128: a copy of their
+        columns of scale_inv; 128x128: start and stop on block edges, or stop the end)."""
+        rows = self.data.shape[0]
+        if self.block_dim == 1:
+            s = xp_of(self.scale_inv).ascontiguousarray(self.scale_inv[:, start:stop])
+        else:
+            if start % 128 or (stop % 128 and stop < rows):
+                raise ValueError(f"FP8BlockTensor.rows({start}, {stop}): 128x128-blocked "
+                                 "codes split on block edges only (multiples of 128)")
+            s = self.scale_inv[start // 128:-(-min(stop, rows) // 128)]
+        return FP8BlockTensor.made(self.data[start:stop], self.fmt, s,
+                                   block_dim=self.block_dim)
+
 _SCALE = "a float32 array of one element or a number, finite and > 0"
 
 

@@ -20,6 +20,8 @@ looks the recipe in force up in RECIPE_QUANTIZERS: the one place a recipe is loo
     DelayedScaling        DelayedQuantizer per tensor: a slot of the caller's FP8State
                           (fp8_state.py); without a state, current scaling in its format.
     Float8CurrentScaling  CurrentQuantizer per tensor: the format only.
+    Float8BlockScaling    BlockQuantizer per tensor: its block dim (1x128 / 128x128) and
+                          QParams; FP8BlockTensor, whose GEMM is "fp8_block_gemm".
 
 A new recipe touches (issue 20), for block scaling: recipe.py (its class); this file (its
 quantizer, its FP8Tensor subclass naming its GEMM op in gemm_op, its row of
@@ -37,10 +39,10 @@ import numpy as np
 from . import backends
 from ._array import xp_of
 from .autocast import active_recipe, note_used
-from .fp8 import FP8Tensor, amax, cast, current_scale
+from .fp8 import FP8BlockTensor, FP8Tensor, amax, cast, current_scale
 from .fp8_state import update_backward
 from .inspect import ACTIVE_INSPECTOR
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 # tape.record's `once` for a node whose backward casts with a state's backward slots
 FP8_ONCE = ("FP8 ops", "(it recorded the gradients' amaxes and updated the backward FP8 "
@@ -118,6 +120,61 @@ class CurrentQuantizer:
                         "pass (fused_ok is False): quantize the producer's output instead")
 
 
+class BlockQuantizer:
+    """Block scaling (Float8BlockScaling): one scale per 1x128 (block_dim 1) or 128x128
+    (block_dim 2) block from that block's own amax, TE's compute_scale_from_amax with the
+    tensor's QParams (power-of-two scales by default). No state. The column-wise copy
+    (transpose=True) is quantized from x in its own blocks (1x128 along the columns), in the
+    same pass on the GPU (kernels/block_scaling.py)."""
+    fused_ok = False  # a block's scale needs the block's amax before its codes
+    scale = amax_out = site = None
+
+    def __init__(self, fmt, block_dim, qparams):
+        self.fmt, self.block_dim = fmt, block_dim
+        self.power_2_scale, self.amax_epsilon = qparams.power_2_scale, qparams.amax_epsilon
+
+    def __repr__(self):
+        return (f"BlockQuantizer({self.fmt.name}, "
+                f"{'1x128' if self.block_dim == 1 else '128x128'}, "
+                f"power_2_scale={self.power_2_scale})")
+
+    def quantize(self, x, transpose=False, dbias_dtype=None):
+        """-> FP8BlockTensor (2-D x), or (it, dbias) with dbias_dtype (dbias from its own
+        read of x: the block cast has no fused column sum yet). Not seen by FP8Inspector."""
+        if x.ndim != 2:
+            raise ValueError(f"BlockQuantizer.quantize: needs 2-D x, got shape "
+                             f"{tuple(x.shape)}")
+        q, s, qt, st = backends.dispatch("block_quantize", x, self.fmt, self.block_dim,
+                                         self.power_2_scale, self.amax_epsilon, transpose)
+        t = FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)
+        if dbias_dtype is None:
+            return t
+        return t, backends.dispatch("bias_grad", x, dbias_dtype)
+
+    def wrap(self, codes):
+        raise TypeError("BlockQuantizer.wrap: block scaling cannot cast in a producer's "
+                        "pass (fused_ok is False): quantize the producer's output instead")
+
+
+_block_gemms = {}  # the recipe's fields -> GemmQuantizers (no state: made once)
+
+
+def _block(recipe, state, gemm, xp):
+    """Block scaling: input, weight and grad_output quantizers from the recipe's block
+    dims and QParams (the format's fwd for x and w, bwd for dy); the state is not used."""
+    key = (recipe.fp8_format, recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+           recipe.grad_block_scaling_dim, recipe.fp8_quant_fwd_inp,
+           recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+    q = _block_gemms.get(key)
+    if q is None:
+        fmt = recipe.fp8_format
+        q = _block_gemms[key] = GemmQuantizers(
+            BlockQuantizer(fmt.fwd, recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp),
+            BlockQuantizer(fmt.fwd, recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight),
+            BlockQuantizer(fmt.bwd, recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad))
+    return q
+
+
 class GemmQuantizers:
     """The quantizers of one GEMM's tensors, and what its op passes to tape.record:
     after_backward ((fn, item) hooks) and once (None or (what, why))."""
@@ -163,7 +220,8 @@ def _delayed(recipe, state, gemm, xp):
 
 
 # recipe class -> f(recipe, state, gemm, xp) -> GemmQuantizers
-RECIPE_QUANTIZERS = {DelayedScaling: _delayed, Float8CurrentScaling: _current}
+RECIPE_QUANTIZERS = {DelayedScaling: _delayed, Float8CurrentScaling: _current,
+                     Float8BlockScaling: _block}
 
 
 def gemm_quantizers(state, gemm, xp):

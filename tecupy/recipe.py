@@ -164,3 +164,149 @@ class Float8CurrentScaling(Recipe):
 
     def __repr__(self):
         return f"Float8CurrentScaling(fp8_format={self.fp8_format.name})"
+
+
+class QParams:
+    """How one tensor of Float8BlockScaling is quantized (Transformer Engine's QParams):
+    power_2_scale rounds each block's scale down to a power of two (the mantissa bits
+    cleared: the dequantizing factor is then exact, and so are its products in the GEMM),
+    amax_epsilon floors each block's amax before scale = fp8_max / amax (0: no floor)."""
+    __slots__ = ("power_2_scale", "amax_epsilon")
+
+    def __init__(self, power_2_scale=True, amax_epsilon=0.0):
+        power_2_scale = _bool_field("QParams", "power_2_scale", power_2_scale)
+        if isinstance(amax_epsilon, (bool, np.bool_)) or not isinstance(amax_epsilon,
+                                                                        numbers.Real):
+            raise TypeError(f"QParams: amax_epsilon must be a finite number >= 0, got "
+                            f"{amax_epsilon!r} ({type(amax_epsilon).__name__})")
+        if not (math.isfinite(amax_epsilon) and amax_epsilon >= 0):
+            raise ValueError(f"QParams: amax_epsilon must be a finite number >= 0, got "
+                             f"{amax_epsilon!r}")
+        object.__setattr__(self, "power_2_scale", power_2_scale)
+        object.__setattr__(self, "amax_epsilon", float(np.float32(amax_epsilon)))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("QParams is immutable: make a new one")
+
+    def __eq__(self, other):
+        return (isinstance(other, QParams) and self.power_2_scale == other.power_2_scale
+                and self.amax_epsilon == other.amax_epsilon)
+
+    def __hash__(self):
+        return hash((self.power_2_scale, self.amax_epsilon))
+
+    def __reduce__(self):
+        return QParams, (self.power_2_scale, self.amax_epsilon)
+
+    def __repr__(self):
+        return f"QParams(power_2_scale={self.power_2_scale}, amax_epsilon={self.amax_epsilon})"
+
+
+_BS = "Float8BlockScaling"
+
+
+def _qparams_field(name):
+    def check(value):
+        if not isinstance(value, QParams):
+            raise TypeError(f"{_BS}: {name} must be a tecupy.recipe.QParams, got {value!r} "
+                            f"({type(value).__name__})")
+        return value
+    return check
+
+
+def _block_dim_field(name):
+    def check(value):
+        value = _int_field(_BS, name, value, 1, 2)  # 1: 1x128 blocks, 2: 128x128
+        return value
+    return check
+
+
+def _true_field(name, why):
+    def check(value):
+        if not _bool_field(_BS, name, value):
+            raise ValueError(f"{_BS}: {name} must be True ({why})")
+        return True
+    return check
+
+
+def _false_field(name, why):
+    def check(value):
+        if _bool_field(_BS, name, value):
+            raise ValueError(f"{_BS}: {name} must be False ({why})")
+        return False
+    return check
+
+
+_SPLIT = "block scaling needs split accumulation: the scales apply per 128 of K"
+_BS_FIELDS = {
+    "fp8_format": lambda v: _format_field(_BS, v),
+    "fp8_quant_fwd_inp": _qparams_field("fp8_quant_fwd_inp"),
+    "fp8_quant_fwd_weight": _qparams_field("fp8_quant_fwd_weight"),
+    "fp8_quant_bwd_grad": _qparams_field("fp8_quant_bwd_grad"),
+    "x_block_scaling_dim": _block_dim_field("x_block_scaling_dim"),
+    "w_block_scaling_dim": _block_dim_field("w_block_scaling_dim"),
+    "grad_block_scaling_dim": _block_dim_field("grad_block_scaling_dim"),
+    "fp8_gemm_fprop_split_accumulator": _true_field("fp8_gemm_fprop_split_accumulator", _SPLIT),
+    "fp8_gemm_dgrad_split_accumulator": _true_field("fp8_gemm_dgrad_split_accumulator", _SPLIT),
+    "fp8_gemm_wgrad_split_accumulator": _true_field("fp8_gemm_wgrad_split_accumulator", _SPLIT),
+    "fp8_dpa": _false_field("fp8_dpa", "FP8 attention is not supported for block scaling, "
+                                       "as in Transformer Engine"),
+    "fp8_mha": _false_field("fp8_mha", "FP8 attention is not supported for block scaling, "
+                                       "as in Transformer Engine"),
+}
+
+
+class Float8BlockScaling(Recipe):
+    """Block scaling (Transformer Engine's Float8BlockScaling, DeepSeek-V3's recipe): one
+    float32 scale per block of 128 values, from that block's own amax; no state.
+
+    fp8_format: Format.E4M3 (default: E4M3 for gradients too) or Format.HYBRID (E5M2 for
+        gradients); Format.E5M2 is refused.
+    x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 (1x128 blocks: 128
+        consecutive values of a row; the column-wise copy wgrad reads has its own, 128 rows
+        of a column) or 2 (128x128 tiles); defaults 1, 2, 1. No GEMM may multiply two
+        128x128-blocked operands (TE's rule): of x, w and grad at most one is 2.
+    fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad: QParams per tensor
+        (default: power-of-two scales, amax_epsilon 0). TE reads
+        NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 for float32 scales; here pass
+        QParams(power_2_scale=False).
+    fp8_gemm_{fprop,dgrad,wgrad}_split_accumulator: must stay True (TE's MMParams, asserted
+        the same way: the scales apply at each promotion over 128 of K).
+    fp8_dpa, fp8_mha: must stay False (no FP8 attention under block scaling, as in TE).
+    Checked at construction; as TE checks in __post_init__, fields assigned later are
+    checked one by one (the 2D-by-2D rule at construction only).
+    """
+    _FIELDS = _BS_FIELDS
+
+    def __init__(self, fp8_format=Format.E4M3, fp8_quant_fwd_inp=None,
+                 fp8_quant_fwd_weight=None, fp8_quant_bwd_grad=None, x_block_scaling_dim=1,
+                 w_block_scaling_dim=2, grad_block_scaling_dim=1,
+                 fp8_gemm_fprop_split_accumulator=True, fp8_gemm_dgrad_split_accumulator=True,
+                 fp8_gemm_wgrad_split_accumulator=True, fp8_dpa=False, fp8_mha=False):
+        q = (fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad)
+        q = [QParams() if p is None else p for p in q]
+        self._set_all(dict(
+            fp8_format=fp8_format, fp8_quant_fwd_inp=q[0], fp8_quant_fwd_weight=q[1],
+            fp8_quant_bwd_grad=q[2], x_block_scaling_dim=x_block_scaling_dim,
+            w_block_scaling_dim=w_block_scaling_dim,
+            grad_block_scaling_dim=grad_block_scaling_dim,
+            fp8_gemm_fprop_split_accumulator=fp8_gemm_fprop_split_accumulator,
+            fp8_gemm_dgrad_split_accumulator=fp8_gemm_dgrad_split_accumulator,
+            fp8_gemm_wgrad_split_accumulator=fp8_gemm_wgrad_split_accumulator,
+            fp8_dpa=fp8_dpa, fp8_mha=fp8_mha))
+        dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim,
+                "grad": self.grad_block_scaling_dim}
+        two = [k for k, v in dims.items() if v == 2]
+        if len(two) > 1:
+            raise ValueError(f"{_BS}: {' and '.join(k + '_block_scaling_dim' for k in two)} "
+                             "are both 2: a GEMM of two 128x128-blocked operands is not "
+                             "supported (as in Transformer Engine); at most one may be 2")
+
+    def __repr__(self):
+        return (f"Float8BlockScaling(fp8_format={self.fp8_format.name}, "
+                f"x_block_scaling_dim={self.x_block_scaling_dim}, "
+                f"w_block_scaling_dim={self.w_block_scaling_dim}, "
+                f"grad_block_scaling_dim={self.grad_block_scaling_dim}, "
+                f"fp8_quant_fwd_inp={self.fp8_quant_fwd_inp}, "
+                f"fp8_quant_fwd_weight={self.fp8_quant_fwd_weight}, "
+                f"fp8_quant_bwd_grad={self.fp8_quant_bwd_grad})")

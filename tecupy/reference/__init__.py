@@ -3,3 +3,4 @@ from . import activation, attention, colsum, dropout, elementwise, fp8, linear  
 from . import inspect  # noqa: F401
 from . import loss, normalization, softmax  # noqa: F401
 from . import embedding, rope  # noqa: F401
+from . import block_scaling  # noqa: F401
