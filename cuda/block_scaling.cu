@@ -1,0 +1,161 @@
+// block_scaling.cu — FP8 block quantization (Float8BlockScaling): one float32 scale per
+// block of 128 values, from the block's own amax, as Transformer Engine's
+// quantize_transpose_{vector,square}_blockwise.cu with compute_scale_from_amax.
+//
+// Per block (reference/block_scaling.py is the spec, bit for bit):
+//   amax  = max |x| over the block (fmaxf: NaN ignored; past the tensor's edge: 0)
+//   a     = max(amax, eps);  scale = 1 where a is 0, inf or NaN, else fp8_max / a (IEEE),
+//           an infinite quotient -> inf_value (the input dtype's largest finite value),
+//           POW2: mantissa bits cleared (a power of two, rounded down)
+//   q     = F8(x * scale)  (round to nearest even, __NV_SATFINITE; NaN -> 0x7F)
+//   scale_inv = 1 / scale  (IEEE float32, subnormals kept: no fast math)
+//
+// block_quantize<T, F8, TILE2D>: x [rows, cols] of T (float, __half, __nv_bfloat16) ->
+//   q [rows, cols] and, with qt != nullptr, the column-wise copy qt [cols, rows], from ONE
+//   read of x. One CUDA block of 256 threads per 128 x 128 tile (grid: cols / 128 tiles in
+//   x, rows / 128 in y, rounded up). Thread t holds rows 8a .. 8a+7 (a = t / 16) of columns
+//   8b .. 8b+7 (b = t % 16) of its tile in registers: 64 values.
+//   !TILE2D (1x128 blocks): a row's amax over the tile's 128 columns is a shuffle among the
+//     16 lanes of one a; a column's over the 128 rows is a shuffle (lanes b, b + 16), then
+//     the 8 warps' partials through shared memory.
+//       s [ceil(cols / 128), rows]:  s[tile x][row]   = 1 / the row's scale in this tile
+//       st [ceil(rows / 128), cols]: st[tile y][col]  = 1 / the column's scale in this tile
+//   TILE2D (128x128 blocks, weights): one amax for the whole tile (a block reduction);
+//       s [ceil(rows / 128), ceil(cols / 128)], st its transpose [ceil(cols / 128), ...].
+//   The column-wise codes go through shared memory: thread (a, b) writes, for each of its
+//   8 columns, its 8 row bytes as one 8-byte word at tt[col][a ^ b] (XOR-swizzled: a warp's
+//   stores hit 16 distinct 8-byte bank pairs), then each warp copies two 128-byte rows of
+//   tt to qt.
+//   Needs rows % 8 == 0 and cols % 8 == 0 (8-byte code stores, whole 8 x 8 thread pieces);
+//   x 32-byte aligned (two 16-byte loads of float per 8 values).
+#include "common.cuh"
+
+// ---- the scale -------------------------------------------------------------------------------
+template <bool POW2>
+__device__ __forceinline__ float block_scale(float amax, float fp8_max, float eps,
+                                             float inf_value) {
+    const float a = amax < eps ? eps : amax;  // (a NaN amax fails the test: kept)
+    if (isinf(a) || isnan(a) || a == 0.f) return 1.f;
+    float s = __fdiv_rn(fp8_max, a);
+    if (isinf(s)) s = inf_value;
+    if (POW2) s = __uint_as_float(__float_as_uint(s) & 0xFF800000u);
+    return s;
+}
+
+// 8 codes (one 8-byte word pair) of v[0..7] * s[0..7]
+template <typename F8>
+__device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]) {
+    return make_uint2(fp8x4<F8>(v[0] * s[0], v[1] * s[1], v[2] * s[2], v[3] * s[3]),
+                      fp8x4<F8>(v[4] * s[4], v[5] * s[5], v[6] * s[6], v[7] * s[7]));
+}
+
+// ---- block quantize, both copies from one read -------------------------------------------------
+template <typename T, typename F8, bool TILE2D, bool POW2>
+__global__ void __launch_bounds__(256)
+block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
+               float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
+               int rows, int cols, float fp8_max, float eps, float inf_value) {
+    PDL_WAIT();
+    __shared__ uint2 tt[128][16];      // column-wise codes: tt[col][(row / 8) ^ b]
+    __shared__ float colmax[8][128];   // per warp: its 16 rows' amax of each column
+    const int a = threadIdx.x >> 4, b = threadIdx.x & 15, warp = threadIdx.x >> 5;
+    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
+    const int r = r0 + 8 * a, c = c0 + 8 * b;
+    const bool in = r < rows && c < cols;  // (rows, cols % 8 == 0: all 64 values or none)
+    float v[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (in) {
+            const T* p = x + (long long)(r + i) * cols + c;
+            if constexpr (sizeof(T) == 4) {
+                const Vec<T, 4> lo = load_vec<4>(p), hi = load_vec<4>(p + 4);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[i][j] = to_float(lo.v[j]), v[i][4 + j] = to_float(hi.v[j]);
+            } else {
+                unpack(load_vec<8>(p), v[i]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[i][j] = 0.f;
+        }
+    }
+    PDL_TRIGGER();
+    float rs[8], cs[8];  // the scales of this thread's 8 rows and of its 8 columns
+    if constexpr (TILE2D) {
+        float m = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+        const float sc = block_scale<POW2>(block_max(m), fp8_max, eps, inf_value);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) rs[i] = cs[i] = sc;
+        if (threadIdx.x == 0) {
+            const int tx = blockIdx.x, ty = blockIdx.y, nx = gridDim.x, ny = gridDim.y;
+            s[ty * nx + tx] = 1.f / sc;
+            if (st != nullptr) st[tx * ny + ty] = 1.f / sc;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // row amax: the 16 lanes of this a
+            float m = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            rs[i] = block_scale<POW2>(m, fp8_max, eps, inf_value);
+        }
+        if (b == 0 && r < rows) {  // 8 consecutive floats of s's row for this tile
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[(long long)blockIdx.x * rows + r + i] = 1.f / rs[i];
+        }
+        if (qt != nullptr) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {  // column amax: lanes b, b + 16, then the 8 warps
+                float m = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i][j]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                if ((threadIdx.x & 31) < 16) colmax[warp][8 * b + j] = m;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                float m = 0.f;
+#pragma unroll
+                for (int w = 0; w < 8; ++w) m = fmaxf(m, colmax[w][8 * b + j]);
+                cs[j] = block_scale<POW2>(m, fp8_max, eps, inf_value);
+            }
+            if (a == 0 && c < cols) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) st[(long long)blockIdx.y * cols + c + j] = 1.f / cs[j];
+            }
+        }
+    }
+    if (in) {  // row-wise codes: 8 bytes per row
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float sv[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sv[j] = rs[i];
+            *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) = codes8<F8>(v[i], sv);
+        }
+    }
+    if (qt == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // column 8b + j: its 8 rows' codes as one word
+        float col[8], sv[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) col[i] = v[i][j], sv[i] = cs[j];
+        tt[8 * b + j][a ^ b] = codes8<F8>(col, sv);
+    }
+    __syncthreads();
+    // each warp: tile columns 2 at a time, 16 lanes per column, 8 bytes (8 rows) per lane
+    const int lane = threadIdx.x & 31;
+    for (int cc = 2 * warp + (lane >> 4); cc < 128; cc += 16) {
+        const int k = lane & 15;  // 8-row group
+        if (c0 + cc < cols && r0 + 8 * k < rows)
+            *reinterpret_cast<uint2*>(qt + (long long)(c0 + cc) * rows + r0 + 8 * k) =
+                tt[cc][k ^ (cc >> 3)];
+    }
+}
