@@ -58,15 +58,19 @@ class FP8State:
         # of the slots, ~5 us each to make on CuPy), dropped whenever the arrays or the
         # format change, and never pickled (a copied view would not see the copied state)
         self.derived = {}
+        # a tecupy.distributed ProcessGroup (the tensor-parallel modules set their tp_group):
+        # under a recipe with reduce_amax, this step's amaxes (history row 0) are maxed over
+        # it before each update, as Transformer Engine reduces them over its amax group
+        self.amax_group = None
 
     def __repr__(self):
         return f"FP8State(num_gemms={self.num_gemms}, recipe={self.recipe!r})"
 
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "derived"}
+    def __getstate__(self):  # (a process group is this process's: not pickled either)
+        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "amax_group")}
 
     def __setstate__(self, d):
-        self.__dict__.update(d, derived={})
+        self.__dict__.update(d, derived={}, amax_group=None)
 
     def bind(self, xp, recipe):
         """Make or adapt the arrays for `recipe`. A recipe with another fp8_format keeps the
@@ -224,8 +228,11 @@ def update_states(states, direction):
         s = states[0]
         meta = getattr(s, direction)
         if meta is not None and s.recipe is not None:
+            if s.amax_group is not None:
+                reduce_amaxes(states, direction)
             _update_group(s.recipe, [meta])
         return
+    reduce_amaxes(states, direction)
     groups = {}
     for s in states:
         meta = getattr(s, direction)
@@ -234,6 +241,29 @@ def update_states(states, direction):
             groups.setdefault(key, (s.recipe, []))[1].append(meta)
     for recipe, metas in groups.values():
         _update_group(recipe, metas)
+
+
+def reduce_amaxes(states, direction):
+    """Transformer Engine's amax reduction (reduce_amax=True): this step's amaxes (row 0 of
+    the `direction` histories) of the states with an amax_group are maxed over that group,
+    one all-reduce per group for all its states (TE's one fused buffer), before the update;
+    every rank then computes the same scales. Every rank of a group must update the same
+    states in the same order (they do: the same modules run on every rank). Nothing is done
+    (and nothing launched) for states without a group, or whose recipe says reduce_amax=False."""
+    by_group = {}
+    for s in states:
+        meta, group = getattr(s, direction), s.amax_group
+        if (group is not None and meta is not None and s.recipe is not None
+                and s.recipe.reduce_amax):
+            by_group.setdefault(id(group), (group, []))[1].append(meta.amax_history)
+    for group, hists in by_group.values():
+        xp = xp_of(hists[0])
+        buf = xp.concatenate([h[0] for h in hists]) if len(hists) > 1 else hists[0][0].copy()
+        group.all_reduce(buf, "max")
+        start = 0
+        for h in hists:
+            h[0] = buf[start:start + h.shape[1]]
+            start += h.shape[1]
 
 
 def _update_group(recipe, metas):

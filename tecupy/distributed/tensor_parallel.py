@@ -12,10 +12,20 @@ Megatron-LM's conjugate pairs, each forward's collective mirrored by its backwar
 Every rank runs the same ops in the same order, so the backward's collectives (run by each
 rank's own tape, which is per thread) pair up across the ranks as the forward's did.
 A column->row pair (y = row(act(column(x)))) costs one all-reduce forward, one backward.
+
+Sequence parallel (Megatron-LM / Transformer Engine): activations outside the column->row
+pair are this rank's chunk of the sequence (axis 0, [s/tp, b, h]); the column GEMM's input
+is all-gathered (under FP8: its uint8 codes, fp8_gather.py), the row GEMM's output
+reduce-scattered. Parameters that act on sequence chunks (norm weights, the row GEMM's
+bias) get their gradients all-reduced (replicated_grad).
 """
+from .._array import xp_of
 from ..ops import add, linear
 from ..tape import record
+from .fp8_gather import gather_sequence_linear
 from .group import ProcessGroup
+
+SEQUENCE_AXIS = 0  # sequence parallel splits [s, b, h] activations along s (TE: sbhd)
 
 
 def _check_group(op, group):
@@ -33,6 +43,32 @@ def shard(a, group, axis=0):
         raise ValueError(f"shard: axis {axis} of shape {tuple(a.shape)} does not split into "
                          f"{group.size} equal parts")
     return _chunk(a, axis, group.rank, group.size)
+
+
+def shard_parts(a, group, parts, axis=0):
+    """shard() of each of consecutive parts of `a` along `axis` (sizes `parts`, summing to
+    a.shape[axis]), this rank's chunks concatenated: the rows of a fused weight whose parts
+    split separately ([q | k | v] heads, a gated activation's [value | gate] halves)."""
+    _check_group("shard_parts", group)
+    axis = axis % a.ndim
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    index = (slice(None),) * axis
+    chunks = [shard(a[index + (slice(s, s + n),)], group, axis)
+              for s, n in zip(starts, parts)]
+    return xp_of(a).concatenate(chunks, axis=axis)
+
+
+def rank_seed(seed, rank):
+    """A dropout seed of this rank's own from the module's seed: rank 0 keeps it (one rank
+    is the single device), rank r adds r * 0x9E3779B97F4A7C15 (mod 2**63), so each rank's
+    masks over its own activations are reproducible from (seed, rank)."""
+    return (int(seed) + int(rank) * 0x9E3779B97F4A7C15) % 2**63
+
+
+def replicated_grad(p, group):
+    """p itself forward; its gradient all-reduced over the group (None stays None): a
+    parameter that each rank applies to its own sequence chunk (copy_to_tp)."""
+    return None if p is None else copy_to_tp(p, group)
 
 
 def _chunk(a, axis, rank, size):
@@ -99,23 +135,34 @@ def reduce_scatter_sequence(x, group, axis=0):
 
 
 def column_parallel_linear(x, weight, bias, group, gather_output=False, fp8_state=None,
-                           gemm_index=0):
+                           gemm_index=0, sequence_parallel=False):
     """linear with weight [out/tp, in] and bias [out/tp] (this rank's rows of the full
     ones): -> this rank's [..., out/tp] of y, or all of y [..., out] with gather_output.
-    x (replicated) gets its gradient all-reduced in backward."""
+    x (replicated) gets its gradient all-reduced in backward; with sequence_parallel, x is
+    this rank's sequence chunk [s/tp, ...], all-gathered first (its gradient
+    reduce-scattered), as FP8 codes under fp8_autocast."""
     _check_group("column_parallel_linear", group)
-    y = linear(copy_to_tp(x, group), weight, bias, fp8_state, gemm_index)
+    if sequence_parallel:
+        y = gather_sequence_linear(x, weight, bias, group, fp8_state, gemm_index)
+    else:
+        y = linear(copy_to_tp(x, group), weight, bias, fp8_state, gemm_index)
     return gather_from_tp(y, group) if gather_output else y
 
 
 def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_state=None,
-                        gemm_index=0):
+                        gemm_index=0, sequence_parallel=False):
     """linear with weight [out, in/tp] (this rank's columns of the full one) and bias [out]
     (replicated, added once after the reduction): x is this rank's [..., in/tp] (or the
     full [..., in], split here, with input_is_parallel=False); -> y [..., out], summed
-    over the group in forward."""
+    over the group in forward. With sequence_parallel, y is reduce-scattered to this
+    rank's sequence chunk [s/tp, ...] instead, and the bias's gradient all-reduced."""
     _check_group("row_parallel_linear", group)
     if not input_is_parallel:
         x = scatter_to_tp(x, group)
-    y = reduce_from_tp(linear(x, weight, None, fp8_state, gemm_index), group)
+    y = linear(x, weight, None, fp8_state, gemm_index)
+    if sequence_parallel:
+        y = reduce_scatter_sequence(y, group, SEQUENCE_AXIS)
+        bias = replicated_grad(bias, group)
+    else:
+        y = reduce_from_tp(y, group)
     return y if bias is None else add(y, bias)

@@ -6,9 +6,11 @@ width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
 from ..distributed.group import ProcessGroup
-from ..distributed.tensor_parallel import column_parallel_linear, row_parallel_linear, shard
+from ..distributed.tensor_parallel import (column_parallel_linear, replicated_grad,
+                                           row_parallel_linear, shard, shard_parts)
 from ..fp8_state import FP8State
-from ..ops import layernorm, layernorm_linear, layernorm_mlp, linear, rmsnorm
+from ..ops import (activation as apply_activation, layernorm, layernorm_linear,
+                   layernorm_mlp, linear, normalize, rmsnorm)
 from ..ops.activation import ACTIVATIONS, GATED
 from ..ops.normalization import NORMALIZATIONS
 from .module import Module
@@ -21,11 +23,13 @@ def check_norm_options(op, eps, normalization, zero_centered_gamma, eps_name="ep
     return _check.real(op, eps_name, eps, low=0, low_open=True)
 
 
-def check_tp_options(op, parallel_mode, tp_group, tp_size, in_features, out_features):
+def check_tp_options(op, parallel_mode, tp_group, tp_size, in_features, out_features,
+                     sequence_parallel=False, modes=("column", "row")):
     """Transformer Engine's tensor-parallel options -> tp_size (the group's size; 1 without
-    a group). The split dimension must divide evenly."""
+    a group). The split dimension must divide evenly; sequence_parallel needs a group."""
     if parallel_mode is not None:
-        _check.choice(op, "parallel_mode", parallel_mode, ("column", "row"))
+        _check.choice(op, "parallel_mode", parallel_mode, modes)
+    check_sequence_parallel(op, sequence_parallel, tp_group)
     if tp_group is not None and not isinstance(tp_group, ProcessGroup):
         _check.fail(op, "tp_group", "None or a tecupy.distributed ProcessGroup", tp_group,
                     TypeError)
@@ -40,39 +44,67 @@ def check_tp_options(op, parallel_mode, tp_group, tp_size, in_features, out_feat
     return size
 
 
+def check_sequence_parallel(op, sequence_parallel, tp_group):
+    _check.flag(op, "sequence_parallel", sequence_parallel)
+    if sequence_parallel and tp_group is None:
+        raise ValueError(f"{op}: sequence_parallel=True needs a tp_group (the ranks that "
+                         "hold the sequence's chunks)")
+
+
+def set_tp(module, parallel_mode, tp_group, tp_size, sequence_parallel):
+    """The TP attributes of a module, and its FP8 state's amax group (reduce_amax)."""
+    module.parallel_mode, module.tp_group, module.tp_size = parallel_mode, tp_group, tp_size
+    module.sequence_parallel = bool(sequence_parallel)
+    module.fp8_state.amax_group = tp_group
+
+
+def shard_rows(module, names, parts=None):
+    """Keep this rank's rows of the parameters `names` (column parallel): contiguous
+    chunks, or each of `parts` (sizes along the rows) chunked on its own (shard_parts)."""
+    g = module.tp_group
+    for name in names:
+        p = getattr(module, name)
+        if p is not None:
+            setattr(module, name, shard(p, g, 0) if parts is None else shard_parts(p, g, parts))
+
+
 class Linear(Module):
     """parallel_mode 'column' holds this rank's rows of the weight (and bias) and returns its
     slice of the output features; 'row' holds its columns, takes its slice of the input
     features and returns the full output, summed over tp_group (bias added once after).
     The shards are cut from the single-device initialisation of the same seed; in_features
-    and out_features are then the local sizes, as in Transformer Engine."""
+    and out_features are then the local sizes, as in Transformer Engine.
+    sequence_parallel: 'column' takes this rank's sequence chunk [s/tp, ...] and gathers it
+    (as FP8 codes under fp8_autocast), 'row' returns its chunk of the output (reduce-scatter,
+    the bias's gradient all-reduced). _column_parts: sizes of the output rows' parts that
+    shard separately (MultiheadAttention's [q | k | v]); not a TE option."""
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
-                 seed=None, parallel_mode=None, tp_group=None, tp_size=None):
+                 seed=None, parallel_mode=None, tp_group=None, tp_size=None,
+                 sequence_parallel=False, _column_parts=None):
         op = "Linear"
         in_features = _check.size(op, "in_features", in_features)
         out_features = _check.size(op, "out_features", out_features)
         _check.flag(op, "bias", bias)
         tp_size = check_tp_options(op, parallel_mode, tp_group, tp_size, in_features,
-                                   out_features)
+                                   out_features, sequence_parallel)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.in_features, self.out_features = in_features, out_features
-        self.parallel_mode, self.tp_group, self.tp_size = parallel_mode, tp_group, tp_size
+        self.fp8_state = FP8State(num_gemms=1)
+        set_tp(self, parallel_mode, tp_group, tp_size, sequence_parallel)
         self.add_parameter("weight", (out_features, in_features), "normal")
         self.bias = None
         if bias:
             self.add_parameter("bias", (out_features,), "zeros")
         if tp_group is not None and parallel_mode is not None:
-            self._shard()
-        self.fp8_state = FP8State(num_gemms=1)
+            self._shard(_column_parts)
         self.quantize_weights(("weight", 0))
 
-    def _shard(self):
+    def _shard(self, parts):
         """Keep this rank's part of the full parameters (made first, so that the ranks
         together hold exactly the single-device layer of the same seed)."""
         if self.parallel_mode == "column":
-            self.weight = shard(self.weight, self.tp_group, 0)
-            self.bias = None if self.bias is None else shard(self.bias, self.tp_group, 0)
+            shard_rows(self, ("weight", "bias"), parts)
             self.out_features //= self.tp_size
         else:
             self.weight = shard(self.weight, self.tp_group, 1)
@@ -84,7 +116,8 @@ class Linear(Module):
             return linear(x, self.weight, self.bias, fp8_state=self.fp8_state)
         parallel = column_parallel_linear if self.parallel_mode == "column" else \
             row_parallel_linear
-        return parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state)
+        return parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state,
+                        sequence_parallel=self.sequence_parallel)
 
 
 class _Norm(Module):
@@ -135,39 +168,79 @@ def _add_norm_params(module, hidden, normalization, zero_centered_gamma):
 
 
 class LayerNormLinear(Module):
+    """norm then linear. parallel_mode 'column' with tp_group: this rank's rows of the
+    weight and bias (cut from the single-device initialisation of the same seed;
+    out_features is then the local size) and its slice of the output features; the norm's
+    input is replicated (its gradient all-reduced). sequence_parallel: x is this rank's
+    sequence chunk [s/tp, ...]; the norm runs on it, its output is all-gathered along the
+    sequence before the GEMM (as FP8 codes under fp8_autocast) and the norm's parameters
+    get their gradients all-reduced over tp_group; return_layernorm_output returns the
+    chunk's norm output (TE's default, not the gathered one)."""
+
     def __init__(self, in_features, out_features, eps=1e-5, bias=True,
                  normalization="LayerNorm", zero_centered_gamma=False,
-                 return_layernorm_output=False, params_dtype=None, device=None, seed=None):
+                 return_layernorm_output=False, params_dtype=None, device=None, seed=None,
+                 parallel_mode=None, tp_group=None, tp_size=None, sequence_parallel=False,
+                 _column_parts=None):
         op = "LayerNormLinear"
         in_features = _check.size(op, "in_features", in_features)
         out_features = _check.size(op, "out_features", out_features)
         eps = check_norm_options(op, eps, normalization, zero_centered_gamma)
         _check.flag(op, "bias", bias)
         _check.flag(op, "return_layernorm_output", return_layernorm_output)
+        tp_size = check_tp_options(op, parallel_mode, tp_group, tp_size, in_features,
+                                   out_features, sequence_parallel, modes=("column",))
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.in_features, self.out_features, self.eps = in_features, out_features, eps
         self.normalization, self.zero_centered_gamma = normalization, bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)
+        self.fp8_state = FP8State(num_gemms=1)
+        set_tp(self, parallel_mode, tp_group, tp_size, sequence_parallel)
         _add_norm_params(self, in_features, normalization, zero_centered_gamma)
         self.add_parameter("weight", (out_features, in_features), "normal")
         self.bias = None
         if bias:
             self.add_parameter("bias", (out_features,), "zeros")
-        self.fp8_state = FP8State(num_gemms=1)
+        if tp_group is not None and parallel_mode is not None:
+            shard_rows(self, ("weight", "bias"), _column_parts)
+            self.out_features //= tp_size
         self.quantize_weights(("weight", 0))
 
     def forward(self, x):
         _check.last_dim("LayerNormLinear", "x", x, self.in_features, "in_features")
-        return layernorm_linear(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                self.bias, self.eps, self.zero_centered_gamma,
-                                self.normalization, self.return_layernorm_output,
-                                fp8_state=self.fp8_state)
+        if self.tp_group is None or self.parallel_mode is None:
+            return layernorm_linear(x, self.layer_norm_weight, self.layer_norm_bias,
+                                    self.weight, self.bias, self.eps, self.zero_centered_gamma,
+                                    self.normalization, self.return_layernorm_output,
+                                    fp8_state=self.fp8_state)
+        ln_out = parallel_norm(self, x)
+        y = column_parallel_linear(ln_out, self.weight, self.bias, self.tp_group,
+                                   fp8_state=self.fp8_state,
+                                   sequence_parallel=self.sequence_parallel)
+        return (y, ln_out) if self.return_layernorm_output else y
+
+
+def parallel_norm(module, x):
+    """The norm of a tensor-parallel block: on the sequence chunk under sequence parallel,
+    with the norm parameters' gradients all-reduced over tp_group (each rank's are the
+    chunk's partial sums); without it x is replicated and so are they."""
+    w, b = module.layer_norm_weight, module.layer_norm_bias
+    if module.sequence_parallel:
+        w, b = replicated_grad(w, module.tp_group), replicated_grad(b, module.tp_group)
+    return normalize(x, w, b, module.eps, module.zero_centered_gamma, module.normalization)
 
 
 class LayerNormMLP(Module):
+    """fc2(act(fc1(norm(x)))). With tp_group (TE's set_parallel_mode): fc1 column parallel
+    (this rank's rows; of each half for a gated activation), fc2 row parallel (its columns,
+    the bias replicated), one all-reduce of the output; ffn_hidden_size is then the local
+    size. sequence_parallel as in LayerNormLinear: x and the output are this rank's
+    sequence chunks, the norm's output all-gathered and fc2's reduce-scattered."""
+
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True,
                  normalization="LayerNorm", activation="gelu", zero_centered_gamma=False,
-                 return_layernorm_output=False, params_dtype=None, device=None, seed=None):
+                 return_layernorm_output=False, params_dtype=None, device=None, seed=None,
+                 tp_group=None, tp_size=None, sequence_parallel=False):
         op = "LayerNormMLP"
         hidden_size = _check.size(op, "hidden_size", hidden_size)
         ffn_hidden_size = _check.size(op, "ffn_hidden_size", ffn_hidden_size)
@@ -175,14 +248,31 @@ class LayerNormMLP(Module):
         _check.choice(op, "activation", activation, ACTIVATIONS)
         _check.flag(op, "bias", bias)
         _check.flag(op, "return_layernorm_output", return_layernorm_output)
+        tp_size = check_tp_options(op, None, tp_group, tp_size, hidden_size, ffn_hidden_size,
+                                   sequence_parallel)
+        if ffn_hidden_size % tp_size:
+            raise ValueError(f"{op}: ffn_hidden_size ({ffn_hidden_size}) splits over tp_size "
+                             f"{tp_size} ranks (fc1 by rows, fc2 by columns); it must be a "
+                             "multiple of it")
+        mode = None if tp_group is None else "column+row"
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)
-        self._add_params(bias)
         self.fp8_state = FP8State(num_gemms=2)
+        set_tp(self, mode, tp_group, tp_size, sequence_parallel)
+        self._add_params(bias)
+        if tp_group is not None:
+            self._shard()
         self.quantize_weights(("fc1_weight", 0), ("fc2_weight", 1))
+
+    def _shard(self):
+        ffn, g = self.ffn_hidden_size, self.tp_group
+        parts = [ffn] * (2 if self.activation in GATED else 1)
+        shard_rows(self, ("fc1_weight", "fc1_bias"), parts)
+        self.fc2_weight = shard(self.fc2_weight, g, 1)
+        self.ffn_hidden_size //= self.tp_size
 
     def _add_params(self, bias):
         hidden, ffn = self.hidden_size, self.ffn_hidden_size
@@ -197,7 +287,21 @@ class LayerNormMLP(Module):
 
     def forward(self, x):
         _check.last_dim("LayerNormMLP", "x", x, self.hidden_size, "hidden_size")
+        if self.tp_group is not None:
+            return self._parallel_forward(x)
         return layernorm_mlp(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                              self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
                              self.zero_centered_gamma, self.normalization, self.activation,
                              self.return_layernorm_output, fp8_state=self.fp8_state)
+
+    def _parallel_forward(self, x):
+        """The block composed from its ops around the collectives (the fused single-device
+        op has no place for them): norm, fc1 column parallel, act, fc2 row parallel."""
+        g, sp, st = self.tp_group, self.sequence_parallel, self.fp8_state
+        ln_out = parallel_norm(self, x)
+        h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
+                                   gemm_index=0, sequence_parallel=sp)
+        a = apply_activation(h, self.activation, bias=self.fc1_bias)
+        y = row_parallel_linear(a, self.fc2_weight, self.fc2_bias, g, fp8_state=st,
+                                gemm_index=1, sequence_parallel=sp)
+        return (y, ln_out) if self.return_layernorm_output else y

@@ -2,12 +2,21 @@
 
     h   = x + dropout(MultiheadAttention(LayerNorm(x)))
     out = h + dropout(LayerNormMLP(h))
+
+Tensor parallel (tp_group): the attention's heads and the MLP's ffn split over the ranks
+(MultiheadAttention, LayerNormMLP), the residual adds and dropout on the full, replicated
+[s, b, hidden] (every rank draws the same masks, from the module's seed: those of the
+single device). sequence_parallel: x and the output are this rank's sequence chunks
+[s/tp, b, hidden]; the residual adds and dropout run on the chunks, rank r's masks drawn
+with rank_seed(seed, r) (tensor_parallel.py; rank 0 with the module's own seed), so they
+are reproducible from the seed and the rank, but not those of the single device.
 """
 from .. import _check
+from ..distributed.tensor_parallel import rank_seed
 from ..ops import dropout
 from ..ops.activation import ACTIVATIONS
 from .attention import (MultiheadAttention, call_mask, check_core_options, check_heads,
-                        check_hidden_states)
+                        check_hidden_states, check_tp_heads)
 from .layers import LayerNormMLP, check_norm_options
 from .module import Module
 
@@ -15,13 +24,18 @@ from .module import Module
 def _check_options(hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups,
                    layernorm_epsilon, hidden_dropout, attention_dropout, self_attn_mask_type,
                    normalization, activation, bias, zero_centered_gamma, kv_channels,
-                   attn_input_format):
+                   attn_input_format, tp_group=None, tp_size=None, sequence_parallel=False):
     """Every option, under TransformerLayer's names for them (the children would name their
     own: attn_mask_type for self_attn_mask_type)."""
     op = "TransformerLayer"
     hidden_size = _check.size(op, "hidden_size", hidden_size)
     _check.size(op, "ffn_hidden_size", ffn_hidden_size)
-    check_heads(op, hidden_size, num_attention_heads, kv_channels, num_gqa_groups)
+    _, groups = check_heads(op, hidden_size, num_attention_heads, kv_channels, num_gqa_groups)
+    size = check_tp_heads(op, num_attention_heads, groups, attn_input_format, tp_group,
+                          tp_size, sequence_parallel, "attn_input_format")
+    if ffn_hidden_size % size:
+        raise ValueError(f"{op}: ffn_hidden_size ({ffn_hidden_size}) must be a multiple of "
+                         f"tp_size ({size}): tensor parallel splits it over the ranks")
     check_core_options(op, attention_dropout, attn_input_format, self_attn_mask_type,
                        ("attn_input_format", "self_attn_mask_type"))
     check_norm_options(op, layernorm_epsilon, normalization, zero_centered_gamma,
@@ -36,26 +50,34 @@ class TransformerLayer(Module):
                  layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1,
                  self_attn_mask_type="causal", normalization="LayerNorm", activation="gelu",
                  bias=True, zero_centered_gamma=False, kv_channels=None,
-                 attn_input_format="sbhd", params_dtype=None, device=None, seed=None):
+                 attn_input_format="sbhd", params_dtype=None, device=None, seed=None,
+                 tp_group=None, tp_size=None, sequence_parallel=False):
         hidden_dropout = _check_options(
             hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups,
             layernorm_epsilon, hidden_dropout, attention_dropout, self_attn_mask_type,
             normalization, activation, bias, zero_centered_gamma, kv_channels,
-            attn_input_format)
+            attn_input_format, tp_group, tp_size, sequence_parallel)
         super().__init__(params_dtype, device, _check.seed("TransformerLayer", "seed", seed))
         self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
+        self.tp_group, self.sequence_parallel = tp_group, bool(sequence_parallel)
+        self.tp_size = 1 if tp_group is None else tp_group.size
+        tp = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon,
             self_attn_mask_type, num_gqa_groups, input_layernorm=True,
             normalization=normalization, bias=bias, zero_centered_gamma=zero_centered_gamma,
-            qkv_format=attn_input_format, **self._child_kwargs())
+            qkv_format=attn_input_format, **self._child_kwargs(), **tp)
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, layernorm_epsilon, bias, normalization, activation,
-            zero_centered_gamma, **self._child_kwargs())
+            zero_centered_gamma, **self._child_kwargs(), **tp)
 
     def _dropout_add(self, x, residual):
-        """dropout(x) + residual in one pass (one kernel on the GPU)."""
-        return dropout(x, self.hidden_dropout, self.next_seed(), training=self.training,
+        """dropout(x) + residual in one pass (one kernel on the GPU); under sequence
+        parallel on this rank's chunk, with its own masks (module doc)."""
+        seed = self.next_seed()
+        if self.sequence_parallel:
+            seed = rank_seed(seed, self.tp_group.rank)
+        return dropout(x, self.hidden_dropout, seed, training=self.training,
                        residual=residual)
 
     def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None,

@@ -1,0 +1,72 @@
+"""Sequence parallel's all-gather before a column-parallel GEMM, in FP8 as uint8 codes.
+
+    x [s/tp, b, in] (this rank's sequence chunk) -> y [s, b, out/tp] = gather(x) @ w.T + b
+
+High precision: gather_sequence then linear. Under fp8_autocast every rank casts its own
+chunk with one shared scale and the group all-gathers the codes (1 byte an element, half of
+bf16's traffic, as Transformer Engine gathers FP8 activations); the GEMM reads the gathered
+codes. Backward: wgrad reads the gathered codes' column-wise copy, dgrad's full-sequence dx
+is reduce-scattered back to the chunks.
+
+The scale must be one across the ranks (the codes of different scales cannot share one
+scale_inv): delayed scaling uses the slot's scale, which is already one where amaxes are
+reduced over this group (FP8State.amax_group is the group, recipe.reduce_amax); otherwise
+the ranks take the smallest of their scales (a float32 min all-reduce: the largest amax,
+so no rank's chunk saturates more than its own scale would). Current scaling maxes the
+chunks' amaxes over the group first, so the scale is that of the whole sequence, as on
+one device. Only the sequence axis 0 (sbhd) is gathered as codes: the chunks are then
+whole rows of the [s*b, in] GEMM operand.
+"""
+from .._array import xp_of
+from ..fp8 import FP8Tensor, amax, cast, current_scale
+from ..fp8_params import weight_fp8
+from ..ops import linear
+from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_linear_backward
+from ..quantization import gemm_quantizers
+from ..tape import keeping, record
+
+
+def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0):
+    """linear(all-gather of x along axis 0, weight, bias), the gather in FP8 codes under
+    fp8_autocast; x's gradient is reduce-scattered back to this rank's chunk."""
+    from .tensor_parallel import gather_sequence
+    q = gemm_quantizers(fp8_state, gemm_index, xp_of(x))
+    if q is None or x.ndim < 2:
+        return linear(gather_sequence(x, group, 0), weight, bias, fp8_state, gemm_index)
+    n, k = weight.shape
+    m_local = x.size // k
+    m = m_local * group.size
+    check_fp8_dims("linear (sequence-parallel gather)", m, n, k)
+    qi = q.input
+    qx = cast(as_2d(x, m_local, k), shared_scale(qi, fp8_state, group, x), qi.fmt,
+              qi.amax_out)
+    full = FP8Tensor.made(group.all_gather(qx.data, 0), qi.fmt, qx.scale_inv)
+    del qx
+    tr = keeping()
+    qw = weight_fp8(q.weight, weight, tr)
+    shape = (x.shape[0] * group.size,) + x.shape[1:-1] + (n,)
+    y = as_nd(fp8_gemm(full, qw, x.dtype, bias), shape)
+    if not tr:
+        return y
+    x_shape, x_dtype = x.shape, x.dtype
+    saved = [full.columnwise(), qw.columnwise()]
+    del full
+
+    def backward(dy):
+        dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
+        return group.reduce_scatter(dx, 0).reshape(x_shape), dw, db
+    record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
+    return y
+
+
+def shared_scale(quantizer, fp8_state, group, x):
+    """The float32 (1,) scale every rank of `group` casts its chunk with (module doc)."""
+    if not quantizer.fused_ok:  # current scaling: the whole sequence's amax
+        a = group.all_reduce(amax(x), "max")
+        return current_scale(a, quantizer.fmt)
+    recipe = getattr(fp8_state, "recipe", None)
+    if (fp8_state is not None and getattr(fp8_state, "amax_group", None) is group
+            and getattr(recipe, "reduce_amax", False)):
+        return quantizer.scale  # one already: the amaxes that made it were maxed over group
+    neg = group.all_reduce(-quantizer.scale, "max")  # (min as a max: groups have sum, max)
+    return -neg
