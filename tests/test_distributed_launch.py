@@ -429,6 +429,18 @@ def test_dp_overlap_over_fake_nccl():
     check_dp_overlap(dist.spawn(_dp_overlap, 2, True, backend=FAKE, timeout=60), gpu=False)
 
 
+def test_tp_layer_over_fake_nccl():
+    """The GPU test's tensor-parallel body (tests/test_distributed_nccl.py: TP=2
+    TransformerLayer with sequence parallel, FP8 with reduce_amax, two steps, vs the
+    single-device layer) at a small size in 2 processes through NcclGroup over the fake
+    NCCL (its uint8 code gather, float32 amax and scale reductions)."""
+    from test_distributed_nccl import _tp_layer, check_tp_layer
+    c = dict(hidden=64, ffn=128, heads=4, s=32, b=2)
+    got = dist.spawn(_tp_layer, 2, True, True, c, backend=FAKE, timeout=60)
+    worst, count = check_tp_layer(got, True, True, c)
+    assert count == 13 and worst < 1e-5  # x and 12 parameters; one scale: fp32 rounding
+
+
 def test_plan_buckets():
     g = [np.zeros(n, dt) for n, dt in ((10, np.float32), (5, np.float32), (30, np.float32),
                                        (2, np.float64), (3, np.float64), (4, np.float32))]

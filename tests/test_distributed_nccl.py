@@ -3,8 +3,9 @@ every dtype, split subgroups, data-parallel gradient averaging on the side strea
 all-reduce overlapped with the backward (Tape.gradient's on_grad driving GradientReducer)
 bit-identical to the all-reduce after it (bf16 and FP8 TransformerLayer), a TP=2
 column -> gelu -> row MLP (nn.Linear) against the single-GPU run in high precision and
-under fp8_autocast, a raising rank ending every rank within 10 s, and an init timeout
-naming the absent rank. Skipped unless CuPy sees 2+ GPUs and loads NCCL.
+under fp8_autocast, a TP=2 TransformerLayer with and without sequence parallel against the
+single GPU (float32 and FP8 with reduce_amax), a raising rank ending every rank within
+10 s, and an init timeout naming the absent rank. Skipped unless CuPy sees 2+ GPUs and loads NCCL.
 
     python -m pytest -q -s -p no:cacheprovider tests/test_distributed_nccl.py
 
@@ -286,6 +287,93 @@ def test_tp2_mlp_equals_single_gpu(fp8):
                 exact.append(f"{name}@{r}")
     row(f"TP=2 MLP vs 1 GPU ({'fp8' if fp8 else 'fp32 HP'})", 2, "ok",
         f"max abs err {worst:.2g}; bit-exact: {', '.join(exact) or 'none'}")
+
+
+def _cut(a, r, tp, axis, parts=None):
+    """Rank r's piece of a full tensor (np.split: not tecupy's shard)."""
+    if parts is None:
+        return np.split(a, tp, axis=axis)[r]
+    pieces = np.split(a, np.cumsum(parts)[:-1], axis=axis)
+    return np.concatenate([np.split(p, tp, axis=axis)[r] for p in pieces], axis=axis)
+
+
+TP_LAYER = dict(hidden=256, ffn=1024, heads=8, s=128, b=2)
+
+
+def _tp_layer(g, sp, fp8, c=TP_LAYER):
+    """TP=2 (ranks 0, 1) TransformerLayer, sequence parallel or not, and on rank 0 the
+    single-GPU layer of the same seed; float32, or FP8 delayed scaling with reduce_amax
+    (two steps: the second with the scales of the first's amaxes) -> {"tp"/"single":
+    [y, {"x" and every parameter: gradient}]} (NumPy)."""
+    import tecupy
+    cupy = _xp(g)
+    rng = np.random.default_rng(3)
+    x, dy = (rng.standard_normal((c["s"], c["b"], c["hidden"])).astype(np.float32)
+             for _ in range(2))
+    tp = g.split(color=0 if g.rank < 2 else None)
+    if tp is None:
+        return None
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4, reduce_amax=True)
+
+    def run(layer, xs, dys):
+        xs, dys = cupy.asarray(xs), cupy.asarray(dys)
+        params = layer.named_parameters()
+        for _ in range(2 if fp8 else 1):
+            ctx = tecupy.fp8_autocast(fp8_recipe=recipe) if fp8 else contextlib.nullcontext()
+            with tecupy.Tape() as tape, ctx:
+                y = layer(xs)
+            grads = tape.gradient(y, [xs, *params.values()], output_grad=dys)
+        return [_np(y), dict(zip(["x", *params], (_np(a) for a in grads)))]
+
+    def make(group, sp):
+        return tecupy.nn.TransformerLayer(c["hidden"], c["ffn"], c["heads"], hidden_dropout=0.0,
+                                          attention_dropout=0.0, seed=4, tp_group=group,
+                                          sequence_parallel=sp, params_dtype=np.float32,
+                                          device="cpu" if cupy is np else "cuda")
+    cut = (lambda a: _cut(a, tp.rank, 2, 0)) if sp else (lambda a: a)
+    out = {"tp": run(make(tp, sp), cut(x), cut(dy))}
+    if g.rank == 0:
+        out["single"] = run(make(None, False), x, dy)
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tp2_transformer_layer_equals_single_gpu(sp, fp8):
+    """Every rank's output and gradients against their cuts of the single GPU's: relative
+    error of each tensor (float32 GEMMs with K split over 2 ranks; FP8 with the same scales
+    on both, reduce_amax, the fused single-GPU kernels against the composed TP ops)."""
+    worst, count = check_tp_layer(dist.spawn(_tp_layer, N, sp, fp8, timeout=300), sp, fp8)
+    row(f"TP=2 TransformerLayer{' +SP' if sp else ''} vs 1 GPU ({'fp8' if fp8 else 'fp32'})",
+        2, "ok", f"worst relative error {worst:.2g} over y and {count} gradients")
+
+
+def check_tp_layer(got, sp, fp8, c=TP_LAYER):
+    """-> (the worst relative error, the number of gradients) of _tp_layer's ranks."""
+    want_y, want = got[0]["single"]
+    d = c["hidden"] // c["heads"]
+    qkv = [c["heads"] * d] * 3
+    worst = 0.0
+    for r in range(2):
+        y, grads = got[r]["tp"]
+        pairs = {"y": (y, _cut(want_y, r, 2, 0) if sp else want_y)}
+        for name, a in grads.items():
+            full = want[name]
+            if name == "x":
+                full = _cut(full, r, 2, 0) if sp else full
+            elif name.endswith(("qkv.weight", "qkv.bias")):
+                full = _cut(full, r, 2, 0, qkv)
+            elif name.endswith(("fc1_weight", "fc1_bias")):
+                full = _cut(full, r, 2, 0)
+            elif name.endswith(("proj.weight", "fc2_weight")):
+                full = _cut(full, r, 2, 1)
+            pairs[name] = (a, full)
+        for name, (a, ref) in pairs.items():
+            assert a.shape == ref.shape, (name, r)
+            err = float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+            assert err < (2.0 ** -4 if fp8 else 1e-4), (name, r, err)
+            worst = max(worst, err)
+    return worst, len(want)
 
 
 def _raise_on_1(g):
