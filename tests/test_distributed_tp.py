@@ -325,3 +325,32 @@ def test_tp_option_errors():
             make()
     with pytest.raises(ValueError, match="tp_size must be None or the size of tp_group"):
         tecupy.nn.TransformerLayer(16, 32, 4, tp_size=2, **F64)
+
+
+def test_bench_tp_step_on_threads(capsys):
+    """python -m tecupy.bench distributed's part 4 on ThreadGroup ranks: tp_build cuts the
+    single-device bench layer's input (tecupy.__main__.build, same seed) into sequence
+    chunks, and tp_step's gradients are those of the single step (float32; the replicated
+    norm weights whole, fc2's columns); the table's ratio is TP step / single-GPU step."""
+    from tecupy.__main__ import build
+    from tecupy.bench.distributed import print_tp, tp_build, tp_step
+    shape = (32, 64, 4, 8, 2)  # hidden, ffn, heads, seq, batch
+    layer, x, dy = build(shape, "cpu")
+    want = tp_step(layer, x, dy, None)()
+
+    def body(g):
+        tl, tx, tdy = tp_build(shape, g, "cpu")
+        np.testing.assert_array_equal(tx, _cut(x, g.rank, 2, 0))
+        return tp_step(tl, tx, tdy, None)()
+    for r, got in enumerate(dist.run_threads(2, body)):
+        for name in ("layernorm_mlp.layer_norm_weight", "self_attention.proj.bias"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got["layernorm_mlp.fc2_weight"],
+                                   _cut(want["layernorm_mlp.fc2_weight"], r, 2, 1),
+                                   rtol=1e-4, atol=1e-6)
+    steps = {"HP": {"single": (10.0, 1.0)}, "FP8": {"single": (8.0, 1.0)}}
+    print_tp({"HP": (5.5, 2.0), "FP8": (5.0, 2.0)}, steps, 2, "full")
+    out = capsys.readouterr().out
+    assert "target: <= 0.60x" in out and "(4096, 16384, 32, 2048, 4)" in out
+    assert "| HP | 10.00 | 5.50 | 2.00 | 0.55x | met |" in out
+    assert "| FP8 | 8.00 | 5.00 | 2.00 | 0.62x | missed |" in out

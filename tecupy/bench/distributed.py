@@ -18,6 +18,11 @@ each (spawned).
    single-GPU step (rank 0 alone, no all-reduce): ms per step on rank 0 (layer bench's
    rule: CUDA events around back-to-back steps, median of rounds) and weak-scaling
    efficiency = single-GPU step / data-parallel step (issue 25's target: >= 90% at 4 GPUs).
+4. Tensor parallel: the same layer and global batch at TP = nproc with sequence parallel
+   (heads and ffn split over the ranks, x [seq/n, batch, hidden] per rank; FP8's amaxes
+   reduced over the group), one forward + backward, against the single-GPU step of part 3:
+   ms per step on rank 0 and the ratio TP step / single-GPU step (issue 25's targets:
+   <= 0.6x at TP=2, <= 0.35x at TP=4). --tp-only runs the single-GPU step and this part.
 """
 import argparse
 import statistics
@@ -39,12 +44,16 @@ def _events_ms(fn, iters):
     return statistics.median(times)
 
 
-def _rank(g, sizes_mib, layer_size="full", bucket_mb=25):
-    """-> (all_reduce ms per size, DP rows, DP step rows) of this rank."""
+def _rank(g, sizes_mib, layer_size="full", bucket_mb=25, tp_only=False):
+    """-> (all_reduce ms per size, DP rows, DP step rows, TP step rows) of this rank."""
     import cupy
 
     import tecupy
     out = {"all_reduce": [], "dp": []}
+    if tp_only:
+        out["steps"] = _step_rows(g, layer_size, bucket_mb, kinds=("single",))
+        out["tp"] = _tp_rows(g, layer_size)
+        return out
     for mib in sizes_mib:
         x = cupy.ones(mib * 2**20 // 2, dtype=tecupy.bfloat16)
         for _ in range(WARMUP):
@@ -53,6 +62,7 @@ def _rank(g, sizes_mib, layer_size="full", bucket_mb=25):
         out["all_reduce"].append(_events_ms(lambda: g.all_reduce(x), ITERS))
     out["dp"], out["dp_bytes"], out["dp_count"] = _averaging(g)
     out["steps"] = _step_rows(g, layer_size, bucket_mb)
+    out["tp"] = _tp_rows(g, layer_size)
     return out
 
 
@@ -110,7 +120,7 @@ def dp_steps(layer, x, dy, recipe, group, bucket_mb=25):
     return {"single": single, "after": after, "overlapped": overlapped}
 
 
-def _step_rows(g, layer_size, bucket_mb):
+def _step_rows(g, layer_size, bucket_mb, kinds=("single", "after", "overlapped")):
     """Part 3 on this rank: {precision: {step: (GPU ms, host ms) or None}} (rank 0 times
     "single" alone; the other ranks wait at a barrier meanwhile)."""
     import cupy
@@ -123,6 +133,8 @@ def _step_rows(g, layer_size, bucket_mb):
         steps = dp_steps(layer, x, dy, recipe, g, bucket_mb)
         rows[name] = {}
         for kind, fn in steps.items():
+            if kind not in kinds:
+                continue
             g.barrier()
             alone = kind == "single"
             rows[name][kind] = _rate(fn, cupy) if g.rank == 0 or not alone else None
@@ -130,6 +142,76 @@ def _step_rows(g, layer_size, bucket_mb):
         del layer, x, dy, steps
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
+
+
+def tp_build(shape, group, device, sequence_parallel=True):
+    """Part 4's layer: the quickstart TransformerLayer of `shape` (bench layer's SIZES) and
+    seed 0 split over `group` (TP = its size, with sequence parallel: this rank's chunk of
+    the sequence of x and dy, as tecupy.__main__.build makes them for one GPU)."""
+    import numpy as np
+
+    import tecupy
+    from tecupy import distributed as dist
+    hidden, ffn, heads, seq, batch = shape
+    dtype = tecupy.bfloat16 if device == "cuda" else np.float32
+    layer = tecupy.nn.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0,
+                                       attention_dropout=0.0, params_dtype=dtype, device=device,
+                                       seed=0, tp_group=group,
+                                       sequence_parallel=sequence_parallel)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((seq, batch, hidden)).astype(dtype)
+    dy = (rng.standard_normal((seq, batch, hidden)) * 1e-2).astype(dtype)
+    if sequence_parallel:
+        x, dy = dist.shard(x, group, 0), dist.shard(dy, group, 0)
+    return layer, layer.xp.asarray(x), layer.xp.asarray(dy)
+
+
+def tp_step(layer, x, dy, recipe):
+    """One forward + backward of a tensor-parallel layer -> its gradients (by name)."""
+    import tecupy
+
+    def step():
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=recipe is not None,
+                                                        fp8_recipe=recipe):
+            y = layer(x)
+        return tape.gradient(y, layer, output_grad=dy)
+    return step
+
+
+def _tp_rows(g, layer_size):
+    """Part 4 on this rank: {precision: (GPU ms, host ms)} of the TP=size+SP step (every
+    rank runs it: its collectives need them all)."""
+    import cupy
+
+    from .layer import SIZES, _rate, _recipe
+    rows = {}
+    for name, recipe in (("HP", None), ("FP8", _recipe())):
+        layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
+        g.barrier()
+        rows[name] = _rate(tp_step(layer, x, dy, recipe), cupy)
+        g.barrier()
+        del layer, x, dy
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+TP_TARGETS = {2: 0.6, 4: 0.35}  # issue 25: TP step / single-GPU step, sequence parallel on
+
+
+def print_tp(tp_rows, step_rows, n, layer_size):
+    """Part 4's table: rank 0's TP step against the single-GPU step, and the ratio."""
+    from .layer import SIZES
+    target = TP_TARGETS.get(n)
+    print(f"\nTensor parallel TP={n} with sequence parallel, TransformerLayer {layer_size} "
+          f"{SIZES[layer_size]} (the same global batch as one GPU); rank 0's GPU ms per step"
+          f"; issue 25's target: {'<= %.2fx' % target if target else 'none at this size'}")
+    print("| precision | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, (gpu, host) in tp_rows.items():
+        one = step_rows[name]["single"][0]
+        ratio = gpu / one
+        verdict = "-" if target is None else ("met" if ratio <= target else "missed")
+        print(f"| {name} | {one:.2f} | {gpu:.2f} | {host:.2f} | {ratio:.2f}x | {verdict} |")
 
 
 def _torch_rank(rank, n, port, sizes_mib, queue):
@@ -198,6 +280,8 @@ def main(argv=None):
                    help="the data-parallel step's TransformerLayer (bench layer's --size)")
     p.add_argument("--bucket-mb", type=float, default=25,
                    help="the data-parallel step's bucket size in MiB")
+    p.add_argument("--tp-only", action="store_true",
+                   help="only the single-GPU step and part 4 (tensor parallel)")
     args = p.parse_args(argv)
     import tecupy
     if not tecupy.gpu_available():
@@ -214,7 +298,13 @@ def run(args):
     if n < 2:
         raise SystemExit(f"tecupy.bench distributed needs 2+ GPUs (this host has {n})")
     sizes = [int(s) for s in args.sizes.split(",")]
-    got = dist.spawn(_rank, n, sizes, args.layer, args.bucket_mb, timeout=900)[0]
+    tp_only = getattr(args, "tp_only", False)
+    got = dist.spawn(_rank, n, sizes, args.layer, args.bucket_mb, tp_only,
+                     timeout=900)[0]
+    if tp_only:
+        print(f"GPU: {gpu_name()} x {n}")
+        print_tp(got["tp"], got["steps"], n, args.layer)
+        return got, None
     peer = None if args.no_torch else _torch_peer(n, sizes)
     print(f"GPU: {gpu_name()} x {n}; all_reduce of bf16, median of {ITERS} calls")
     print("| MiB | tecupy ms | bus GB/s | torch ms | bus GB/s | tecupy / torch |")
@@ -236,6 +326,7 @@ def run(args):
     for name, ms in got["dp"]:
         print(f"| {name} | {ms:.2f} | {ideal / ms:.0%} |")
     print_steps(got["steps"], n, args.layer, args.bucket_mb)
+    print_tp(got["tp"], got["steps"], n, args.layer)
     return got, peer
 
 
