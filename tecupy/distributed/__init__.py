@@ -5,7 +5,8 @@ reduce_scatter, broadcast, barrier, split). NcclGroup runs it over cupy.cuda.ncc
 process per GPU, made by init_process_group() from the launcher's variables (torchrun,
 mpirun, srun, or `python -m tecupy.distributed.launch`) or by spawn(fn, nprocs);
 ThreadGroup / run_threads is the reference backend, N ranks as threads on NumPy, for CI.
-NCCL is loaded only when init_process_group makes an NcclGroup.
+NCCL is loaded only when init_process_group makes an NcclGroup. The tensor-parallel modules
+are tecupy.nn's, with tp_group / tp_size / sequence_parallel (README, Multi-GPU).
 """
 from .data_parallel import GradientReducer, all_reduce_gradients, plan_buckets  # noqa: F401
 from .env import DistConfig, EnvError, init_from_env  # noqa: F401
@@ -15,7 +16,9 @@ from .nccl import NcclGroup  # noqa: F401
 from .process import (InitTimeout, abort_process_group, destroy_process_group,  # noqa: F401
                       get_world_group, init_process_group)
 from .store import Store, StoreServer, StoreTimeout  # noqa: F401
+from .fp8_gather import gather_sequence_linear  # noqa: F401
 from .tensor_parallel import (column_parallel_linear, copy_to_tp, gather_from_tp,  # noqa: F401
-                              gather_sequence, reduce_from_tp, reduce_scatter_sequence,
-                              row_parallel_linear, scatter_to_tp, shard)
+                              gather_sequence, rank_seed, reduce_from_tp,
+                              reduce_scatter_sequence, replicated_grad, row_parallel_linear,
+                              scatter_to_tp, shard, shard_parts)
 from .threads import ThreadGroup, run_threads  # noqa: F401
