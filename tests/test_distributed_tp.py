@@ -247,6 +247,33 @@ def test_transformer_layer_fp8_equals_single_device(tp, sp, reduce_amax):
         assert differs  # (each rank's weight shard has its own amax: the test can tell)
 
 
+@pytest.mark.parametrize("init", [False, True], ids=["hp-weights", "fp8-weights"])
+def test_layernorm_mlp_sp_current_scaling_and_fp8_weights(init):
+    """Float8CurrentScaling under sequence parallel (the gathered input's scale from the
+    chunks' amaxes maxed over the group: the whole sequence's) and FP8 weights
+    (quantized_model_init: each rank's shard cast on its own): within FP8 tolerance."""
+    from tecupy.recipe import Float8CurrentScaling
+    x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 14))
+    recipe = DelayedScaling() if init else Float8CurrentScaling()
+
+    def make(g):
+        import contextlib
+        ctx = tecupy.quantized_model_init(recipe=recipe) if init else contextlib.nullcontext()
+        with ctx:
+            return tecupy.nn.LayerNormMLP(64, 128, seed=15, tp_group=g,
+                                          sequence_parallel=g is not None, **F32)
+    want_y, want = _run(make(None), x, dy, recipe)
+
+    def body(g):
+        m = make(g)
+        assert type(m.fc1_weight).__name__ == ("FP8Weight" if init else "ndarray")
+        return _run(m, _cut(x, g.rank, 2, 0), _cut(dy, g.rank, 2, 0), recipe)
+    for r, (y, grads) in enumerate(dist.run_threads(2, body)):
+        _fp8_close(y, _cut(want_y, r, 2, 0), "y", False)
+        _fp8_close(grads["x"], _cut(want["x"], r, 2, 0), "x", False)
+        _fp8_close(grads["layer_norm_weight"], want["layer_norm_weight"], "ln", False)
+
+
 def test_sequence_parallel_fp8_gathers_uint8_codes():
     """Under fp8_autocast the sequence-parallel gather moves the activation's uint8 codes
     (half of bf16's bytes) and no high-precision activation; outside it, the activation."""
