@@ -159,7 +159,14 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_stat
     _check_group("row_parallel_linear", group)
     if not input_is_parallel:
         x = scatter_to_tp(x, group)
-    y = linear(x, weight, None, fp8_state, gemm_index)
+    return reduce_row_output(linear(x, weight, None, fp8_state, gemm_index), bias, group,
+                             sequence_parallel)
+
+
+def reduce_row_output(y, bias, group, sequence_parallel=False):
+    """A row-parallel GEMM's partial output y [s, ..., out] summed over the group: all of it
+    (all-reduce), or this rank's sequence chunk (reduce-scatter, the bias's gradient then
+    all-reduced) under sequence parallel; the bias added once, after."""
     if sequence_parallel:
         y = reduce_scatter_sequence(y, group, SEQUENCE_AXIS)
         bias = replicated_grad(bias, group)

@@ -6,12 +6,15 @@ width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
 from ..distributed.group import ProcessGroup
-from ..distributed.tensor_parallel import (column_parallel_linear, replicated_grad,
-                                           row_parallel_linear, shard, shard_parts)
+from ..distributed.tensor_parallel import (column_parallel_linear, reduce_row_output,
+                                           replicated_grad, row_parallel_linear, shard,
+                                           shard_parts)
 from ..fp8_state import FP8State
-from ..ops import (activation as apply_activation, layernorm, layernorm_linear,
-                   layernorm_mlp, linear, normalize, rmsnorm)
+from ..ops import layernorm, layernorm_linear, layernorm_mlp, linear, normalize, rmsnorm
 from ..ops.activation import ACTIVATIONS, GATED
+# (the single-device block's activation + fc2 step: under delayed scaling the activation
+# kernel writes fc2's FP8 input codes in its own pass; the TP block adds the collective)
+from ..ops.blocks import _act_then_linear as act_then_linear
 from ..ops.normalization import NORMALIZATIONS
 from .module import Module
 
@@ -296,12 +299,12 @@ class LayerNormMLP(Module):
 
     def _parallel_forward(self, x):
         """The block composed from its ops around the collectives (the fused single-device
-        op has no place for them): norm, fc1 column parallel, act, fc2 row parallel."""
+        op has no place for them): norm, fc1 column parallel, act + fc2 row parallel."""
         g, sp, st = self.tp_group, self.sequence_parallel, self.fp8_state
         ln_out = parallel_norm(self, x)
         h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
                                    gemm_index=0, sequence_parallel=sp)
-        a = apply_activation(h, self.activation, bias=self.fc1_bias)
-        y = row_parallel_linear(a, self.fc2_weight, self.fc2_bias, g, fp8_state=st,
-                                gemm_index=1, sequence_parallel=sp)
+        y = act_then_linear(self.xp, h, self.fc1_bias, self.activation, self.fc2_weight,
+                            None, st)  # fc2 row parallel: this rank's partial sum
+        y = reduce_row_output(y, self.fc2_bias, g, sp)
         return (y, ln_out) if self.return_layernorm_output else y
