@@ -31,6 +31,16 @@ launchers, registered as its ops, new); reference/block_scaling.py (the NumPy re
 of both, new): 6 source files, plus the new modules' names in the import lists of
 kernels/__init__.py and reference/__init__.py. No op, no module, not the tape. A recipe
 with one scale per tensor needs no GEMM of its own: 5.
+
+Block scaling, done so far: the recipe, BlockQuantizer (above: fused_ok False, so
+producers never cast in their own pass; dbias from its own read of dy), FP8BlockTensor
+(fp8.py: per-block scale_inv, its own column-wise copy, gemm_op "fp8_block_gemm"), the
+NumPy references of block quantize, dequantize and the block GEMM
+(reference/block_scaling.py), and the CUDA block-quantize kernel (cuda/block_scaling.cu,
+kernels/block_scaling.py: both copies from one read of x). Not yet: the CUTLASS block GEMM
+(cutlass_templates/fp8_block_gemm.cu); until it exists "fp8_block_gemm" runs on the
+reference, on the GPU too (CuPy matmuls in float32, one per 128 of K). FP8Inspector does not
+see block casts, and quantized_model_init (fp8_params.py) does not know this recipe yet.
 """
 import weakref
 
