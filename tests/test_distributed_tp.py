@@ -148,15 +148,16 @@ def test_layernorm_mlp_equals_single_device(tp, sp, act):
     _compare(make, tp, sp, x, dy, lambda n: _layout(n, 0, 0, 0, 32, act == "swiglu"))
 
 
-@pytest.mark.parametrize("tp,sp,groups", [(2, False, None), (2, True, 2), (4, True, 4),
-                                          (4, False, None)])
-def test_multihead_attention_equals_single_device(tp, sp, groups):
+@pytest.mark.parametrize("tp,sp,groups,ln", [(2, False, None, True), (2, True, 2, True),
+                                             (4, True, 4, True), (4, False, None, True),
+                                             (2, True, 2, False), (2, False, None, False)])
+def test_multihead_attention_equals_single_device(tp, sp, groups, ln):
     heads, d = 4, 4
     x, dy = _inputs((S, B, 16), 6)
 
     def make(g, sp):
         return tecupy.nn.MultiheadAttention(16, heads, attention_dropout=0.0,
-                                            num_gqa_groups=groups, input_layernorm=True,
+                                            num_gqa_groups=groups, input_layernorm=ln,
                                             seed=7, tp_group=g, sequence_parallel=sp, **F64)
     _compare(make, tp, sp, x, dy, lambda n: _layout(n, heads, groups or heads, d, 0, False))
 
@@ -171,6 +172,32 @@ def test_transformer_layer_equals_single_device(tp, sp):
                                           hidden_dropout=0.0, attention_dropout=0.0,
                                           seed=9, tp_group=g, sequence_parallel=sp, **F64)
     _compare(make, tp, sp, x, dy, lambda n: _layout(n, heads, groups, d, 32, False))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_transformer_layer_rope_gqa_swiglu_rmsnorm(sp):
+    """RoPE on this rank's q heads and k groups (packed qkv of the local heads), GQA,
+    swiglu and RMSNorm at TP=2: equal to the single device."""
+    heads, groups, d = 4, 2, 4
+    x, dy = _inputs((S, B, 16), 16)
+    freqs = tecupy.nn.RotaryPositionEmbedding(d)(S)
+
+    class WithRope:  # (the module, called with the frequencies)
+        def __init__(self, m):
+            self.m = m
+
+        def __call__(self, x):
+            return self.m(x, rotary_pos_emb=freqs)
+
+        def named_parameters(self):
+            return self.m.named_parameters()
+
+    def make(g, sp):
+        return WithRope(tecupy.nn.TransformerLayer(
+            16, 32, heads, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
+            normalization="RMSNorm", activation="swiglu", seed=17, tp_group=g,
+            sequence_parallel=sp, **F64))
+    _compare(make, 2, sp, x, dy, lambda n: _layout(n, heads, groups, d, 32, True))
 
 
 def test_transformer_layer_dropout_tp_and_sp():
