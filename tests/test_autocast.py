@@ -133,7 +133,8 @@ def test_fp8_shape_rule_is_a_clear_error(rng):
 
 
 def test_bad_recipe_type():
-    with pytest.raises(TypeError, match="DelayedScaling or Float8CurrentScaling"):
+    with pytest.raises(TypeError, match="DelayedScaling, Float8CurrentScaling or "
+                       "Float8BlockScaling"):
         with tecupy.fp8_autocast(fp8_recipe="hybrid"):
             pass
 

@@ -671,15 +671,15 @@ RECIPES = [
      "Float8CurrentScaling: fp8_format must be a tecupy.recipe.Format"),
     # ---- autocast and FP8 state
     ("autocast-recipe", lambda: enter(tecupy.fp8_autocast(fp8_recipe="x")), TypeError,
-     "fp8_autocast: fp8_recipe must be None, a tecupy.recipe.DelayedScaling or "
-     "Float8CurrentScaling, got 'x'"),
+     "fp8_autocast: fp8_recipe must be None, a tecupy.recipe.DelayedScaling, "
+     "Float8CurrentScaling or Float8BlockScaling, got 'x'"),
     ("autocast-recipe-class", lambda: enter(tecupy.fp8_autocast(fp8_recipe=DelayedScaling)),
      TypeError, "fp8_autocast: fp8_recipe must be .*got <class 'tecupy.recipe.DelayedScaling'>"),
     ("autocast-enabled", lambda: enter(tecupy.fp8_autocast(enabled="yes")), TypeError,
      r"fp8_autocast: enabled must be True or False, got 'yes' \(str\)"),
     ("autocast-te2-recipe", lambda: enter(tecupy.autocast(recipe=Format.HYBRID)), TypeError,
-     "autocast: recipe must be None, a tecupy.recipe.DelayedScaling or Float8CurrentScaling, "
-     "got <Format.HYBRID"),
+     "autocast: recipe must be None, a tecupy.recipe.DelayedScaling, Float8CurrentScaling or "
+     "Float8BlockScaling, got <Format.HYBRID"),
     ("FP8State-0", lambda: tecupy.FP8State(0), ValueError,
      "FP8State: num_gemms must be an int >= 1, got 0"),
     ("FP8State-float", lambda: tecupy.FP8State(1.5), TypeError,
