@@ -257,7 +257,7 @@ class LayerNormMLP(Module):
             raise ValueError(f"{op}: ffn_hidden_size ({ffn_hidden_size}) splits over tp_size "
                              f"{tp_size} ranks (fc1 by rows, fc2 by columns); it must be a "
                              "multiple of it")
-        mode = None if tp_group is None else "column+row"
+        mode = None if tp_group is None else "column+row"  # (fc1, fc2: for reading only)
         super().__init__(params_dtype, device, _check.seed(op, "seed", seed))
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
         self.normalization, self.activation = normalization, activation
