@@ -215,10 +215,7 @@ def _qparams_field(name):
 
 
 def _block_dim_field(name):
-    def check(value):
-        value = _int_field(_BS, name, value, 1, 2)  # 1: 1x128 blocks, 2: 128x128
-        return value
-    return check
+    return lambda value: _int_field(_BS, name, value, 1, 2)  # 1: 1x128 blocks, 2: 128x128
 
 
 def _true_field(name, why):
