@@ -489,3 +489,30 @@ def test_kernel_shapes_it_cannot_take_run_on_the_reference(rng):
     assert backends.chosen("block_quantize", gx, E4M3, 1, True, 0.0, True) == "reference"
     gx = cupy.asarray(_random(rng, (64, 256)))
     assert backends.chosen("block_quantize", gx, E4M3, 1, True, 0.0, True) == "cuda"
+
+
+def test_launcher_shapes_and_arguments_without_gpu(monkeypatch):
+    """The CUDA wrapper's outputs (shapes in FP8BlockTensor's layouts), grid (one block per
+    128 x 128 tile) and kernel arguments, with CuPy's allocation and the kernel faked."""
+    import cupy
+    from tecupy import loader
+    from tecupy.kernels import block_scaling as K
+    launched = []
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: np.empty(shape, dtype))
+    monkeypatch.setattr(loader, "function", lambda file, name: (
+        lambda grid, block, args: launched.append((file, name, grid, block, args))))
+    x = np.zeros((136, 264), tecupy.bfloat16)
+    q, s, qt, st = K.block_quantize(x, E5M2, 1, False, 0.5, True)
+    assert (q.shape, s.shape, qt.shape, st.shape) == ((136, 264), (3, 136), (264, 136), (2, 264))
+    q2, s2, qt2, st2 = K.block_quantize(x, E4M3, 2, True, 0.0, False)
+    assert (s2.shape, qt2, st2) == ((2, 3), None, None)
+    (f1, n1, g1, b1, a1), (f2, n2, g2, b2, a2) = launched
+    assert n1 == "block_quantize<__nv_bfloat16, __nv_fp8_e5m2, false, false>"
+    assert n2 == "block_quantize<__nv_bfloat16, __nv_fp8_e4m3, true, true>"
+    assert {n1, n2} <= set(loader.declared()[K.FILE]) and f1 == f2 == K.FILE
+    assert g1 == g2 == (3, 2) and b1 == (256,)
+    assert a1[0] is x and a1[1] is q and a1[2] is s and a1[3] is qt and a1[4] is st
+    assert a2[3] == 0 and a2[4] == 0 and isinstance(a2[3], np.uint64)  # null pointers
+    assert [type(v) for v in a1[5:]] == [np.int32, np.int32] + [np.float32] * 3
+    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"))
+    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"))
