@@ -159,5 +159,11 @@ def weight_fp8(quantizer, weight, transpose):
     """The FP8Tensor a GEMM reads for `weight`: its codes where it is an FP8Weight, else
     its cast by `quantizer` (with the transposed copy where `transpose`)."""
     if isinstance(weight, FP8Weight):
+        if getattr(quantizer, "block_dim", None) is not None:
+            raise TypeError(
+                f"FP8 weight {weight!r} has one scale per tensor; the recipe in force "
+                f"({quantizer!r}) scales blocks: make the module without "
+                "quantized_model_init (its weights are cast per block at the forward) or "
+                "run it under the recipe it was made with")
         return weight.fp8()
     return quantizer.quantize(weight, transpose=transpose)

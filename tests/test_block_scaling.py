@@ -190,6 +190,7 @@ def test_dequantize_and_layouts(rng):
         for (i, j), _ in np.ndenumerate(dec[::bh, ::128]):
             each[i * bh:(i + 1) * bh, j * 128:(j + 1) * 128] = s_rc[i, j]
         np.testing.assert_array_equal(t.dequantize(), dec * each)
+        np.testing.assert_array_equal(tecupy.dequantize(t), dec * each)  # (the public one)
         np.testing.assert_array_equal(t.dequantize(np.float16),
                                       (dec * each).astype(np.float16))
         # round to nearest: half a step, 2**-4 relative for normals, 2**-10 * scale_inv

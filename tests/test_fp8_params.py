@@ -192,3 +192,17 @@ def test_graphed_step_with_fp8_weights_equals_eager(recipe):
     for k, v in sd_e.items():
         same = v.tobytes() == sd_t[k].tobytes() if isinstance(v, np.ndarray) else v == sd_t[k]
         assert same, k
+
+
+def test_fp8_weights_under_a_block_recipe_are_a_clear_error(rng):
+    """Per-tensor FP8 weights under Float8BlockScaling (whose GEMM reads block scales) are
+    refused by name before any GEMM, not a scale-shape error inside one."""
+    from tecupy.recipe import Float8BlockScaling
+    with quantized_model_init(recipe=DelayedScaling()):
+        lin = tecupy.nn.Linear(128, 128, device="cpu", seed=0)
+    x = rng.standard_normal((128, 128)).astype(np.float32)
+    with pytest.raises(TypeError, match="one scale per tensor.*scales blocks"):
+        with tecupy.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+            lin(x)
+    with pytest.raises(TypeError, match="quantized_model_init: recipe"):
+        quantized_model_init(recipe=Float8BlockScaling())
