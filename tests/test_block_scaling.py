@@ -362,12 +362,9 @@ def _close(got, want, tol):
 
 
 def _module_step(mod, x, dy, recipe):
-    with tecupy.Tape() as tape:
-        if recipe is None:
-            y = mod(x)
-        else:
-            with tecupy.fp8_autocast(fp8_recipe=recipe):
-                y = mod(x)
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=recipe is not None,
+                                                    fp8_recipe=recipe):
+        y = mod(x)
     return y, tape.gradient(y, mod, output_grad=dy)
 
 

@@ -27,12 +27,8 @@ def _cut(a, r, tp, axis, parts=None):
 def _run(module, x, dy, fp8=None):
     """(y, {"x": dx, parameter name: gradient}) of one forward and backward."""
     params = module.named_parameters()
-    with tecupy.Tape() as tape:
-        if fp8 is None:
-            y = module(x)
-        else:
-            with tecupy.fp8_autocast(fp8_recipe=fp8):
-                y = module(x)
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8 is not None, fp8_recipe=fp8):
+        y = module(x)
     grads = tape.gradient(y, [x, *params.values()], output_grad=dy)
     return np.asarray(y), dict(zip(["x", *params], (np.asarray(g) for g in grads)))
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from .. import backends
 from .._array import xp_of
-from ..fp8 import FLT_MAX, FP8Format
-from .fp8 import _decode_table, _dgelu, _encode, cast_to_fp8
+from ..fp8 import FLT_MAX
+from .fp8 import _decode_table, _encode, gemm_epilogue
 
 BLOCK = 128
 # an infinite fp8_max / amax becomes the input dtype's largest finite value (TE's
@@ -185,33 +185,7 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
         ks = slice(kb * BLOCK, min(k, (kb + 1) * BLOCK))
         partial = xp.matmul(fa[:, ks], fb[:, ks].T)
         acc = acc + partial * (sa[:, kb:kb + 1] * sb[None, :, kb])
-    return _epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out, gelu,
-                     dgelu_aux)
+    return gemm_epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out,
+                         gelu, dgelu_aux, "fp8_block_gemm")
 
 
-def _epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out, gelu,
-              dgelu_aux):
-    """fp8_gemm's epilogue (reference/fp8.py) on the float32 result acc."""
-    if dgelu_aux is not None:  # (out may be dgelu_aux: read before written)
-        d = _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
-        if out is None:
-            return d
-        out[...] = d
-        return out
-    if bias is not None:
-        acc = acc + bias.astype(np.float32)
-    if gelu:
-        k0, k1 = np.float32(0.7978845608028654), np.float32(0.044715)
-        y = np.float32(0.5) * acc * (1 + xp.tanh(k0 * acc * (1 + k1 * acc * acc)))
-        return y.astype(out_dtype), acc.astype(out_dtype)
-    if isinstance(out_dtype, FP8Format):
-        if out_scale is None or amax_out is None:
-            raise ValueError("fp8_block_gemm: an FP8 output needs out_scale and amax_out")
-        return cast_to_fp8(acc, out_scale, out_dtype, amax_out)[0]
-    if accumulate:
-        out += acc.astype(out.dtype)
-        return out
-    if out is not None:
-        out[...] = acc
-        return out
-    return acc.astype(out_dtype)

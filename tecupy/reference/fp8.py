@@ -136,6 +136,13 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
+    return gemm_epilogue(xp, acc.astype(np.float32, copy=False), out_dtype, bias, out,
+                         accumulate, out_scale, amax_out, gelu, dgelu_aux, "fp8_gemm")
+
+
+def gemm_epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out, gelu,
+                  dgelu_aux, op):
+    """An FP8 GEMM's epilogue on its float32 result acc (fp8_gemm's, fp8_block_gemm's)."""
     if dgelu_aux is not None:  # (out may be dgelu_aux: read before written)
         d = _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
         if out is None:
@@ -150,8 +157,8 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
         return y.astype(out_dtype), acc.astype(out_dtype)
     if isinstance(out_dtype, FP8Format):
         if out_scale is None or amax_out is None:
-            raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out")
-        return cast_to_fp8(acc.astype(np.float32), out_scale, out_dtype, amax_out)[0]
+            raise ValueError(f"{op}: an FP8 output needs out_scale and amax_out")
+        return cast_to_fp8(acc, out_scale, out_dtype, amax_out)[0]
     if accumulate:
         out += acc.astype(out.dtype)
         return out
