@@ -150,8 +150,9 @@ def test_store_abort_first_reason_wins_and_wakes_waiters():
     seen = []
     watcher = threading.Thread(target=lambda: seen.append(w.watch_abort()))
     watcher.start()
+    timer = threading.Timer(0.2, lambda: a.abort("rank 0 raised X"))
     try:
-        threading.Timer(0.2, lambda: a.abort("rank 0 raised X")).start()
+        timer.start()
         t0 = time.perf_counter()
         with pytest.raises(dist.GroupAborted, match="rank 0 raised X"):
             b.wait(["never"], timeout=30)
@@ -160,6 +161,7 @@ def test_store_abort_first_reason_wins_and_wakes_waiters():
         watcher.join(2)
         assert seen == ["rank 0 raised X"]
     finally:
+        timer.join(5)  # (its abort call has its reply before the store closes)
         for s in (a, b, w):
             s.close()
         server.close()
