@@ -53,12 +53,13 @@ class quantized_model_init:
         self.preserve = _check.flag(op, "preserve_high_precision_init_val",
                                     preserve_high_precision_init_val)
 
-    def __enter__(self):
-        self._token = _init.set((self.enabled, self.recipe, self.preserve))
+    def __enter__(self):  # (a stack of tokens: the same object may be entered nested)
+        self._tokens = getattr(self, "_tokens", []) + [
+            _init.set((self.enabled, self.recipe, self.preserve))]
         return self
 
     def __exit__(self, *exc):
-        _init.reset(self._token)
+        _init.reset(self._tokens.pop())
         return False
 
 

@@ -123,6 +123,8 @@ def test_state_dicts_resume_bit_identically(xp, rng, tmp_path):
     run(layer, opt, 2)
     sd = layer.state_dict()
     assert sd["layernorm_mlp.fc1_weight"].dtype == np.uint8
+    w = layer.layernorm_mlp.fc1_weight
+    assert not np.shares_memory(sd["layernorm_mlp.fc1_weight"], asnp(w.data))  # a copy
     assert sd["layernorm_mlp.fc1_weight.scale_inv"].shape == (1,)
     path = tmp_path / "ckpt.npz"
     tecupy.save(path, layer, opt)
@@ -151,6 +153,14 @@ def test_bad_arguments_are_clear():
     with quantized_model_init():
         norm = tecupy.nn.LayerNorm(16, device="cpu")  # no GEMM weight: nothing changes
     assert isinstance(norm.weight, np.ndarray)
+    ctx = quantized_model_init()
+    with ctx:
+        with quantized_model_init(enabled=False):
+            with ctx:  # the same object entered again, nested
+                assert isinstance(tecupy.nn.Linear(16, 16, device="cpu").weight, FP8Weight)
+            assert isinstance(tecupy.nn.Linear(16, 16, device="cpu").weight, np.ndarray)
+        assert isinstance(tecupy.nn.Linear(16, 16, device="cpu").weight, FP8Weight)
+    assert isinstance(tecupy.nn.Linear(16, 16, device="cpu").weight, np.ndarray)
 
 
 @pytest.mark.gpu

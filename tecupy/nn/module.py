@@ -127,7 +127,8 @@ class Module:
         sd = {}
         for name, p in self.named_parameters().items():
             if isinstance(p, FP8Weight):  # its codes and scale_inv (the master: optimizer's)
-                sd[name], sd[name + ".scale_inv"] = to_numpy(p.data), to_numpy(p.scale_inv)
+                sd[name] = np.array(to_numpy(p.data))  # (copies, as for the others)
+                sd[name + ".scale_inv"] = np.array(to_numpy(p.scale_inv))
             else:
                 sd[name] = np.array(to_numpy(p))
         for prefix, module in self.named_modules():
