@@ -216,3 +216,22 @@ def test_fp8_weights_under_a_block_recipe_are_a_clear_error(rng):
             lin(x)
     with pytest.raises(TypeError, match="quantized_model_init: recipe"):
         quantized_model_init(recipe=Float8BlockScaling())
+
+
+def test_checkpoint_with_fp8_weights_is_bit_identical(xp, rng):
+    """tecupy.checkpoint around a layer with FP8 weights: outputs, gradients (the FP8
+    weights' included) and FP8 state equal the plain step's, bit for bit."""
+    dtype = tecupy.bfloat16 if xp.__name__ == "cupy" else np.float32
+    x = xp.asarray(rng.standard_normal((16, 2, 32)).astype(dtype))
+    dy = xp.asarray(rng.standard_normal((16, 2, 32)).astype(dtype))
+    runs = []
+    for ckpt in (True, False):
+        layer = _layer(xp, dtype, True, DelayedScaling())
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=DelayedScaling()):
+            y = tecupy.checkpoint(layer, x) if ckpt else layer(x)
+        g = tape.gradient(y, layer, output_grad=dy)
+        runs.append([asnp(y)] + [asnp(g[k]) for k in sorted(g)]
+                    + [v for _, v in sorted(layer.state_dict().items())
+                       if isinstance(v, np.ndarray)])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes()
