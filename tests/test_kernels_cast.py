@@ -13,6 +13,15 @@ from conftest import poison_gpu_pool
 pytestmark = pytest.mark.gpu
 
 
+def assert_cast_transpose_of(x, scale, q, qt, amax):
+    """The E5M2 codes, transposed codes and amax (CuPy) are the reference cast's of x."""
+    import cupy
+    q_ref, qt_ref, amax_ref = ref.cast_transpose(x, cupy.asnumpy(scale), E5M2)
+    assert_same_codes(cupy.asnumpy(q), q_ref, E5M2)
+    assert_same_codes(cupy.asnumpy(qt), qt_ref, E5M2)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+
+
 def assert_same_codes(got, want, fmt):
     np.testing.assert_array_equal(got, want, err_msg=f"{fmt.name} codes")
 
@@ -93,10 +102,7 @@ def test_cast_transpose_dbias_matches_reference(rng, dtype, shape):
     args = (cupy.asarray(x), scale, E5M2, np.dtype(dtype))
     assert tecupy.backends.chosen("cast_transpose_dbias", *args) == "cuda"
     q, qt, amax, db = tecupy.backends.dispatch("cast_transpose_dbias", *args)
-    q_ref, qt_ref, amax_ref = ref.cast_transpose(x, cupy.asnumpy(scale), E5M2)
-    assert_same_codes(cupy.asnumpy(q), q_ref, E5M2)
-    assert_same_codes(cupy.asnumpy(qt), qt_ref, E5M2)
-    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+    assert_cast_transpose_of(x, scale, q, qt, amax)
     want = x.astype(np.float64).sum(0)
     assert db.dtype == np.dtype(dtype) and db.shape == (shape[1],)
     tol = float(np.finfo(np.float32).eps) * shape[0] * np.abs(x.astype(np.float64)).sum(0)
@@ -219,10 +225,7 @@ def test_dact_cast_transpose_matches_act_bwd_then_cast(rng, name, dtype, shape, 
     args = (*g, name, scale, E5M2, np.dtype(dtype), None, inv)
     assert tecupy.backends.chosen("dact_cast_transpose", *args) == "cuda"
     q, qt, amax, db = tecupy.backends.dispatch("dact_cast_transpose", *args)
-    q_ref, qt_ref, amax_ref = ref.cast_transpose(dx, cupy.asnumpy(scale), E5M2)
-    assert_same_codes(cupy.asnumpy(q), q_ref, E5M2)
-    assert_same_codes(cupy.asnumpy(qt), qt_ref, E5M2)
-    np.testing.assert_array_equal(cupy.asnumpy(amax), amax_ref)
+    assert_cast_transpose_of(dx, scale, q, qt, amax)
     assert float(inv[0]) == np.float32(1) / cupy.asnumpy(scale)[0]
     want = dx.astype(np.float64).sum(0)
     tol = float(np.finfo(np.float32).eps) * shape[0] * np.abs(dx.astype(np.float64)).sum(0)
