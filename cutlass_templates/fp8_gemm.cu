@@ -21,6 +21,14 @@
 // PROMOTE (TE's split accumulator): each k-block of 128 accumulates into a fresh fragment
 // that is added into a float32 total, since Hopper's FP8 wgmma accumulates with fewer bits
 // than float32 (DeepSeek-V3 sec. 3.3); otherwise wgmma accumulates in place ("fast").
+// Block scaling (fp8_block_gemm_tn, Float8BlockScaling: DeepSeek-V3's and Transformer
+// Engine's blockwise recipe): D = sum over k-blocks kb of (A_kb . B_kb^T) * sa * sb, the
+// factors applied at each promotion (split accumulation always):
+//   sa [ceil(K / 128), M]: A's 1x128 blocks, the factor of row m in k-block kb at [kb, m]
+//   SCALE 1: sb [ceil(K / 128), N]: B's 1x128 blocks, a factor per output column (the
+//            producer copies a tile's BN factors of each k-block into its stage)
+//   SCALE 2: sb [ceil(N / 128), ceil(K / 128)]: B's 128x128 blocks, one per 128 columns
+// alpha is 1 there; the per-tensor kernels (SCALE 0) have no factors and the same code.
 // Tiles are visited in groups of GROUP_M row blocks so that concurrent CTAs share A and B in
 // L2; fp8_gemm_tn_cluster2 pairs CTAs that multicast the A tile. 16-bit D leaves through a
 // swizzled shared-memory buffer and TMA stores. Dynamic shared memory: STAGES x (BM + BN) x
@@ -327,17 +335,27 @@ __device__ __forceinline__ bool next_tile(int& u, int num_m, int num_n, int& mb,
 
 // With CLUSTER > 1, rank 0 loads the A tile once for the whole cluster (TMA multicast: it
 // lands in every CTA's stage s and counts on every CTA's full[s]); each CTA loads its own B.
-template <int BN, int STAGES, int CLUSTER>
+// Block scaling with 1x128 B (SCALE 1): the tile's BN column factors of each k-block come
+// with its stage, by a bulk copy (16-byte aligned: N % 8 == 0; clipped at N).
+template <int BN, int STAGES, int CLUSTER, int SCALE>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          const cute::TmaDescriptor* tb, uint8_t* sa,
                                          uint8_t* sb, uint64_t* full, uint64_t* empty,
-                                         int num_m, int num_n, int nk) {
+                                         int num_m, int num_n, int nk, const float* scale_b,
+                                         float* sb_stage, int N) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
         for (int kb = 0; kb < nk; ++kb) {
             Barrier::wait(&empty[s], phase ^ 1);
-            Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
+            if constexpr (SCALE == 1) {
+                const int bytes = min(BN, N - nb * BN) * int(sizeof(float));
+                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + bytes);
+                cute::SM90_BULK_COPY_G2S::copy(scale_b + size_t(kb) * N + nb * BN, &full[s],
+                                               sb_stage + s * BN, bytes);
+            } else {
+                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
+            }
             if constexpr (CLUSTER == 1)
                 cute::SM90_TMA_LOAD_2D::copy(ta, &full[s], hint, sa + s * BM * BK, kb * BK,
                                              mb * BM);
@@ -402,25 +420,84 @@ __device__ __forceinline__ void mainloop_fast(uint64_t da, uint64_t db,
     release<CLUSTER>(&empty[prev]);
 }
 
-// acc[H * NP + i] += part[i]: sub-tile H of the accumulator (constant indices: registers).
-template <int H, int NP, int N>
-__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP]) {
+// The factors of one k-block's promotion for this thread, f(i) that of accumulator element
+// i (row half (i / 2) % 2, column 8 (i / 4) + 2 (lane % 4) + i % 2 of the tile). SCALE 0
+// (per tensor) has none: the promotion is a plain add and alpha comes in the epilogue.
+template <int BN, int SCALE> struct Factors {
+    static constexpr bool scaled = false;
+};
+template <int BN> struct Factors<BN, 1> {  // sa per row, sb per column (in shared memory)
+    static constexpr bool scaled = true;
+    float a[2];
+    const float* b;  // this stage's BN column factors + 2 (lane % 4)
+    __device__ __forceinline__ float operator()(int i) const {
+        return a[(i >> 1) & 1] * b[8 * (i >> 2) + (i & 1)];
+    }
+};
+template <int BN> struct Factors<BN, 2> {  // sa per row, sb per 64 columns (128x128 blocks)
+    static constexpr bool scaled = true;
+    float a[2], b[BN / 64];
+    __device__ __forceinline__ float operator()(int i) const {
+        return a[(i >> 1) & 1] * b[i >> 5];
+    }
+};
+
+// Where a tile's block factors are: the scale_inv arrays (layouts in the header), this
+// thread's two rows of A (clamped into M: rows past it are computed, never stored) and the
+// tile's first column; sb_stage: SCALE 1's per-stage copies of B's.
+struct BlockScales {
+    const float* a;
+    const float* b;
+    const float* sb_stage;
+    int M, N, nk, r0, col0;
+};
+
+// The factors of k-block kb in stage s. Loaded a k-block ahead of their use, so that the
+// global loads (L2 hits: every CTA of a row block reads the same sa) hide behind a wgmma.
+template <int BN, int SCALE>
+__device__ __forceinline__ Factors<BN, SCALE> factors(const BlockScales& bs, int kb, int s) {
+    Factors<BN, SCALE> f;
+    if constexpr (SCALE != 0) {
+        const float* a = bs.a + size_t(kb) * bs.M;
+        f.a[0] = __ldg(a + min(bs.r0, bs.M - 1));
+        f.a[1] = __ldg(a + min(bs.r0 + 8, bs.M - 1));
+    }
+    if constexpr (SCALE == 1)
+        f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
+    if constexpr (SCALE == 2) {
+        const int last = (bs.N - 1) / 128;  // the tile's last 64 columns may lie past N
+#pragma unroll
+        for (int c = 0; c < BN / 64; ++c)
+            f.b[c] = __ldg(bs.b + size_t(min((bs.col0 + 64 * c) / 128, last)) * bs.nk + kb);
+    }
+    return f;
+}
+
+// acc[H * NP + i] += part[i] (times its factor under block scaling): sub-tile H of the
+// accumulator (constant indices: registers).
+template <int H, int NP, int N, class F>
+__device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP], const F& f) {
     fence(part);
 #pragma unroll
-    for (int i = 0; i < NP; ++i) acc[H * NP + i] += part[i];
+    for (int i = 0; i < NP; ++i) {
+        if constexpr (F::scaled)
+            acc[H * NP + i] = fmaf(part[i], f(H * NP + i), acc[H * NP + i]);
+        else
+            acc[H * NP + i] += part[i];
+    }
 }
 
 // Issue and wait for the column sub-tiles H.. of one k-block, promoting all but the last
 // (recursion unrolls it): once it returns, the stage has been read.
-template <int H, int BN, class MMA>
+template <int H, int BN, class MMA, class F>
 __device__ __forceinline__ void split_block(uint64_t da, uint64_t db,
                                             float (&acc)[BN / 2],
-                                            float (&part)[mma_n<MMA>() / 2]) {
+                                            float (&part)[mma_n<MMA>() / 2], const F& f) {
     mma_block<MMA>(da, desc_at(db, H * mma_n<MMA>() * BK), part, false);
     cute::warpgroup_wait<0>();
     if constexpr ((H + 1) * mma_n<MMA>() < BN) {
-        promote<H>(acc, part);
-        split_block<H + 1, BN, MMA>(da, db, acc, part);
+        promote<H>(acc, part, f);
+        split_block<H + 1, BN, MMA>(da, db, acc, part, f);
     }
 }
 
@@ -430,44 +507,57 @@ __device__ __forceinline__ void split_block(uint64_t da, uint64_t db,
 // alternating fragments (adds overlapping the next k-block) measured slower. When the wgmma
 // atom is narrower than the tile (BN = 256 with a 128-wide atom: acc and a full-width part
 // would not fit in 232 registers), the k-block runs one column sub-tile at a time.
-template <int BN, int STAGES, int CLUSTER, class MMA>
+// Block scaling: each promotion multiplies by the k-block's factors (Factors), and with
+// 1x128 B (SCALE 1) the stage is released after the last one, which reads its B factors.
+template <int BN, int STAGES, int CLUSTER, class MMA, int SCALE>
 __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
                                                uint64_t* full, uint64_t* empty, int nk,
-                                               int& s, int& phase, float (&acc)[BN / 2]) {
+                                               int& s, int& phase, float (&acc)[BN / 2],
+                                               const BlockScales& bs) {
     float part[mma_n<MMA>() / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    Factors<BN, SCALE> f = factors<BN, SCALE>(bs, 0, s);
     for (int kb = 0; kb < nk; ++kb) {
+        const Factors<BN, SCALE> next =
+            factors<BN, SCALE>(bs, min(kb + 1, nk - 1), s + 1 == STAGES ? 0 : s + 1);
         Barrier::wait(&full[s], phase);
         split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
-                                part);
-        release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
-        promote<BN / mma_n<MMA>() - 1>(acc, part);
+                                part, f);
+        if constexpr (SCALE != 1)
+            release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
+        promote<BN / mma_n<MMA>() - 1>(acc, part, f);
+        if constexpr (SCALE == 1) release<CLUSTER>(&empty[s]);
         advance(s, phase, STAGES);
+        f = next;
     }
 }
 
 // The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
-          bool PROMOTE>
+          bool PROMOTE, int SCALE>
 __device__ __forceinline__ void math(const float* scale_inv_a, const float* scale_inv_b,
                                      const float* scale_out, float* amax_out, Epilogue<TOut> e,
                                      int nk, const uint8_t* sa, const uint8_t* sb,
                                      uint64_t* full, uint64_t* empty, uint8_t* staging,
-                                     const cute::TmaDescriptor* tma_d) {
+                                     const float* sb_stage, const cute::TmaDescriptor* tma_d) {
+    static_assert(SCALE == 0 || PROMOTE, "block scales apply at the promotions");
     constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
     uint8_t* stage = staging + (threadIdx.x / 128 - 1) * 64 * BN * 2;
-    e.alpha = __ldg(scale_inv_a) * __ldg(scale_inv_b);
+    e.alpha = SCALE ? 1.f : __ldg(scale_inv_a) * __ldg(scale_inv_b);
     e.out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;
     const int row_off = (threadIdx.x / 128 - 1) * 64, M = e.M, N = e.N;
     const uint64_t da = smem_desc(sa + row_off * BK), db = smem_desc(sb);  // stage 0's tiles
+    const int r0 = row_off + 16 * ((threadIdx.x / 32) % 4) + threadIdx.x % 32 / 4;
     float amax = 0.f;
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb);) {
         float acc[BN / 2];
+        const BlockScales bs{scale_inv_a, scale_inv_b, sb_stage, M, N, nk, mb * BM + r0,
+                             nb * BN};
         if constexpr (PROMOTE)
-            mainloop_split<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s,
-                                                     phase, acc);
+            mainloop_split<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s,
+                                                            phase, acc, bs);
         else
             mainloop_fast<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s,
                                                     phase, acc);
@@ -484,7 +574,7 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
 
 // The kernel body; the entries below differ only in their cluster attribute.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
-          bool PROMOTE>
+          bool PROMOTE, int SCALE>
 __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scale_inv_b,
                                      const bias_t<TOut>* bias, const float* scale_out,
                                      float* amax_out,
@@ -492,13 +582,16 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
                                      const cute::TmaDescriptor& tma_a,
                                      const cute::TmaDescriptor& tma_b,
                                      const cute::TmaDescriptor& tma_d) {
-    // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging], barriers
+    // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging],
+    // [SCALE 1: STAGES x BN float B factors], barriers
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
     uint8_t* staging = sb + STAGES * BN * BK;
     constexpr int kStaging = kTmaStore<TOut, EPI, ACCUM, BN> ? 2 * 64 * BN * 2 : 0;
-    uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStaging);
+    constexpr int kFactors = SCALE == 1 ? STAGES * BN * int(sizeof(float)) : 0;
+    float* sb_stage = reinterpret_cast<float*>(staging + kStaging);
+    uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStaging + kFactors);
     uint64_t* empty = full + STAGES;
     const int nk = (K + BK - 1) / BK;
     if (threadIdx.x == 0) {
@@ -515,13 +608,14 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)
-            producer<BN, STAGES, CLUSTER>(&tma_a, &tma_b, sa, sb, full, empty,
-                                          (M + BM - 1) / BM, (N + BN - 1) / BN, nk);
+            producer<BN, STAGES, CLUSTER, SCALE>(&tma_a, &tma_b, sa, sb, full, empty,
+                                                 (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
+                                                 scale_inv_b, sb_stage, N);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
-        math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE>(
+        math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE>(
             scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
-            sa, sb, full, empty, staging, &tma_d);
+            sa, sb, full, empty, staging, sb_stage, &tma_d);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();
@@ -541,13 +635,21 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
 // Single CTAs get no cluster attribute at all (a cluster of 1 is still a cluster launch).
 template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>
 __global__ void __launch_bounds__(THREADS, 1) fp8_gemm_tn(TC_GEMM_PARAMS) {
-    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, PROMOTE>(TC_GEMM_ARGS);
+    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, PROMOTE, 0>(TC_GEMM_ARGS);
 }
 
 template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
 fp8_gemm_tn_cluster2(TC_GEMM_PARAMS) {
-    gemm<BN, STAGES, 2, MMA, TOut, EPI, ACCUM, PROMOTE>(TC_GEMM_ARGS);
+    gemm<BN, STAGES, 2, MMA, TOut, EPI, ACCUM, PROMOTE, 0>(TC_GEMM_ARGS);
+}
+
+// Block scaling (header): scale_inv_a is A's [ceil(K / 128), M] factors, scale_inv_b B's
+// in SCALE's layout (1: 1x128 blocks, 2: 128x128); split accumulation, no cluster.
+template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, int SCALE>
+__global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_tn(TC_GEMM_PARAMS) {
+    static_assert(SCALE == 1 || SCALE == 2, "SCALE: 1 (1x128 B) or 2 (128x128 B)");
+    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE>(TC_GEMM_ARGS);
 }
 
 }  // namespace tc

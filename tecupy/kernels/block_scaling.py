@@ -4,7 +4,12 @@ block_quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose) -> (co
 scale_inv, codes_t or None, scale_inv_t or None), bit for bit the reference's
 (reference/block_scaling.py, which documents the layouts): one launch reads x once and
 writes the row-wise codes and, with transpose, the column-wise copy, each with its own
-block scales. The block GEMM ("fp8_block_gemm") has no kernel yet: it runs on the reference.
+block scales.
+
+fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, ...): the
+Hopper FP8 GEMM (cutlass_templates/fp8_gemm.cu, fp8_block_gemm_tn) with the block factors
+applied at each promotion over 128 of K, launched through kernels/fp8_gemm.py's plans; the
+reference (reference/block_scaling.py) runs what it does not take (supports() says what).
 """
 import itertools
 
@@ -12,8 +17,10 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
-from ..reference.block_scaling import BLOCK, value_for_inf
+from ..reference.block_scaling import BLOCK, block_dim_of, value_for_inf
+from . import fp8_gemm as G
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool
+from .launch import planned
 
 FILE = "block_scaling.cu"
 loader.declare(FILE, [f"block_quantize<{CTYPE[t]}, {f}, {d}, {p}>" for t, f, d, p in
@@ -49,3 +56,87 @@ def block_quantize(x, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0, tran
                              np.int32(rows), np.int32(cols), np.float32(fmt.max),
                              np.float32(amax_epsilon), value_for_inf(x.dtype)))
     return q, s, qt, st
+
+
+# ---- the block GEMM ----------------------------------------------------------------------
+def _gemm_names():
+    """The block GEMMs built ahead of a first call (others compile on theirs): E4M3 x E4M3
+    (the recipe's default) and E5M2 x E4M3 (HYBRID's dgrad and wgrad), both split
+    configurations; 128x128 B (fprop, dgrad: the weight) plain or with a bias, and gelu's
+    backward; 1x128 B (wgrad: x's column-wise copy) plain."""
+    for pair in (("e4m3", "e4m3"), ("e5m2", "e4m3")):
+        for config, _ in G.DEFAULTS[True]:
+            for out in G._OUT:
+                for epi in (0, 1):
+                    yield G.kernel_name(*pair, out, epi, False, config, 2)
+                yield G.kernel_name(*pair, out, 0, False, config, 1)
+            for out in G._OUT[1:]:
+                yield G.kernel_name(*pair, out, 3, False, config, 2)
+
+
+loader.declare(G.FILE, list(_gemm_names()), archs=("sm_90a",), options=G.OPTIONS)
+
+
+def _gemm_supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
+                    out=None, accumulate=False, split_accumulator=True, out_scale=None,
+                    amax_out=None, gelu=False, dgelu_aux=None):
+    """What the split-accumulating FP8 GEMM takes (fp8_gemm.supported: a Hopper GPU, 2-D
+    CuPy codes, K % 16 == 0, N % 8 == 0, contiguous 16-byte aligned operands; a float32,
+    float16 or bfloat16 output, no FP8 output, no gelu forward epilogue), with float32 CuPy
+    scales in a block layout of their operand: any M, a K tail past the last 128 (TMA zero-
+    fills it), either operand's blocks 1x128 or 128x128."""
+    if not (is_cupy(a_scale_inv) and is_cupy(b_scale_inv)
+            and a_scale_inv.dtype == np.float32 and b_scale_inv.dtype == np.float32):
+        return False
+    if not G.supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out,
+                       accumulate, True, out_scale, amax_out, gelu, dgelu_aux):
+        return False
+    try:
+        block_dim_of(a.shape, a_scale_inv.shape)
+        dim_b = block_dim_of(b.shape, b_scale_inv.shape)
+    except ValueError:
+        return False
+    # 1x128 B: its factors reach shared memory by bulk copies of 16-byte aligned rows (a
+    # non-contiguous array is copied into a fresh, aligned one)
+    return dim_b == 2 or not b_scale_inv.flags.c_contiguous or b_scale_inv.data.ptr % 16 == 0
+
+
+_gemm_plans = {}  # (shape, formats, B's blocks, output, epilogue, device) -> launch plan
+
+
+@backends.register("fp8_block_gemm", "cutlass", supports=_gemm_supported)
+def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
+                   out=None, accumulate=False, split_accumulator=True, out_scale=None,
+                   amax_out=None, gelu=False, dgelu_aux=None):
+    """The reference's fp8_block_gemm on the GPU: D = sum over 128-blocks kb of K of
+    (a_kb . b_kb^T) * sa[m, kb] * sb[n, kb], accumulated in float32 (split accumulation
+    always: split_accumulator is accepted and ignored), then bias, the output dtype,
+    accumulate into `out`, dgelu_aux as fp8_gemm's epilogue."""
+    import cupy
+    (m, k), n = a.shape, b.shape[0]
+    dim_b = block_dim_of(b.shape, b_scale_inv.shape, "fp8_block_gemm (b)")
+    act = None if dgelu_aux is None else "dgelu"
+    key = (m, n, k, a_fmt.name, b_fmt.name, dim_b, out_dtype, bias is None, accumulate, act,
+           G._device())
+    plan = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b, out_dtype,
+                   bias is None, accumulate, act)
+    return G._run(plan, a, _a_factors(a.shape, a_scale_inv), b,
+                  cupy.ascontiguousarray(b_scale_inv), bias, out, None, None, dgelu_aux)
+
+
+def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
+    """The per-tensor split GEMM's default tile for this shape (the block factors cost a
+    multiply per promoted element, the same for every tile), as a block-scaled kernel."""
+    config = G.default_config(m, n, True)
+    return G._plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k,
+                   scale=dim_b)
+
+
+def _a_factors(shape, scale_inv):
+    """A's factors as the kernel reads them, [ceil(K / 128), M] float32 (1x128 blocks: the
+    array itself, when contiguous); 128x128 blocks (x_ or grad_block_scaling_dim 2) are
+    spread to every row of their block (a copy)."""
+    import cupy
+    if block_dim_of(shape, scale_inv.shape, "fp8_block_gemm (a)") == 1:
+        return cupy.ascontiguousarray(scale_inv)
+    return cupy.ascontiguousarray(cupy.repeat(scale_inv.T, BLOCK, axis=1)[:, :shape[0]])

@@ -50,12 +50,18 @@ _OUT = ("float", "__half", "__nv_bfloat16")
 _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 
 
-def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config):
+def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
-    3 gelu's backward (D * gelu'(aux + bias), aux read)."""
+    3 gelu's backward (D * gelu'(aux + bias), aux read). scale: 0 per-tensor scales, else
+    block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or 128x128 (2):
+    fp8_block_gemm_tn, split accumulation, no cluster."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
+    if scale:
+        assert promote and cluster == 1, "block scaling: split accumulation, no cluster"
+        return (f"tc::fp8_block_gemm_tn<{bn}, {stages}, {atom}, {out}, {int(epi)}, "
+                f"{cbool(accumulate)}, {scale}>")
     entry = "fp8_gemm_tn" if cluster == 1 else f"fp8_gemm_tn_cluster{cluster}"
     return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, {cbool(accumulate)}, "
             f"{cbool(promote)}>")
@@ -82,10 +88,12 @@ def _names():
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 
 
-def smem_bytes(config, staging=True):
-    """Stages of A and B tiles, the output staging buffer of 16-bit outputs, barriers."""
+def smem_bytes(config, staging=True, scale=0):
+    """Stages of A and B tiles, the output staging buffer of 16-bit outputs, [block scaling
+    with 1x128 B (scale 1): BN float factors per stage], barriers."""
     bn, stages = config[:2]
-    return stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0) + 2 * stages * 8
+    return (stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0)
+            + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8)
 
 
 def tma_store(out_dtype, act, accumulate, bn):
@@ -268,10 +276,11 @@ def _device():
     return cupy.cuda.runtime.getDevice()
 
 
-def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k):
+def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
-    M x N output, K deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward)."""
+    M x N output, K deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward); scale:
+    kernel_name's (0 per tensor, 1 or 2 block scaling)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -280,9 +289,9 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k):
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
     epi = {"gelu": 2, "dgelu": 3}.get(act, int(not no_bias))
-    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config)
+    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale)
     staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
-    smem = smem_bytes(config, staged)
+    smem = smem_bytes(config, staged, scale)
     if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
     fn = loader.function(FILE, name)
