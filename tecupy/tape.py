@@ -242,7 +242,8 @@ class Tape:
             ids.update(id(a) for a in node.outputs)
         return ids
 
-    def gradient(self, outputs, wrt, output_grad=None, retain_graph=False, on_grad=None):
+    def gradient(self, outputs, wrt, output_grad=None, retain_graph=False, on_grad=None,
+                 keep_grads=True):
         """Gradients of `outputs` (weighted by `output_grad`, default ones) w.r.t. `wrt`.
 
         `wrt` may be one array, a list/tuple (a list comes back), a dict name -> array (a dict
@@ -270,15 +271,21 @@ class Tape:
         this call returns: the backward may still read that array (an intermediate's producer
         reads its gradient; an add hands one dy to both inputs, so a leaf's gradient can be
         another array's too).
+
+        keep_grads: True, or False with on_grad: the tape drops each gradient as soon as
+        on_grad(i, grad) returns and the call returns None, so the gradients of `wrt` are
+        never all alive at once: on_grad consumes them as they come (an optimizer updating
+        each parameter: Optimizer.step_in_backward). wrt[i] itself may then be changed in
+        place by on_grad: every node that takes it as an input has run (what a node's
+        backward reads of a parameter is among its inputs, or saved from them as copies).
         """
-        if on_grad is not None and not callable(on_grad):
-            raise TypeError(f"Tape.gradient: on_grad must be None or a callable "
-                            f"on_grad(i, grad); got {type(on_grad).__name__} {on_grad!r:.40}")
+        _check_on_grad(on_grad, keep_grads)
         if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
             wrt = wrt.named_parameters()
         if isinstance(wrt, dict):
-            return dict(zip(wrt, self.gradient(outputs, list(wrt.values()), output_grad,
-                                               retain_graph, on_grad)))
+            got = self.gradient(outputs, list(wrt.values()), output_grad, retain_graph,
+                                on_grad, keep_grads)
+            return None if got is None else dict(zip(wrt, got))
         # the peak is at the start of the backward: free what only the tape holds first
         # (what the caller passed here is referenced by this frame, so it stays)
         index = _sweep(self._nodes)
@@ -293,19 +300,23 @@ class Tape:
         self._check_known(targets, known)
         reached = self._reached(grads)
         self._check_once(reached)
-        hand = None if on_grad is None else _Handover(on_grad, targets, reached)
+        keep = {id(t) for t in targets}  # gradients kept in grads past their producer
+        hand = None if on_grad is None else _Handover(on_grad, targets, reached,
+                                                      None if keep_grads else keep)
         del reached
         token = _retain.set(bool(retain_graph))
         try:
-            self._backprop(grads, None if retain_graph else index, {id(t) for t in targets},
-                           hand)
+            self._backprop(grads, None if retain_graph else index, keep, hand)
         finally:
             _retain.reset(token)
         del index
+        if not keep_grads:
+            hand.drain(grads)
+            return None
         result = []
         for i, t in enumerate(targets):
             g = grads.get(id(t)) if hand is None else hand.given.get(i, grads.get(id(t)))
-            result.append(_zeros_like(t) if g is None else g.astype(t.dtype, copy=False))
+            result.append(_final(t, g))
         if hand is not None:
             hand.rest(result)
         return result if many else result[0]
@@ -392,16 +403,37 @@ class Tape:
             fn(list(items.values()))
 
 
+def _check_on_grad(on_grad, keep_grads):
+    if on_grad is not None and not callable(on_grad):
+        raise TypeError(f"Tape.gradient: on_grad must be None or a callable "
+                        f"on_grad(i, grad); got {type(on_grad).__name__} {on_grad!r:.40}")
+    if not isinstance(keep_grads, (bool, np.bool_)):
+        raise TypeError(f"Tape.gradient: keep_grads must be a bool; got "
+                        f"{type(keep_grads).__name__} {keep_grads!r:.40}")
+    if not keep_grads and on_grad is None:
+        raise ValueError("Tape.gradient: keep_grads=False needs an on_grad(i, grad) that "
+                         "consumes each gradient (nothing would be returned)")
+
+
+def _final(t, g):
+    """The gradient returned for target t: g in t's dtype, zeros where none came."""
+    return _zeros_like(t) if g is None else g.astype(t.dtype, copy=False)
+
+
 class _Handover:
     """Tape.gradient's on_grad: which gradients each node completes, and those handed over.
 
     due: {id(node): [i, ...]}, node the last of wrt[i]'s consumers to run (the earliest
     recorded among the reached nodes): built in one pass over them, in backward order, each
     later consumer overwriting. given: {i: the array passed}, which gradient() returns (the
-    caller gets it: no array is kept beyond those). Holds no node and no input array."""
+    caller gets it: no array is kept beyond those). Holds no node and no input array.
+    drop: None (keep_grads), else the backward's `keep` set: a gradient handed over leaves
+    grads (a leaf's) or that set (an intermediate's, which its producer then takes as any
+    other), and `given` stays empty: the tape holds no gradient once on_grad returns."""
 
-    def __init__(self, on_grad, targets, reached):
+    def __init__(self, on_grad, targets, reached, drop=None):
         self.on_grad, self.targets, self.given = on_grad, targets, {}
+        self.drop, self.handed = drop, set()
         want = {}
         for i, t in enumerate(targets):
             want.setdefault(id(t), []).append(i)
@@ -419,25 +451,50 @@ class _Handover:
             self.due.setdefault(node, []).extend(want[k])
 
     def give(self, node, grads):
-        """Hand over the gradients that `node` completed (after it ran, or was skipped)."""
+        """Hand over the gradients that `node` completed (after it ran, or was skipped), in
+        index order (the indices of an array that wrt holds twice together)."""
+        by_array = {}
         for i in sorted(self.due.pop(id(node))):
-            t = self.targets[i]
-            g = grads.get(id(t))
-            if g is None:
-                continue  # no gradient came: zeros, after the backward (rest)
-            g = g.astype(t.dtype, copy=False)  # (as gradient() returns it)
-            if id(t) not in self.made:
-                grads[id(t)] = g  # a leaf: nothing reads the uncast one again
+            by_array.setdefault(id(self.targets[i]), []).append(i)
+        for k, indices in by_array.items():
+            self._give(k, indices, grads)
+
+    def _give(self, k, indices, grads):
+        """wrt[indices] (one array, id k) handed over (a function of its own: no gradient
+        stays bound in give's frame once dropped)."""
+        t = self.targets[indices[0]]
+        g = grads.get(k)
+        if g is None:
+            return  # no gradient came: zeros, after the backward (rest)
+        g = g.astype(t.dtype, copy=False)  # (as gradient() returns it)
+        if k not in self.made:
+            grads[k] = g  # a leaf: nothing reads the uncast one again
+        for i in indices:
+            self._pass(i, g)
+        if self.drop is not None:
+            if k in self.made:
+                self.drop.discard(k)  # its producer takes it, as any intermediate's
+            else:
+                del grads[k]
+
+    def _pass(self, i, g):
+        if self.drop is None:
             self.given[i] = g
-            self.on_grad(i, g)
+        self.handed.add(i)
+        self.on_grad(i, g)
 
     def rest(self, result):
         """After the backward: the gradients not handed over yet (zeros, or an output's
         seed), in index order."""
         for i, g in enumerate(result):
-            if i not in self.given:
-                self.given[i] = g
-                self.on_grad(i, g)
+            if i not in self.handed:
+                self._pass(i, g)
+
+    def drain(self, grads):
+        """rest() for keep_grads=False: each made when it is passed, dropped after."""
+        for i, t in enumerate(self.targets):
+            if i not in self.handed:
+                self._pass(i, _final(t, grads.get(id(t))))
 
 
 def _output_grads(node, grads, keep):

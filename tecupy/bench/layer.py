@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .memory import GIB, print_report, step_memory, torch_step_peak
+from .memory import GIB, OPT_ABOVE, OPT_PEER, print_report, step_memory, torch_step_peak
 from .timing import gpu_name
 
 STEPS, ROUNDS = 20, 3
@@ -201,6 +201,23 @@ def _memory(shape):
         layer, x, dy = _build(shape, w8)
         print_report(name, *step_memory(layer, x, dy, r, ckpt), ref=ref)
         del layer, x, dy
+    for name, ckpt, w8 in (("FP8, optimizer in backward", False, False),
+                           ("FP8, FP8 weights, optimizer in backward", False, True),
+                           ("FP8, checkpoint(layer, x), optimizer in backward", True, False)):
+        layer, x, dy = _build(shape, w8)
+        _optimizer_row(name, layer, x, dy, ckpt, ref)
+        del layer, x, dy
+
+
+def _optimizer_row(name, model, x, dy, checkpointed, ref):
+    """The FP8 step of `model` (a layer or a Stack) with AdamW's step in the backward
+    (Optimizer.step_in_backward): the peak above the parameters, the optimizer's state (made
+    first) and the inputs, against PyTorch's plain step (issue 22: the parameters'
+    gradients, applied and freed as they come, leave the peak)."""
+    from tecupy.optim import AdamW
+    opt = AdamW(model.named_parameters(), lr=1e-6)  # (float32 moments: the default)
+    print_report(name, *step_memory(model, x, dy, _recipe(), checkpointed, opt), ref=ref,
+                 above=OPT_ABOVE, peer=OPT_PEER)
 
 
 class Stack:
@@ -229,7 +246,9 @@ class Stack:
 def _stack_memory(shape, n):
     """The peak of one step of n layers above parameters and inputs: PyTorch bf16 (plain,
     and with torch.utils.checkpoint per layer), tecupy high precision, FP8, and FP8 with
-    each layer checkpointed (issue 22's target for checkpoint: <= 0.3x PyTorch bf16)."""
+    each layer checkpointed (issue 22's target for checkpoint: <= 0.3x PyTorch bf16); the
+    last with AdamW's step in the backward (its peak above the optimizer's state too: the
+    parameters' gradients never all alive)."""
     ref = _torch_stack_peak(shape, n)
     if ref:
         print(f"memory of {n} layers: PyTorch bf16 peak {ref[0] / GIB:.2f} GiB, with "
@@ -242,6 +261,10 @@ def _stack_memory(shape, n):
             name += ", FP8 weights" if w8 else ""
             peak, by_op, held = step_memory(Stack(layers, ckpt), x, dy, r)
             print_report(f"{n} layers, {name}", peak, by_op, held, ref=ref and ref[0])
+        name = "FP8, checkpoint per layer, optimizer in backward" + (
+            ", FP8 weights" if w8 else "")  # (last: the step changes the weights)
+        _optimizer_row(f"{n} layers, {name}", Stack(layers, True), x, dy, False,
+                       ref and ref[0])
         del layers
 
 

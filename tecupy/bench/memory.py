@@ -6,12 +6,20 @@ keep, and the inputs and outputs alive only because the tape holds them)."""
 from tecupy.tape import saved_bytes
 
 GIB, MIB = 2.0 ** 30, 2.0 ** 20
+# what the rows of a step with the optimizer in the backward count, and their yardstick
+OPT_ABOVE = "parameters, AdamW state (float32 masters and moments) and inputs"
+OPT_PEER = "PyTorch bf16's plain step, gradients included, no optimizer"
 
 
-def step_memory(layer, x, dy, recipe, checkpointed=False):
+def step_memory(layer, x, dy, recipe, checkpointed=False, optimizer=None):
     """(peak bytes above the start, {op: bytes kept for its backward}, bytes held by the
     tape) of one forward + backward of `layer` under `recipe` (None: high precision),
-    through tecupy.checkpoint when `checkpointed` (activation recompute)."""
+    through tecupy.checkpoint when `checkpointed` (activation recompute). The backward
+    makes the gradients of the parameters and of x; with `optimizer` (built on the layer's
+    parameters), its step in the backward instead (Optimizer.step_in_backward: each
+    parameter's gradient applied and freed as it comes; no gradient of x): the start then
+    counts the optimizer's state (master copies, moments) too, allocated before."""
+    # (the optimizer's rows: print_report(..., above=OPT_ABOVE, peer=OPT_PEER))
     import cupy
     import tecupy
     pool = cupy.get_default_memory_pool()
@@ -29,7 +37,10 @@ def step_memory(layer, x, dy, recipe, checkpointed=False):
             with tecupy.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
                 y = tecupy.checkpoint(layer, x) if checkpointed else layer(x)
         rows, held = saved_bytes(tape, {id(p) for p in layer.parameters()})
-        tape.gradient(y, dict(layer.named_parameters(), x=x), output_grad=dy)
+        if optimizer is None:
+            tape.gradient(y, dict(layer.named_parameters(), x=x), output_grad=dy)
+        else:
+            optimizer.step_in_backward(tape, y, output_grad=dy)
     finally:
         cupy.cuda.set_allocator(pool.malloc)
     by_op = {}
@@ -52,10 +63,12 @@ def torch_step_peak(layer, x, dy):
     return torch.cuda.max_memory_allocated() - start
 
 
-def print_report(name, peak, by_op, held, ref=None):
-    """ref: PyTorch bf16's peak, for the ratio."""
-    ratio = f" ({peak / ref:.2f}x PyTorch bf16)" if ref else ""
-    print(f"  {name}: peak {peak / GIB:.2f} GiB above parameters and inputs{ratio}; kept for "
+def print_report(name, peak, by_op, held, ref=None, above="parameters and inputs",
+                 peer="PyTorch bf16"):
+    """ref: PyTorch bf16's peak, for the ratio (peer names it); above: what the start
+    held."""
+    ratio = f" ({peak / ref:.2f}x {peer})" if ref else ""
+    print(f"  {name}: peak {peak / GIB:.2f} GiB above {above}{ratio}; kept for "
           f"the backward {sum(by_op.values()) / GIB:.2f} GiB, of which the tape alone holds "
           f"{held / GIB:.2f} GiB")
     for op, size in sorted(by_op.items(), key=lambda kv: -kv[1]):

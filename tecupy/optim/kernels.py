@@ -84,12 +84,31 @@ def step(kind, table, grads, param_dtypes, moments_dtype, state, hyper, clip, sc
                      table.partials))
     _prologue(table, state, clip, hyper if kind == "adamw" else None, schedule)
     for (first, count, pd, gd), pack in runs:
-        if kind == "adamw":
-            name = f"adamw_update<{CTYPE[pd]}, {CTYPE[gd]}, {CTYPE[moments_dtype]}>"
-        else:
-            name = f"sgd_update<{CTYPE[pd]}, {CTYPE[gd]}>"
-        _launch(name, table, first, count, (table.array, np.int32(table.n), pack,
-                np.int32(first), np.int32(count), state[2]) + _floats(kind, hyper))
+        _update(kind, table, first, count, pd, gd, pack, state[2], moments_dtype, hyper)
+
+
+def begin(kind, table, state, hyper, schedule):
+    """A step's prologue without clipping (step += 1, lr, the scalars sc), for updates
+    one tensor at a time (update_one): Optimizer.step_in_backward."""
+    keep_alive((table, state))
+    _prologue(table, state, None, hyper if kind == "adamw" else None, schedule)
+
+
+def update_one(kind, table, pos, grad, param_dtype, moments_dtype, sc, hyper):
+    """The update of the tensor at table position `pos` alone, from `grad` (CuPy,
+    C-contiguous, checked), with the scalars sc of begin(): the same kernel as step's, a
+    launch of count 1 (each element's maths is its own: bit-identical to step's)."""
+    _update(kind, table, pos, 1, param_dtype, grad.dtype, grad_pack([grad], 0, 1), sc,
+            moments_dtype, hyper)
+
+
+def _update(kind, table, first, count, pd, gd, pack, sc, moments_dtype, hyper):
+    if kind == "adamw":
+        name = f"adamw_update<{CTYPE[pd]}, {CTYPE[gd]}, {CTYPE[moments_dtype]}>"
+    else:
+        name = f"sgd_update<{CTYPE[pd]}, {CTYPE[gd]}>"
+    _launch(name, table, first, count, (table.array, np.int32(table.n), pack,
+            np.int32(first), np.int32(count), sc) + _floats(kind, hyper))
 
 
 def _floats(kind, hyper):

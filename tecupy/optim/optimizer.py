@@ -26,6 +26,7 @@ class Optimizer:
         # which stands in their place below (updated as a float32 parameter from the
         # weight's gradient); each step casts it into the weight's codes
         self._grad_dtypes = [p.dtype for p in self.params]
+        self._wrt = list(self.params)  # what a tape sees: FP8 weights as themselves
         self._fp8 = [(i, p) for i, p in enumerate(self.params) if isinstance(p, FP8Weight)]
         for i, p in self._fp8:
             self.params[i] = p.master()
@@ -62,6 +63,7 @@ class Optimizer:
         if not self.fused:
             return
         self._order = sorted(range(len(self.params)), key=lambda i: str(self.params[i].dtype))
+        self._pos = {i: k for k, i in enumerate(self._order)}  # parameter -> table position
         rows = self._table_rows()
         self._table = kernels.Table(*[[row[i] for i in self._order] for row in rows])
         self._dtypes = [self.params[i].dtype for i in self._order]
@@ -114,6 +116,12 @@ class Optimizer:
             weight.quantize_(self.params[i])
 
     def _reference_step(self, grads):
+        sc = self._reference_prologue(grads)
+        for i, g in enumerate(grads):
+            self._update(i, g, sc)
+
+    def _reference_prologue(self, grads):
+        """The step's scalars sc (step += 1, lr; the norm of grads when clipping)."""
         clip = self.max_grad_norm is not None
         sumsq = sum(reference.grad_sumsq(g) for g in grads) if clip else None
         beta1, beta2, wd = self._prologue_args()
@@ -123,8 +131,46 @@ class Optimizer:
         self.step_array[0], self.lr_array[0] = t, lr
         if clip:
             self._norm[...] = sc[5]
-        for i, g in enumerate(grads):
-            self._update(i, g, sc)
+        return sc
+
+    # ---- the step in the backward (in_backward.py) --------------------------------------
+    def step_in_backward(self, tape, outputs, output_grad=None, params=None):
+        """The backward of `outputs` on `tape` with this optimizer's step inside it
+        (PyTorch's optimizer-in-backward): each parameter is updated as soon as its gradient
+        is final (Tape.gradient's on_grad) and that gradient is then dropped, so the
+        parameters' gradients are never all alive at once (issue 22). Bit-identical to
+        step(tape.gradient(outputs, params, output_grad)): the step counter, lr and bias
+        corrections advance once, before the first update; an FP8 weight's codes are cast
+        from its master right after its update. Returns None: no gradient is kept.
+
+        output_grad: as Tape.gradient's. params: None, or the optimizer's parameters again
+        (a module, a list or a dict) as a check: all of them and no other. Not with
+        max_grad_norm: clipping needs the norm of every gradient, known only after the whole
+        backward. A refused backward (on a tape whose backward already ran, ...) changes
+        nothing; one that fails midway leaves the parameters handed over by then updated."""
+        from .in_backward import step_in_backward
+        step_in_backward(self, tape, outputs, output_grad, params)
+
+    def _begin_step(self):
+        """The step's prologue, without clipping; -> the scalars sc the updates read."""
+        if self.fused:
+            hyper = self._kernel_hyper()
+            kernels.begin(self.kind, self._table, (self.step_array, self.lr_array, self._sc),
+                          hyper, self.schedule)
+            return self._sc
+        return self._reference_prologue([])
+
+    def _step_one(self, i, grad, sc):
+        """Update parameter i from grad (checked) with the step's scalars sc; then its FP8
+        weight's codes, if it is one."""
+        if self.fused:
+            kernels.update_one(self.kind, self._table, self._pos[i], grad,
+                               self.params[i].dtype, self._moments_dtype(), sc,
+                               self._kernel_hyper())
+        else:
+            self._update(i, grad, sc)
+        if isinstance(self._wrt[i], FP8Weight):
+            self._wrt[i].quantize_(self.params[i])
 
     # ---- gradients ---------------------------------------------------------------------
     def _check_grads(self, grads):
