@@ -124,23 +124,26 @@ def test_each_gradient_is_freed_once_applied(mode):
 
 
 def test_parameters_change_only_after_their_last_reader():
-    """A parameter read by two nodes (a weight used twice) is updated after both ran: the
-    same result as the step after the backward (the earlier node's backward reads it)."""
+    """A weight used by two nodes is updated after both ran: the earlier node's backward
+    reads it for the gradient that reaches w0 (the same result as the step after the
+    backward; with the update after the later node alone, w0's would differ)."""
     rng = np.random.default_rng(7)
-    w, x = rng.standard_normal((6, 6)), rng.standard_normal((4, 6))
+    w0, w, x = rng.standard_normal((6, 6)), rng.standard_normal((6, 6)), rng.standard_normal((4, 6))
     results = []
     for in_backward in (False, True):
-        p = w.copy()
-        opt = SGD([p], lr=0.5)
+        params = [w0.copy(), w.copy()]
+        opt = SGD(params, lr=0.5)
         with tecupy.Tape() as tape:
-            y = tecupy.linear(tecupy.relu(tecupy.linear(x, p)), p)
+            h = tecupy.linear(x, params[0])
+            y = tecupy.linear(tecupy.relu(tecupy.linear(h, params[1])), params[1])
         if in_backward:
             opt.step_in_backward(tape, y)
         else:
-            opt.step(tape.gradient(y, [p]))
-        results.append(p)
-    np.testing.assert_array_equal(results[0], results[1])
-    assert not np.array_equal(results[0], w)
+            opt.step(tape.gradient(y, params))
+        results.append(params)
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(results[0][0], w0)
 
 
 def test_a_parameter_no_node_reaches_is_stepped_with_zeros():

@@ -656,3 +656,112 @@ def test_on_grad_keeps_the_release_and_no_reference(monkeypatch):
     assert released_on == released and sum(released) > 0
     for k in want:
         assert sys.getrefcount(got[k]) == sys.getrefcount(want[k]), k
+
+
+# -- keep_grads=False: on_grad consumes each gradient, the tape keeps none (issue 22) ------
+
+def _handed(tape, out, wrt, **kw):
+    """gradient(keep_grads=False) -> (its return, {i: a copy of each gradient passed})."""
+    seen = {}
+
+    def on_grad(i, g):
+        assert i not in seen
+        seen[i] = asnp(g).copy()
+    got = tape.gradient(out, wrt, on_grad=on_grad, keep_grads=False, **kw)
+    return got, seen
+
+
+def test_keep_grads_false_hands_over_what_is_returned_otherwise():
+    """Arrays used twice, an intermediate asked for, an array wrt holds twice, an unreached
+    one and an output: each index passed once, the gradient keep_grads=True returns; the
+    call returns None (a list, a dict or a module wrt alike)."""
+    from tecupy.tape import record
+    rng = np.random.default_rng()
+    x, w, z = rng.standard_normal((4, 3)), rng.standard_normal((5, 3)), rng.standard_normal(2)
+    keep = {}
+
+    def make():
+        with tecupy.Tape() as tape:
+            h = tecupy.linear(x, w)
+            h2 = h * 2.0
+            record(lambda d: (2.0 * d,), (h,), (h2,))
+            y = tecupy.add(tecupy.relu(h2), tecupy.linear(x, w))
+            tecupy.gelu(z)
+        keep.update(h=h, y=y)
+        return tape, y
+    wrt = lambda: [w, keep["h"], x, w, z, keep["y"]]  # noqa: E731
+    tape, y = make()
+    want = tape.gradient(y, wrt())
+    tape, y = make()
+    got, seen = _handed(tape, y, wrt())
+    assert got is None and sorted(seen) == list(range(6))
+    for i, g in enumerate(want):
+        np.testing.assert_array_equal(seen[i], g, err_msg=str(i))
+    tape, y = make()
+    got, seen = _handed(tape, y, {"w": w, "x": x})
+    assert got is None and sorted(seen) == [0, 1]
+    np.testing.assert_array_equal(seen[0], want[0])
+
+
+def test_keep_grads_false_with_a_module_and_fp8():
+    """A module's parameters in named_parameters() order, through an FP8 op."""
+    x = np.random.default_rng().standard_normal((16, 32)).astype(np.float32)
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    tape, y = _fp8_step(lin, x)
+    want = tape.gradient(y, lin)
+    lin2 = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    got, seen = _handed(*_fp8_step(lin2, x), lin2)
+    assert got is None and sorted(seen) == list(range(len(want)))
+    for i, k in enumerate(want):
+        np.testing.assert_array_equal(seen[i], want[k], err_msg=k)
+
+
+def test_keep_grads_false_needs_on_grad_and_a_bool(rng):
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((4, 3))
+    with tecupy.Tape() as tape:
+        y = tecupy.linear(x, w)
+    with pytest.raises(ValueError, match="keep_grads=False needs an on_grad"):
+        tape.gradient(y, w, keep_grads=False)
+    with pytest.raises(TypeError, match="keep_grads must be a bool; got str"):
+        tape.gradient(y, w, on_grad=lambda i, g: None, keep_grads="no")
+    np.testing.assert_array_equal(tape.gradient(y, w), np.ones((2, 4)).T @ x)
+
+
+@pytest.mark.parametrize("fp8, ckpt, w8", [(False, False, False), (True, False, False),
+                                           (True, True, False), (True, True, True)],
+                         ids=["hp", "fp8", "fp8 checkpoint", "fp8 weights checkpoint"])
+def test_a_parameter_may_change_once_handed_over(fp8, ckpt, w8):
+    """on_grad scribbles over each parameter (NaN, or an FP8 weight's codes) when it is
+    handed over: no later node's backward reads it, so every gradient is as without."""
+    from tecupy.fp8_params import FP8Weight
+    from tecupy.recipe import DelayedScaling
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 2, 32)).astype(np.float32)
+    dy = rng.standard_normal((16, 2, 32)).astype(np.float32)
+
+    def run(scribble):
+        r = DelayedScaling(amax_history_len=4)
+        with tecupy.quantized_model_init(enabled=w8, recipe=r):
+            layers = [tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=s)
+                      for s in (1, 2)]
+        params = [p for layer in layers for p in layer.parameters()]
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8, fp8_recipe=r):
+            h = x
+            for layer in layers:
+                h = tecupy.checkpoint(layer, h) if ckpt else layer(h)
+        seen = {}
+
+        def on_grad(i, g):
+            seen[i] = g.copy()
+            if scribble and isinstance(params[i], FP8Weight):
+                params[i].data[...] = 0x7F  # E4M3 NaN
+                params[i].data_t[...] = 0x7F
+            elif scribble:
+                params[i][...] = np.nan
+        tape.gradient(h, params, output_grad=dy, on_grad=on_grad, keep_grads=False)
+        return seen
+    want, got = run(False), run(True)
+    assert sorted(got) == sorted(want) == list(range(len(want)))
+    for i in want:
+        np.testing.assert_array_equal(got[i], want[i], err_msg=str(i))
+        assert np.all(np.isfinite(got[i]))

@@ -232,3 +232,28 @@ def test_intermediate_gradients_die_once_their_producer_ran(rng):
     want_a = 2.0 * (a > 0)
     np.testing.assert_array_equal(ga, want_a)  # asked for: kept, though a node consumed it
     np.testing.assert_allclose(gx, want_a @ z, rtol=1e-12)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_grads_false_frees_each_gradient_once_handed_over(keep):
+    """With keep_grads=False, a gradient on_grad was given is dead when the next comes (and
+    all are after the call): only the gradients of the node that just ran can be alive at
+    once. keep_grads=True (the yardstick) keeps every one for the result."""
+    layers = [tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=s) for s in (1, 2)]
+    params = [p for layer in layers for p in layer.parameters()]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 2, 32)).astype(np.float32)
+    with tecupy.Tape() as tape:
+        y = layers[1](layers[0](x))
+    refs, alive = [], []
+
+    def on_grad(i, g):
+        alive.append(sum(_alive(r) for r in refs))
+        refs.append(weakref.ref(g))
+    got = tape.gradient(y, params, on_grad=on_grad, keep_grads=keep)
+    assert len(refs) == len(params)
+    if keep:
+        assert alive == list(range(len(params))) and len(got) == len(params)
+    else:
+        assert got is None and alive == [0] * len(params)
+        assert not any(_alive(r) for r in refs)
