@@ -1,34 +1,49 @@
-"""Data parallel: gradients averaged over a group, in buckets (one all-reduce each), the
-all-reduces overlapped with the backward.
+"""Data parallel: gradients averaged over a group, in buckets, the collectives overlapped
+with the backward.
 
     reducer = dist.GradientReducer(group, model)         # once: buckets over its parameters
     grads = reducer.gradient(tape, loss)                 # each step: the ranks' mean (a dict)
 
 reducer.gradient is `tape.gradient(loss, model, on_grad=reducer.ready)` then
 `reducer.finish()`: the tape calls ready(i, grad) as soon as gradient i is final (after the
-backward of its last consumer, tape.py); a bucket is all-reduced as soon as it and every
-bucket before it are full (every rank launches the same all-reduces in the same order, as
-NCCL needs), on a side stream on the GPU (it waits on an event of the backward's stream),
-so its all-reduce overlaps the rest of the backward; finish() writes the means back in
-place and makes the current stream wait for them (the optimizer reads them after).
+backward of its last consumer, tape.py); a bucket is reduced as soon as it and every bucket
+before it are full (every rank launches the same collectives in the same order, as NCCL
+needs), on a side stream on the GPU (it waits on an event of the backward's stream), so its
+collective overlaps the rest of the backward, and so does the division by the group's size;
+finish() makes the current stream wait for them and returns the means.
+
+No copy for a large gradient: one of at least bucket_mb MiB is a bucket of its own, reduced
+from the gradient itself into a new array (NCCL's out-of-place all-reduce; the ThreadGroup
+reference copies first). Not in place: the backward may still read that very array (an
+add hands one dy to both its inputs, so a parameter's gradient can be an activation's
+too). Smaller gradients are copied into one flat buffer per bucket (one launch instead of
+many); their means are views of it. So the means are new arrays, the ones handed to ready()
+are only read.
 
     grads = tape.gradient(loss, params)
     dist.all_reduce_gradients(grads, group)            # in place, after the backward
 
-does the same after the backward, on the current stream (nothing to overlap): the buckets
-still cut the launches from one per gradient to one per bucket_mb.
+does the same after the backward, on the current stream (nothing to overlap), in place: a
+large gradient is all-reduced in place, the buckets' means are copied back.
+
+reduce="reduce_scatter" (ZeRO-1, zero.py): each bucket, padded with zeros to a multiple of
+the group's size, is reduce-scattered; finish() returns this rank's chunk of each bucket's
+mean (a ShardedGradients list). A large gradient whose size splits evenly goes as it is.
 
 Buckets: consecutive gradients of one dtype along `order` (by default the reverse of the
 parameters' order: a backward finishes the last-made layers first; `reducer.arrived` is the
 order of the last step's ready() calls, to pass as `order` to a new reducer), each up to
-bucket_mb MiB (a single larger gradient is a bucket of its own). The mean is the group's
-sum, then divided by its size. The buckets change no bit of the result on the reference
-communicator (sums in rank order, element by element); NCCL's order of summation over 3+
-ranks may depend on an element's place in a bucket, so compare runs with the same buckets.
+bucket_mb MiB. The mean is the group's sum, then divided by its size. The buckets change no
+bit of the result on the reference communicator (sums in rank order, element by element);
+NCCL's order of summation over 3+ ranks may depend on an element's place in a bucket and
+on the collective, so compare runs with the same buckets and the same `reduce`.
 """
 import numpy as np
 
+from .. import _check
 from .._array import is_cupy, xp_of
+
+REDUCES = ("all_reduce", "reduce_scatter")
 
 
 def plan_buckets(grads, bucket_bytes):
@@ -36,13 +51,18 @@ def plan_buckets(grads, bucket_bytes):
     gradient alone)."""
     buckets, size, dtype = [], 0, None
     for i, g in enumerate(grads):
-        nbytes = g.size * np.dtype(g.dtype).itemsize
+        nbytes = _nbytes(g)
         if not buckets or g.dtype != dtype or size + nbytes > bucket_bytes:
             buckets.append([])
             size, dtype = 0, g.dtype
         buckets[-1].append(i)
         size += nbytes
     return buckets
+
+
+class ShardedGradients(list):
+    """This rank's chunk of each bucket's mean gradient, in bucket order (1-D arrays): what
+    GradientReducer(reduce="reduce_scatter") returns and ZeroOptimizer.step takes."""
 
 
 class GradientReducer:
@@ -53,18 +73,30 @@ class GradientReducer:
     order ready() and Tape.gradient's on_grad number them (a dict's and a module's key
     order). order: "reverse" (default: the backward's order, roughly), "given", or a
     permutation of the indices (the order the gradients are expected to complete in, e.g. a
-    previous reducer's `arrived`): buckets are cut along it. Every rank must build the same
-    buckets (same grads_like, bucket_mb and order)."""
+    previous reducer's `arrived`): buckets are cut along it. bucket_mb: a gradient of at
+    least this many MiB is reduced alone with no copy, smaller ones are copied into buckets
+    of up to this size. reduce: "all_reduce" (finish() -> the means) or "reduce_scatter"
+    (-> this rank's chunk of each bucket: ZeRO-1). Every rank must build the same buckets
+    (same grads_like, bucket_mb, order and reduce)."""
 
     def __init__(self, group, grads_like, bucket_mb=25, average=True, side_stream=True,
-                 order="reverse"):
+                 order="reverse", reduce="all_reduce"):
+        self.reduce = _check.choice("GradientReducer", "reduce", reduce, REDUCES)
         self.group, self.average = group, average
         self.wrt = grads_like  # what gradient() differentiates by (a module, dict or list)
         like = _listed(grads_like)
         self.order = _order(order, len(like))
-        cuts = plan_buckets([like[i] for i in self.order], int(bucket_mb * 2**20))
+        self._like = [(tuple(a.shape), np.dtype(a.dtype)) for a in like]
+        bucket_bytes = _bucket_bytes("GradientReducer", bucket_mb)
+        cuts = plan_buckets([like[i] for i in self.order], bucket_bytes)
         self.buckets = [[self.order[k] for k in b] for b in cuts]
         self._of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        parts = group.size if reduce == "reduce_scatter" else 1
+        self.numel = [sum(like[i].size for i in b) for b in self.buckets]
+        self.padded = [-(-k // parts) * parts for k in self.numel]  # zeros after the grads
+        # one gradient of >= bucket_mb goes to the collective as it is (if it splits evenly)
+        self.direct = [len(b) == 1 and _nbytes(like[b[0]]) >= bucket_bytes and k == p
+                       for b, k, p in zip(self.buckets, self.numel, self.padded)]
         self._stream = None
         if side_stream and like and _on_gpu(like[0]):
             import cupy
@@ -74,31 +106,39 @@ class GradientReducer:
 
     def reset(self):
         """Forget a step's gradients (finish() does; after a failed backward, call it)."""
-        self._grads, self._flat, self._next = {}, {}, 0
+        self._grads, self._out, self._next = {}, {}, 0
         self._left = [len(b) for b in self.buckets]
         self._arriving = []
 
     def gradient(self, tape, outputs, output_grad=None, retain_graph=False):
         """One line per step: tape.gradient(outputs, <grads_like>, output_grad, retain_graph,
-        on_grad=self.ready), then finish(). -> what tape.gradient returns (a dict for a
-        module or dict, a list for a list), each gradient the mean over the group, written
-        in place; the current stream waits for the last all-reduce."""
+        on_grad=self.ready), then finish(). -> the means as tape.gradient would return the
+        gradients (a dict for a module or dict, a list for a list), or ShardedGradients
+        (reduce_scatter); the current stream waits for the last collective."""
         try:
             grads = tape.gradient(outputs, self.wrt, output_grad, retain_graph,
                                   on_grad=self.ready)
         except BaseException:
             self.reset()
             raise
-        self.finish()
-        return grads
+        means = self.finish()
+        if isinstance(grads, dict) and not isinstance(means, ShardedGradients):
+            return dict(zip(grads, means))
+        return means
 
     def ready(self, i, grad):
-        """Gradient i is complete (its values are final on the current stream)."""
+        """Gradient i is complete (its values are final on the current stream; it is only
+        read from here on)."""
         if i not in self._of:
             raise ValueError(f"GradientReducer.ready: no gradient {i!r} (this reducer has "
                              f"{len(self._of)}: 0..{len(self._of) - 1})")
         if i in self._grads:
             raise ValueError(f"GradientReducer.ready: gradient {i} given twice")
+        shape, dtype = self._like[i]
+        if tuple(grad.shape) != shape or np.dtype(grad.dtype) != dtype:
+            raise ValueError(f"GradientReducer.ready: gradient {i} is {tuple(grad.shape)} "
+                             f"{grad.dtype}; the buckets were planned for {shape} {dtype} "
+                             "(grads_like)")
         self._grads[i] = grad
         self._arriving.append(i)
         self._left[self._of[i]] -= 1
@@ -107,53 +147,95 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b):
-        # Always a copy, even of a gradient alone in its bucket: reduced in place during
-        # the backward, it would change under nodes that still read the same array (an
-        # add's backward hands dy to both inputs: a bias's gradient can be the gradient of
-        # the activation beside it). The means go back in finish(), after the backward.
         grads = [self._grads[i] for i in self.buckets[b]]
-        xp = xp_of(grads[0])
         if self._stream is None:
-            self._flat[b] = self.group.all_reduce(xp.concatenate([g.ravel() for g in grads]))
+            self._out[b] = self._reduce_bucket(b, grads)
             return
+        xp = xp_of(grads[0])
         self._stream.wait_event(xp.cuda.get_current_stream().record())
-        with self._stream:  # flatten, and all-reduce, behind the backward
-            self._flat[b] = self.group.all_reduce(xp.concatenate([g.ravel() for g in grads]))
+        with self._stream:  # copy (small gradients), reduce and divide behind the backward
+            self._out[b] = self._reduce_bucket(b, grads)
+
+    def _reduce_bucket(self, b, grads):
+        """-> bucket b's mean, a new array: flat (all_reduce; the gradient's own if direct)
+        or this rank's chunk (reduce_scatter)."""
+        xp = xp_of(grads[0])
+        send = (xp.ascontiguousarray(grads[0]).reshape(-1) if self.direct[b]
+                else _flatten(grads, self.padded[b]))
+        if self.reduce == "reduce_scatter":
+            out = self.group.reduce_scatter(send)
+        elif self.direct[b]:  # the gradient only read: the backward may still read it
+            out = _all_reduce_into(self.group, send, xp.empty_like(send))
+        else:
+            out = self.group.all_reduce(send)  # (our own copy: in place)
+        n = _divisor(self.group, self.average)
+        if n is not None:
+            xp.true_divide(out, n, out=out)
+        return out
 
     def finish(self):
-        """Wait for every bucket, write each gradient's mean back in place; -> grads
-        in index order."""
+        """Wait for every bucket; -> the means in index order (all_reduce: new arrays of
+        the gradients' shapes; several small ones are views of one bucket) or this rank's
+        chunk of each bucket (reduce_scatter: ShardedGradients)."""
         missing = [i for i in self._of if i not in self._grads]
         if missing:
             raise ValueError(f"GradientReducer.finish: gradients {sorted(missing)} never "
                              "given")
-        if self._stream is None:
-            self._unflatten()
-        else:
-            xp = xp_of(self._grads[self.buckets[0][0]])
-            # (the write-back waits for what the current stream has queued on them too)
-            self._stream.wait_event(xp.cuda.get_current_stream().record())
-            with self._stream:
-                self._unflatten()
+        if self._stream is not None and self._out:
+            xp = xp_of(self._out[0])
             xp.cuda.get_current_stream().wait_event(self._stream.record())
-        out = [self._grads[i] for i in range(len(self._grads))]
+        if self.reduce == "reduce_scatter":
+            out = ShardedGradients(self._out[b] for b in range(len(self.buckets)))
+        else:
+            out = self._unflatten()
         self.arrived = self._arriving
         self.reset()
         return out
 
     def _unflatten(self):
-        n = self.group.size if self.average and self.group.size > 1 else None
+        out = [None] * len(self._like)
         for b, idx in enumerate(self.buckets):
-            flat, at = self._flat[b], 0
-            xp = xp_of(flat)
+            at = 0
             for i in idx:
-                g = self._grads[i]
-                part = flat[at:at + g.size].reshape(g.shape)
-                if n is None:
-                    g[...] = part
-                else:  # the mean written straight into the gradient: one pass
-                    xp.true_divide(part, n, out=g)
-                at += g.size
+                shape = self._like[i][0]
+                size = int(np.prod(shape, dtype=np.int64))
+                out[i] = self._out[b][at:at + size].reshape(shape)
+                at += size
+        return out
+
+
+def _nbytes(a):
+    return a.size * np.dtype(a.dtype).itemsize
+
+
+def _bucket_bytes(op, bucket_mb):
+    return int(_check.real(op, "bucket_mb", bucket_mb, 0) * 2**20)
+
+
+def _divisor(group, average):
+    return group.size if average and group.size > 1 else None
+
+
+def _flatten(grads, size):
+    """The gradients raveled one after another into a new flat array of `size` elements
+    (zeros after them: reduce_scatter's padding)."""
+    xp = xp_of(grads[0])
+    numel = sum(g.size for g in grads)
+    flat = xp.empty(size, grads[0].dtype)
+    xp.concatenate([g.ravel() for g in grads], out=flat[:numel])
+    if size > numel:
+        flat[numel:] = 0
+    return flat
+
+
+def _all_reduce_into(group, x, out):
+    """x's sum over the group into out, x only read: NCCL's out-of-place all-reduce where
+    the group has one (NcclGroup.all_reduce_into), else a copy reduced in place."""
+    into = getattr(group, "all_reduce_into", None)
+    if into is not None:
+        return into(x, out)
+    out[...] = x
+    return group.all_reduce(out)
 
 
 def _listed(grads_like):
@@ -183,16 +265,29 @@ def _order(order, n):
 
 
 def all_reduce_gradients(grads, group, bucket_mb=25, average=True):
-    """Average (or sum, average=False) the gradients over `group`, in place, one
-    all-reduce per bucket of up to bucket_mb MiB; grads: a list/tuple or dict of arrays
-    (None entries skipped). -> grads."""
+    """Average (or sum, average=False) the gradients over `group`, in place (after the
+    backward), on the current stream: a gradient of at least bucket_mb MiB all-reduced in
+    place, smaller ones one all-reduce per bucket of up to bucket_mb MiB (copied in, the
+    means copied back); grads: a list/tuple or dict of arrays (None entries skipped).
+    -> grads."""
     items = list(grads.values()) if isinstance(grads, dict) else list(grads)
     live = [g for g in items if g is not None]
-    if not live:
-        return grads
-    reducer = GradientReducer(group, live, bucket_mb, average, side_stream=False,
-                              order="given")
-    for i, g in enumerate(live):
-        reducer.ready(i, g)
-    reducer.finish()
+    bucket_bytes = _bucket_bytes("all_reduce_gradients", bucket_mb)
+    n = _divisor(group, average)
+    for b in plan_buckets(live, bucket_bytes):
+        gs = [live[i] for i in b]
+        xp = xp_of(gs[0])
+        if len(gs) == 1 and _nbytes(gs[0]) >= bucket_bytes:  # no copy in or out
+            group.all_reduce(gs[0])
+            if n is not None:
+                xp.true_divide(gs[0], n, out=gs[0])
+            continue
+        flat, at = group.all_reduce(_flatten(gs, sum(g.size for g in gs))), 0
+        for g in gs:
+            part = flat[at:at + g.size].reshape(g.shape)
+            if n is None:
+                g[...] = part
+            else:  # the mean written straight into the gradient: one pass
+                xp.true_divide(part, n, out=g)
+            at += g.size
     return grads

@@ -271,6 +271,38 @@ class NcclGroup(ProcessGroup):
             x[...] = buf
         return x
 
+    # -- without a copy (the data-parallel reducer and ZeroOptimizer, data_parallel.py) -----
+    def all_reduce_into(self, x, out, op="sum"):
+        """x reduced over the ranks into `out`: NCCL's out-of-place all-reduce, x only read
+        (a gradient the backward may still read), no copy. out: x's shape and dtype, both
+        C-contiguous. -> out."""
+        self._check_op("all_reduce_into", op)
+        self._check_into("all_reduce_into", x, out, x.size)
+        api = self._job.api
+        self._call(_name("all_reduce", x, op), self._comm.allReduce, api.ptr(x), api.ptr(out),
+                   x.size, NCCL_DTYPES[np.dtype(x.dtype)], NCCL_OPS[op])
+        return out
+
+    def all_gather_into(self, x, out):
+        """The ranks' x, flat and in rank order, into `out` (out.size == size * x.size, x's
+        dtype, both C-contiguous), no copy; x may be out's own chunk, out.ravel()[rank * k:
+        (rank + 1) * k] with k = x.size (NCCL's in-place all-gather). -> out."""
+        self._check_into("all_gather_into", x, out, x.size * self.size)
+        api = self._job.api
+        self._call(_name("all_gather", x, "into"), self._comm.allGather, api.ptr(x),
+                   api.ptr(out), x.size, NCCL_DTYPES[np.dtype(x.dtype)])
+        return out
+
+    def _check_into(self, op, x, out, size):
+        for name, a in (("x", x), ("out", out)):
+            self._check_array(op, a)
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{op}: {name} must be C-contiguous (NCCL reads and writes "
+                                 "it flat)")
+        if out.dtype != x.dtype or out.size != size:
+            raise ValueError(f"{op}: out must be {x.dtype} of {size} elements (x: "
+                             f"{tuple(x.shape)} {x.dtype}); got {tuple(out.shape)} {out.dtype}")
+
     def _all_gather(self, x, axis):
         xp, api = self._job.api.xp, self._job.api
         send = xp.ascontiguousarray(x)
