@@ -8,6 +8,11 @@ device, so a whole training step (optimizer included) can be captured in a CUDA 
                              schedule=tecupy.optim.WarmupCosine(3e-4, 100, 2000, 3e-5))
     grads = tape.gradient(loss, model)   # a dict by parameter name
     opt.step(grads)                      # parameters updated in place
+
+or the step inside the backward (without max_grad_norm), each parameter updated as soon as
+its gradient is final and the gradient freed, the same bits (in_backward.py):
+
+    opt.step_in_backward(tape, loss)     # returns None: no gradient is kept
 """
 from . import schedule  # noqa: F401
 from .adam import SGD, AdamW  # noqa: F401
