@@ -6,6 +6,14 @@ transformer-layer shapes. Times are medians of CUDA-event timings of back-to-bac
 best of two medians each (the clocks drift by up to 10% between runs under FP8 load). Also
 reports the largest difference between our output and cuBLASLt's, relative to the output's
 magnitude.
+
+--recipe block (python -m tecupy.bench.gemm --recipe block; `python -m tecupy.bench gemm
+--recipe block` once the suite runner passes the option): the block-scaled GEMM
+(Float8BlockScaling: A in 1x128 blocks, B in 128x128 blocks as a weight or 1x128 as wgrad's
+operand) against our per-tensor FP8 GEMM with the split accumulator (the same accumulation:
+the ratio is what the block factors cost), and against torch._scaled_mm with blockwise scales
+(cuBLASLt, CUDA >= 12.9 on sm_90) where this torch has it, on the six shapes and DeepGEMM's
+M=4096, N=7168, K=16384.
 """
 import numpy as np
 
@@ -41,6 +49,8 @@ def _torch_peer(a, b, fast):
 
 
 def run(args):
+    if getattr(args, "recipe", "tensor") == "block":
+        return run_block(args)
     import cupy
     from tecupy import bfloat16
     from tecupy.kernels import fp8_gemm as K
@@ -75,3 +85,123 @@ def run(args):
         if r:
             print(f"geomean ours/cuBLASLt ({'split' if split else 'fast'} accumulation): "
                   f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
+
+
+# ---- --recipe block ----------------------------------------------------------------------
+BLOCK_SHAPES = SHAPES + [("dsv3", 4096, 7168, 16384)]  # DeepGEMM's H800 figure: 1426 TF/s
+
+
+def _block_operands(m, n, k, dim_b):
+    """(codes, scale_inv) of A [M, K] in 1x128 blocks and B [N, K] in dim_b's blocks."""
+    import cupy
+    from tecupy import backends
+    from tecupy.fp8 import E4M3
+    rng = cupy.random.default_rng(0)
+    out = []
+    for shape, dim in (((m, k), 1), ((n, k), dim_b)):
+        x = rng.standard_normal(shape, np.float32)
+        out.append(backends.dispatch("block_quantize", x, E4M3, dim, True, 0.0, False)[:2])
+        del x
+    return out
+
+
+def _torch_block_peer(a, sa, b, sb, dim_b):
+    """torch._scaled_mm with blockwise scales (its layouts: scale_a [M, K/128] M-major;
+    128x128 scale_b [K/128 padded to 4, N/128] K-major, 1x128 [N, K/128] N-major), or
+    (None, why)."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not importable"
+    import cupy
+    ta = torch.from_dlpack(a).view(torch.float8_e4m3fn)
+    tb = torch.from_dlpack(b).view(torch.float8_e4m3fn)
+    scale_a = torch.from_dlpack(sa).t()  # ours [K/128, M] -> [M, K/128], stride (1, M)
+    if dim_b == 1:
+        scale_b = torch.from_dlpack(sb).t()  # [K/128, N] -> [N, K/128], stride (1, N)
+    else:  # ours [N/128, K/128] -> K/128 padded to a multiple of 4, then [L4, N/128]
+        nb, kb = sb.shape
+        padded = cupy.ones((nb, -(-kb // 4) * 4), np.float32)
+        padded[:, :kb] = sb
+        scale_b = torch.from_dlpack(padded).t()
+
+    def call():
+        return torch._scaled_mm(ta, tb.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as err:  # no blockwise _scaled_mm in this torch / CUDA / GPU
+        return None, f"torch._scaled_mm has no blockwise scaling here ({err})".split("\n")[0]
+    return call, None
+
+
+def _per_tensor_tflops(m, n, k):
+    """Our per-tensor FP8 GEMM with the split accumulator, bf16 out, in TFLOP/s."""
+    from tecupy import bfloat16
+    from tecupy.kernels import fp8_gemm as K
+    a, b = _operands(m, n, k)
+
+    def call():
+        return K.fp8_gemm(a.data, a.fmt, a.scale_inv, b.data, b.fmt, b.scale_inv, bfloat16,
+                          split_accumulator=True)
+    call()
+    return 2 * m * n * k / gpu_time_ms(call, [()], calls=30) / 1e9
+
+
+def _block_row(m, n, k, dim_b, notes):
+    """(first call ms, ours TF/s, torch's TF/s or NaN) of the block GEMM, B in dim_b's
+    blocks; why torch was skipped goes into `notes`."""
+    from tecupy import bfloat16
+    from tecupy.fp8 import E4M3
+    from tecupy.kernels import block_scaling as B
+    (a, sa), (b, sb) = _block_operands(m, n, k, dim_b)
+
+    def ours():
+        return B.fp8_block_gemm(a, E4M3, sa, b, E4M3, sb, bfloat16)
+    _, first = first_call(ours)
+    peer, why = _torch_block_peer(a, sa, b, sb, dim_b)
+    if why:
+        notes.add(why)
+    ms, pms = [], []
+    for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
+        ms.append(gpu_time_ms(ours, [()], calls=30))
+        if peer is not None:
+            pms.append(torch_time_ms(peer, calls=30))
+    flop = 2 * m * n * k
+    return first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else float("nan")
+
+
+def run_block(args):
+    print(f"GPU: {gpu_name()}")
+    print(f"{'shape':6s} {'M':>6s} {'N':>6s} {'K':>6s} {'B':7s} {'first s':>8s} "
+          f"{'block TF/s':>10s} {'tensor':>7s} {'ratio':>6s} {'torch':>7s} {'ratio':>6s}")
+    ratios, notes = {1: [], 2: []}, set()
+    for label, m, n, k in BLOCK_SHAPES:
+        ttf = _per_tensor_tflops(m, n, k)
+        for dim_b in (2, 1):
+            first, tf, ptf = _block_row(m, n, k, dim_b, notes)
+            ratios[dim_b].append(tf / ttf)
+            blocks = "128x128" if dim_b == 2 else "1x128"
+            print(f"{label:6s} {m:6d} {n:6d} {k:6d} {blocks:7s} {first / 1e3:8.2f} {tf:10.0f} "
+                  f"{ttf:7.0f} {tf / ttf:6.2f} {ptf:7.0f} {tf / ptf:6.2f}")
+    for dim_b, r in ratios.items():
+        print(f"geomean block / per-tensor split (B {'128x128' if dim_b == 2 else '1x128'}): "
+              f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
+    for why in sorted(notes):
+        print(f"torch peer skipped: {why}")
+
+
+def main(argv=None):
+    """python -m tecupy.bench.gemm [--recipe tensor|block]"""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m tecupy.bench.gemm", description=__doc__)
+    p.add_argument("--recipe", choices=("tensor", "block"), default="tensor")
+    args = p.parse_args(argv)
+    import tecupy
+    if not tecupy.gpu_available():
+        raise SystemExit("tecupy.bench needs a CUDA device (CuPy sees none)")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
