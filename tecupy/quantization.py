@@ -26,8 +26,8 @@ looks the recipe in force up in RECIPE_QUANTIZERS: the one place a recipe is loo
 A new recipe touches (issue 20), for block scaling: recipe.py (its class); this file (its
 quantizer, its FP8Tensor subclass naming its GEMM op in gemm_op, its row of
 RECIPE_QUANTIZERS); cuda/block_scaling.cu (the quantize kernels, new);
-cutlass_templates/fp8_block_gemm.cu (its GEMM, new); kernels/block_scaling.py (their
-launchers, registered as its ops, new); reference/block_scaling.py (the NumPy references
+cutlass_templates/fp8_gemm.cu (its GEMM: a scale mode of the FP8 GEMM); kernels/block_scaling.py
+(their launchers, registered as its ops, new); reference/block_scaling.py (the NumPy references
 of both, new): 6 source files, plus the new modules' names in the import lists of
 kernels/__init__.py and reference/__init__.py. No op, no module, not the tape. A recipe
 with one scale per tensor needs no GEMM of its own: 5.
@@ -37,10 +37,11 @@ producers never cast in their own pass; dbias from its own read of dy), FP8Block
 (fp8.py: per-block scale_inv, its own column-wise copy, gemm_op "fp8_block_gemm"), the
 NumPy references of block quantize, dequantize and the block GEMM
 (reference/block_scaling.py), and the CUDA block-quantize kernel (cuda/block_scaling.cu,
-kernels/block_scaling.py: both copies from one read of x). Not yet: the CUTLASS block GEMM
-(cutlass_templates/fp8_block_gemm.cu); until it exists "fp8_block_gemm" runs on the
-reference, on the GPU too (CuPy matmuls in float32, one per 128 of K). FP8Inspector does not
-see block casts, and quantized_model_init (fp8_params.py) does not know this recipe yet.
+kernels/block_scaling.py: both copies from one read of x), and the block GEMM on Hopper
+(fp8_block_gemm_tn in cutlass_templates/fp8_gemm.cu: the factors applied at each promotion
+over 128 of K; what it does not take, e.g. an FP8 output, runs on the reference). FP8Inspector
+does not see block casts, and quantized_model_init (fp8_params.py) does not know this recipe
+yet.
 """
 import weakref
 
