@@ -276,8 +276,9 @@ class Tape:
         on_grad(i, grad) returns and the call returns None, so the gradients of `wrt` are
         never all alive at once: on_grad consumes them as they come (an optimizer updating
         each parameter: Optimizer.step_in_backward). wrt[i] itself may then be changed in
-        place by on_grad: every node that takes it as an input has run (what a node's
-        backward reads of a parameter is among its inputs, or saved from them as copies).
+        place by on_grad: every node that takes it as an input has run, and an op's backward
+        reads only its own inputs and what it saved of them (test_tape.py overwrites each
+        parameter of FP8, checkpointed and FP8-weight layers as it is handed over).
         """
         _check_on_grad(on_grad, keep_grads)
         if callable(getattr(wrt, "named_parameters", None)):  # a module (the tape knows no nn)
