@@ -425,11 +425,11 @@ def test_reducer_gradient_after_a_failed_backward():
         np.testing.assert_array_equal(grads["bias"], np.full(8, 4.0))
 
 
-def test_bench_dp_steps_on_threads(capsys):
-    """python -m tecupy.bench distributed's part 3, its steps on ThreadGroup ranks (HP: the
-    layer is unchanged by a step): after and overlapped give the same bits, the mean of
-    the ranks' single-GPU gradients; the table's weak scaling is single / step."""
-    from tecupy.bench.distributed import dp_steps, print_steps
+def test_bench_dp_steps_on_threads():
+    """python -m tecupy.bench distributed's part 3, its steps on ThreadGroup ranks (HP, no
+    optimizer: the layer is unchanged by a step): after and overlapped give the same bits,
+    the mean of the ranks' single-GPU gradients."""
+    from tecupy.bench.distributed import dp_steps
 
     def body(g):
         layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3, hidden_dropout=0.0,
@@ -446,12 +446,210 @@ def test_bench_dp_steps_on_threads(capsys):
         for r in range(2):
             np.testing.assert_array_equal(got[r]["after"][k], mean, err_msg=k)
             np.testing.assert_array_equal(got[r]["overlapped"][k], mean, err_msg=k)
-    rows = {"FP8": {"single": (10.0, 4.0), "after": (12.5, 4.1), "overlapped": (10.4, 4.2)}}
-    print_steps(rows, 4, "full", 25)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_bench_dp_steps_zero_equals_all_reduce_on_threads(optimizer):
+    """Part 3 with an optimizer on 3 ranks: the ZeRO-1 steps (reduce_scatter, after and
+    overlapped) leave the parameters bit-identical to all_reduce then the optimizer over
+    every parameter, on every rank, over 2 steps."""
+    from tecupy.bench.distributed import dp_steps
+    kb = 4096 / 2**20
+
+    def body(g):
+        out = {}
+        for red, kind in (("all_reduce", "after"), ("all_reduce", "overlapped"),
+                          ("reduce_scatter", "after"), ("reduce_scatter", "overlapped")):
+            layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3,
+                                               hidden_dropout=0.0, attention_dropout=0.0)
+            for step in range(2):
+                rng = np.random.default_rng(10 * step + g.rank)
+                x, dy = (rng.standard_normal((8, 2, 32)).astype(np.float32) for _ in "ab")
+                dp_steps(layer, x, dy, None, g, kb, red, optimizer)[kind]()
+            out[(red, kind)] = {k: p.copy() for k, p in layer.named_parameters().items()}
+        return out
+    got = dist.run_threads(3, body)
+    want = got[0][("all_reduce", "after")]
+    for r in range(3):
+        for run, params in got[r].items():
+            for k, p in params.items():
+                np.testing.assert_array_equal(p, want[k], err_msg=f"{run} {k} rank {r}")
+    with pytest.raises(ValueError, match="reduce_scatter.*pass optimizer='adamw' or 'sgd'"):
+        dist.run_threads(1, lambda g: dp_steps(None, None, None, None, g, 1, "reduce_scatter"))
+
+
+def test_bench_sweep_table_and_options(capsys):
+    """The sweep's table (a row per channel count, bucket and reduction; weak scaling =
+    1-GPU step / step; the best of each column), the options' checks and the channel
+    variables."""
+    import argparse
+
+    from tecupy.bench.distributed import channel_env, config, print_sweep
+
+    def args(**kw):
+        base = dict(sizes="1,4", layer="full", bucket_mb="25,100", nccl_channels="0,8",
+                    reduce="all_reduce,reduce_scatter", optimizer="adamw")
+        return argparse.Namespace(**{**base, **kw})
+    cfg = config(args())
+    assert cfg["buckets"] == [25.0, 100.0] and cfg["channels"] == [0, 8]
+    assert cfg["reduces"] == ["all_reduce", "reduce_scatter"] and cfg["sizes"] == [1, 4]
+    for bad, match in ((dict(bucket_mb="25,x"), "--bucket-mb: a comma-separated list"),
+                       (dict(nccl_channels="-8"), "--nccl-channels: a comma-separated"),
+                       (dict(reduce="all_gather"), "--reduce: all_reduce and/or"),
+                       (dict(optimizer="none"), "reduce_scatter.*add --optimizer adamw")):
+        with pytest.raises(SystemExit, match=match):
+            config(args(**bad))
+    assert channel_env(0) == {}
+    assert channel_env(8) == {"NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8",
+                              "NCCL_MIN_CTAS": "8", "NCCL_MAX_CTAS": "8"}
+
+    def steps(slow):
+        rows = {}
+        for name, one in (("HP", 10.0), ("FP8", 8.0)):
+            rows[name] = {"single": (one, 1.0)}
+            for mb in (25.0, 100.0):
+                for red in ("all_reduce", "reduce_scatter"):
+                    rows[name][(mb, red, "after")] = (one * 1.25 * slow, 1.0)
+                    rows[name][(mb, red, "overlapped")] = (one * (1.1 if mb == 100 else 1.2)
+                                                           * slow, 1.0)
+        return {"bus": {"all_reduce": 240.0, "reduce_scatter": 250.0}, "steps": rows}
+    print_sweep({0: steps(1.0), 8: steps(1.0 / 1.05)}, 4, cfg)
     out = capsys.readouterr().out
-    assert "(4096, 16384, 32, 2048, 4)" in out and "25 MiB buckets" in out
-    assert "| FP8 | 4 GPUs, all-reduce after the backward | 12.50 | 4.10 | 80.0% |" in out
-    assert "| FP8 | 4 GPUs, all-reduce overlapped (on_grad) | 10.40 | 4.20 | 96.2% |" in out
+    assert "sweep at 4 GPUs" in out and "each step ending with adamw" in out
+    assert ("| 8 | 100 | reduce_scatter | 250 | 10.00 | 11.90 (84.0%) | 10.48 (95.5%) | "
+            "8.00 | 9.52 (84.0%) | 8.38 (95.5%) |") in out
+    assert "| default | 25 | all_reduce | 240 | 10.00 | 12.50 (80.0%) |" in out
+    assert "best FP8 overlapped: 95.5% (NCCL channels 8, 100 MiB buckets, all_reduce)" in out
+
+
+class Spy:
+    """A ThreadGroup rank that records the array each collective is given (the reducer and
+    ZeroOptimizer need only rank, size and the collectives); all_reduce_into and
+    all_gather_into stand for NcclGroup's (no copy)."""
+
+    def __init__(self, g):
+        self.g, self.rank, self.size, self.calls = g, g.rank, g.size, []
+
+    def all_reduce(self, x, op="sum"):
+        self.calls.append(("all_reduce", x))
+        return self.g.all_reduce(x, op)
+
+    def all_reduce_into(self, x, out, op="sum"):
+        self.calls.append(("all_reduce_into", x))
+        out[...] = x
+        return self.g.all_reduce(out, op)
+
+    def reduce_scatter(self, x, axis=0, op="sum"):
+        self.calls.append(("reduce_scatter", x))
+        return self.g.reduce_scatter(x, axis, op)
+
+    def all_gather(self, x, axis=0):
+        self.calls.append(("all_gather", x))
+        return self.g.all_gather(x, axis)
+
+    def all_gather_into(self, x, out):
+        self.calls.append(("all_gather_into", x))
+        out[...] = self.g.all_gather(x).reshape(out.shape)
+        return out
+
+
+def _grads_of(rank, shapes):
+    rng = np.random.default_rng(rank)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def test_large_gradients_reduced_with_no_copy():
+    """bucket_mb = 8 KiB: the (64, 32) float32 gradient (8 KiB) goes to the collective as
+    it is: all_reduce_gradients all-reduces it in place, the reducer reads it into a new
+    array (all_reduce_into), leaving it as it was; the small ones are one bucket (a copy);
+    both give the mean."""
+    shapes = [(64, 32), (32,), (5, 7)]
+    kb8 = 8192 / 2**20
+
+    def body(g):
+        spy = Spy(g)
+        grads = _grads_of(g.rank, shapes)
+        kept = [a.copy() for a in grads]
+        reducer = dist.GradientReducer(spy, grads, bucket_mb=kb8, order="given")
+        assert reducer.direct == [True, False]
+        for i, a in enumerate(grads):
+            reducer.ready(i, a)
+        means = reducer.finish()
+        (op0, x0), (op1, x1) = spy.calls
+        assert op0 == "all_reduce_into" and np.shares_memory(x0, grads[0])  # no copy
+        assert op1 == "all_reduce" and x1.size == 32 + 35 and not np.shares_memory(x1, grads[1])
+        for a, b in zip(grads, kept):
+            np.testing.assert_array_equal(a, b)  # only read
+        spy.calls.clear()
+        assert dist.all_reduce_gradients(grads, spy, bucket_mb=kb8) is grads
+        assert spy.calls[0][0] == "all_reduce" and spy.calls[0][1] is grads[0]  # in place
+        return means, grads
+    got = dist.run_threads(2, body)
+    per = [_grads_of(r, shapes) for r in range(2)]
+    for i in range(len(shapes)):
+        mean = per[0][i].copy()
+        mean += per[1][i]
+        mean /= 2
+        for r in range(2):
+            np.testing.assert_array_equal(got[r][0][i], mean)
+            np.testing.assert_array_equal(got[r][1][i], mean)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reducer_reduce_scatter_gives_each_rank_its_chunk(n):
+    """reduce="reduce_scatter": each bucket zero-padded to a multiple of n, this rank's
+    chunk of its mean (ShardedGradients), the same bits as the all-reduced mean's elements;
+    a large gradient that splits evenly goes as it is."""
+    shapes = [(64, 48), (7,), (5, 3), (1001,)]
+    mb = 2048 / 2**20
+
+    def body(g):
+        spy = Spy(g)
+        grads = _grads_of(g.rank, shapes)
+        rs = dist.GradientReducer(spy, grads, bucket_mb=mb, reduce="reduce_scatter")
+        for i in rs.order:
+            rs.ready(i, grads[i])
+        shards = rs.finish()
+        assert isinstance(shards, dist.ShardedGradients) and len(shards) == len(rs.buckets)
+        for b, (_, x) in enumerate(spy.calls):  # one reduce_scatter per bucket, in order
+            i = rs.buckets[b][0]
+            assert np.shares_memory(x, grads[i]) == rs.direct[b] == (i == 0), b
+        means = dist.all_reduce_gradients([a.copy() for a in grads], g, bucket_mb=mb)
+        return rs.buckets, rs.padded, shards, means
+    got = dist.run_threads(n, body)
+    buckets, padded = got[0][0], got[0][1]
+    assert buckets == [[3], [2, 1], [0]]  # reverse order; (1001,) alone: 4004 B >= 2 KiB
+    assert padded == [-(-1001 // n) * n, -(-22 // n) * n, 3072]
+    for r in range(n):
+        _, _, shards, means = got[r]
+        for b, idx in enumerate(buckets):
+            flat = np.concatenate([means[i].ravel() for i in idx])
+            flat = np.concatenate([flat, np.zeros(padded[b] - flat.size, np.float32)])
+            k = padded[b] // n
+            np.testing.assert_array_equal(shards[b], flat[r * k:(r + 1) * k])
+
+
+def test_reducer_ready_checks_the_gradient_against_the_plan():
+    grads = [np.zeros((4, 2), np.float32)]
+    r = dist.GradientReducer(_Recorder1(), grads, order="given")
+    with pytest.raises(ValueError, match=r"gradient 0 is \(8,\) float32; the buckets were "
+                                         r"planned for \(4, 2\) float32"):
+        r.ready(0, np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="gradient 0 is .* float64"):
+        r.ready(0, np.zeros((4, 2)))
+    with pytest.raises(ValueError, match="reduce must be one of 'all_reduce', "
+                                         "'reduce_scatter'"):
+        dist.GradientReducer(_Recorder1(), grads, reduce="all_gather")
+    with pytest.raises(ValueError, match="bucket_mb must be"):
+        dist.GradientReducer(_Recorder1(), grads, bucket_mb=-1)
+
+
+class _Recorder1(dist.ProcessGroup):
+    def __init__(self):
+        super().__init__(0, 1)
+
+    def _all_reduce(self, x, op):
+        return x
 
 
 def test_reducer_leaves_a_gradient_the_backward_still_reads_alone():

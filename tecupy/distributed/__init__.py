@@ -5,10 +5,13 @@ reduce_scatter, broadcast, barrier, split). NcclGroup runs it over cupy.cuda.ncc
 process per GPU, made by init_process_group() from the launcher's variables (torchrun,
 mpirun, srun, or `python -m tecupy.distributed.launch`) or by spawn(fn, nprocs);
 ThreadGroup / run_threads is the reference backend, N ranks as threads on NumPy, for CI.
-NCCL is loaded only when init_process_group makes an NcclGroup. The tensor-parallel modules
+NCCL is loaded only when init_process_group makes an NcclGroup. Data parallel:
+GradientReducer / all_reduce_gradients (gradients averaged in buckets, overlapped with the
+backward) and ZeroOptimizer (ZeRO-1: the optimizer state sharded). The tensor-parallel modules
 are tecupy.nn's, with tp_group / tp_size / sequence_parallel (README, Multi-GPU).
 """
-from .data_parallel import GradientReducer, all_reduce_gradients, plan_buckets  # noqa: F401
+from .data_parallel import (GradientReducer, ShardedGradients, all_reduce_gradients,  # noqa: F401
+                            plan_buckets)
 from .env import DistConfig, EnvError, init_from_env  # noqa: F401
 from .group import GroupAborted, ProcessGroup  # noqa: F401
 from .multiproc import RankFailed, spawn  # noqa: F401
@@ -22,3 +25,4 @@ from .tensor_parallel import (column_parallel_linear, copy_to_tp, gather_from_tp
                               reduce_scatter_sequence, replicated_grad, row_parallel_linear,
                               scatter_to_tp, shard, shard_parts)
 from .threads import ThreadGroup, run_threads  # noqa: F401
+from .zero import ZeroOptimizer  # noqa: F401

@@ -1,0 +1,220 @@
+"""ZeRO-1, as PyTorch's ZeroRedundancyOptimizer: the optimizer state (float32 master copies,
+moments) sharded over the data-parallel ranks, 1/N of it on each.
+
+    zero = dist.ZeroOptimizer(tecupy.optim.AdamW, model, group, lr=3e-4, weight_decay=0.1)
+    grads = zero.gradient(tape, loss)   # reduce-scattered during the backward (side stream)
+    zero.step(grads)                    # this rank's shard stepped, the parameters gathered
+    # or after the backward:  zero.step(tape.gradient(loss, model))
+
+Layout: the parameters are cut into the buckets of a GradientReducer(reduce=
+"reduce_scatter") (data_parallel.py: consecutive, one dtype, up to bucket_mb MiB; one of
+>= bucket_mb MiB alone); each bucket is a flat segment padded with zeros to a multiple of
+the group's size N, and rank r owns its r-th chunk. A step: the gradients reduce-scattered
+bucket by bucket into those chunks and divided by N; one `optimizer_cls` over this rank's
+chunks (a 1-D parameter per bucket, named "bucket<b>") steps them; each segment is
+all-gathered back into the parameters. A bucket of one parameter whose size splits evenly
+is a view of the parameter itself: its chunk is stepped in place and NCCL gathers in place,
+no copy. The small parameters of a bucket live in a flat copy (this rank's chunk copied
+from them before the step, the gathered segment copied back after).
+
+Bit for bit the non-sharded step (GradientReducer or all_reduce_gradients, then the same
+optimizer over the parameters) on the ThreadGroup reference: reduce_scatter and all_reduce
+both add in rank order, element by element; the update is element by element; the padding
+stays zero (zero gradient, zero parameter). On NCCL the same for 2 ranks (a + b commutes);
+over 3+ ranks NCCL's reduce-scatter and all-reduce may add in different orders (last bits).
+
+Not yet: max_grad_norm (the norm is over every rank's shard: tecupy.optim would have to take
+the sum of squares from outside) and FP8 weights (quantized_model_init).
+"""
+from .._array import xp_of
+from ..fp8_params import FP8Weight
+from ..optim.optimizer import Optimizer
+from .data_parallel import GradientReducer, ShardedGradients
+
+OP = "ZeroOptimizer"
+
+
+class ZeroOptimizer:
+    """optimizer_cls (tecupy.optim.AdamW or SGD) over this rank's shard of `params` (a list,
+    a dict name -> array or a tecupy.nn module), the gradients averaged over `group`.
+    bucket_mb, order, side_stream: the reducer's (GradientReducer); every rank must pass
+    the same. **kw: the optimizer's (lr, betas, weight_decay, schedule, ...)."""
+
+    def __init__(self, optimizer_cls, params, group, bucket_mb=25, order="reverse",
+                 side_stream=True, **kw):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+            raise TypeError(f"{OP}: optimizer_cls must be a tecupy.optim optimizer class "
+                            f"(AdamW, SGD); got {optimizer_cls!r:.60}")
+        if kw.get("max_grad_norm") is not None:
+            raise ValueError(f"{OP}: max_grad_norm is not supported yet: the norm is over "
+                             "every rank's shard, which tecupy.optim cannot take from outside;"
+                             " pass max_grad_norm=None")
+        self.names, self.params, self._keyed = _parse_params(params)
+        self.group = group
+        self.reducer = GradientReducer(group, self.params, bucket_mb, True, side_stream,
+                                       order, reduce="reduce_scatter")
+        self.segments = [_Segment([self.params[i] for i in b], padded, group.rank, group.size)
+                         for b, padded in zip(self.reducer.buckets, self.reducer.padded)]
+        self.optimizer = optimizer_cls({f"bucket{b}": s.chunk
+                                        for b, s in enumerate(self.segments)}, **kw)
+
+    def gradient(self, tape, outputs, output_grad=None, retain_graph=False):
+        """tape.gradient over the parameters with each bucket reduce-scattered as it fills
+        (GradientReducer.gradient) -> ShardedGradients for step()."""
+        return self.reducer.gradient(tape, outputs, output_grad, retain_graph)
+
+    def step(self, grads):
+        """One step: grads are ShardedGradients (gradient()) or this rank's own gradients
+        as tape.gradient returns them (a list in the parameters' order, or a dict), which
+        are reduce-scattered first; this rank's shard is stepped, the parameters
+        all-gathered (in place)."""
+        if not isinstance(grads, ShardedGradients):
+            grads = self._reduce(grads)
+        if len(grads) != len(self.segments):
+            raise ValueError(f"{OP}.step: ShardedGradients of {len(grads)} buckets; this "
+                             f"optimizer has {len(self.segments)} (another reducer's?)")
+        for s in self.segments:
+            s.refresh()
+        self.optimizer.step(list(grads))
+        for s in self.segments:
+            _all_gather_into(self.group, s.chunk, s.full)
+            s.scatter()
+
+    def _reduce(self, grads):
+        """A rank's full gradients -> its ShardedGradients (reduce-scattered after the
+        backward, in the buckets' order)."""
+        op = f"{OP}.step"
+        if isinstance(grads, dict) and self._keyed:
+            missing = [k for k in self.names if k not in grads]
+            extra = [k for k in grads if k not in self.names]
+            if missing or extra:
+                raise ValueError(f"{op}: grads must have the parameters' names; missing "
+                                 f"{missing}, unexpected {extra}")
+            grads = [grads[k] for k in self.names]
+        elif isinstance(grads, dict):  # tape.gradient(loss, module) for module.parameters()
+            grads = list(grads.values())
+        elif not isinstance(grads, (list, tuple)):
+            raise TypeError(f"{op}: grads must be ShardedGradients (from gradient()), a list "
+                            f"or a dict of arrays; got {type(grads).__name__}")
+        if len(grads) != len(self.params):
+            raise ValueError(f"{op}: grads must have one array per parameter "
+                             f"({len(self.params)}), got {len(grads)}")
+        try:
+            for i in self.reducer.order:
+                self.reducer.ready(i, grads[i])
+        except BaseException:
+            self.reducer.reset()
+            raise
+        return self.reducer.finish()
+
+    # ---- the optimizer's state ----------------------------------------------------------
+    @property
+    def step_count(self):
+        return self.optimizer.step_count
+
+    def get_lr(self):
+        return self.optimizer.get_lr()
+
+    def set_lr(self, lr):
+        self.optimizer.set_lr(lr)
+
+    def _meta(self):
+        layout = "|".join(",".join(self.names[i] for i in b) for b in self.reducer.buckets)
+        return {"zero.rank": self.group.rank, "zero.size": self.group.size,
+                "zero.layout": layout}
+
+    def state_dict(self):
+        """This rank's state: the optimizer's state_dict over its chunks (keys as
+        tecupy.optim's, each parameter named bucket<b>: exp_avg.bucket0, master.bucket0,
+        ...) and zero.rank, zero.size, zero.layout (the parameters' names per bucket)."""
+        sd = self.optimizer.state_dict()
+        sd.update(self._meta())
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore what state_dict gave on the same rank of a group of the same size with the
+        same buckets (else a ValueError, nothing loaded)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{OP}.load_state_dict: state_dict must be a dict; got "
+                            f"{type(state_dict).__name__}")
+        bad = [f"{k}: {state_dict.get(k, 'missing')!r}, this rank's {v!r}"
+               for k, v in self._meta().items() if state_dict.get(k) != v]
+        if bad:
+            raise ValueError(f"{OP}.load_state_dict: nothing was loaded; each rank loads the "
+                             "state_dict its own rank saved, in a group of the same size "
+                             "with the same buckets:\n  " + "\n  ".join(bad))
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items()
+                                        if not k.startswith("zero.")})
+        return self
+
+
+class _Segment:
+    """One bucket's parameters: `full` (their values flat, zero-padded to `padded`: the
+    parameter itself, viewed flat, where the bucket is one parameter of that size, else a
+    copy) and `chunk`, this rank's part of it."""
+
+    def __init__(self, params, padded, rank, size):
+        self.members, at = [], 0
+        for p in params:
+            self.members.append((p, at))
+            at += p.size
+        p = params[0]
+        self.view = len(params) == 1 and p.size == padded and p.flags.c_contiguous
+        if self.view:
+            self.full = p.reshape(-1)
+        else:
+            self.full = xp_of(p).zeros(padded, p.dtype)
+            for q, at in self.members:
+                self.full[at:at + q.size] = q.ravel()
+        k = padded // size
+        self.lo, self.hi = rank * k, (rank + 1) * k
+        self.chunk = self.full[self.lo:self.hi]
+
+    def refresh(self):
+        """This rank's chunk from the parameters (set from outside since, e.g. loaded)."""
+        if self.view:
+            return
+        for p, at in self.members:
+            lo, hi = max(at, self.lo), min(at + p.size, self.hi)
+            if lo < hi:
+                self.full[lo:hi] = p.ravel()[lo - at:hi - at]
+
+    def scatter(self):
+        """The gathered values back into the parameters."""
+        if self.view:
+            return
+        for p, at in self.members:
+            p[...] = self.full[at:at + p.size].reshape(p.shape)
+
+
+def _all_gather_into(group, x, out):
+    """The ranks' x into out (flat, rank order): NCCL's in-place all-gather where the group
+    has one (NcclGroup.all_gather_into), else a gathered copy."""
+    into = getattr(group, "all_gather_into", None)
+    if into is not None:
+        return into(x, out)
+    out[...] = group.all_gather(x)
+    return out
+
+
+def _parse_params(params):
+    """(names, arrays, keyed) of a list, a dict or a tecupy.nn module."""
+    if callable(getattr(params, "named_parameters", None)):
+        params = params.named_parameters()
+    if isinstance(params, dict):
+        names, arrays, keyed = list(params), list(params.values()), True
+    elif isinstance(params, (list, tuple)):
+        names, arrays, keyed = [str(i) for i in range(len(params))], list(params), False
+    else:
+        raise TypeError(f"{OP}: params must be a list or dict of arrays or a tecupy.nn "
+                        f"module; got {type(params).__name__}")
+    if not arrays:
+        raise ValueError(f"{OP}: params is empty; pass at least one parameter")
+    for n, p in zip(names, arrays):
+        if isinstance(p, FP8Weight):
+            raise TypeError(f"{OP}: params[{n!r}] is an FP8Weight (quantized_model_init), "
+                            "which ZeroOptimizer does not shard yet; use the plain optimizer")
+        if not (hasattr(p, "shape") and hasattr(p, "dtype") and hasattr(p, "ravel")):
+            raise TypeError(f"{OP}: params[{n!r}] must be a numpy or cupy array; got "
+                            f"{type(p).__name__}")
+    return names, arrays, keyed
