@@ -19,14 +19,16 @@
 //                       registers); K/V tiles of BN rows double-buffered by cp.async;
 //                       online softmax in base 2 (scale log2 e folded into exp2's
 //                       multiply-add, so scale > 0). Shared memory (128 + 4 BN) d * 2 bytes.
-//   attention_bwd_dot   delta = rowsum(dO * O) [b, h, sq] float32; a warp per row.
+//   attention_bwd_dot   delta = rowsum(dO * O) [b, h, sq] float32; a warp per row; zeroes
+//                       the turn counters of the deterministic dQ.
 //   attention_bwd       grid (ceil(skv / BN), hk, b), NW warps x 16 KV rows (BN = 16 NW);
 //                       dK, dV in registers over the GQA group's heads and all query
 //                       blocks of 64 rows: S^T = K Q^T, dP^T = V dO^T, P = exp(S - lse),
 //                       dS = P (dP Z - delta) scale, dV += (P Z)^T dO, dK += dS^T Q; dS^T
 //                       goes to shared memory and dQ = dS K (warp tiles 32 x 2 D / NW) is
 //                       added into dq_acc (float32, laid out as dq; red.global.add.v4.f32
-//                       on sm_90, scalar atomics before).
+//                       on sm_90, scalar atomics before). DET: the KV blocks add in turns
+//                       (attention_common.cuh), the causal grid runs backwards.
 //   attention_convert   dq_acc -> dq in T (same layout, elementwise).
 //
 // Shared tiles are [rows][width] with the 16-byte chunk c of row r stored at c ^ (r & 7),
@@ -268,11 +270,15 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 }
 
 // ---- backward ----------------------------------------------------------------------------
-// delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d]; a warp per (b, i, h) row, 8 per block
+constexpr int kBwdBM = 64;
+
+// delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d]; a warp per (b, i, h) row, 8 per block.
+// dq_sem (null unless deterministic): [b, h, ceil(sq / 64)] turn counters, zeroed here.
 template <typename T, int D>
 __global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restrict__ out,
-                                  float* __restrict__ delta, long long rows, int sq, int h,
-                                  long long do_b, long long do_s, long long o_b, long long o_s) {
+                                  float* __restrict__ delta, int* __restrict__ dq_sem,
+                                  long long rows, int sq, int h, long long do_b, long long do_s,
+                                  long long o_b, long long o_s) {
     constexpr int V = D / 32;
     const long long r = blockIdx.x * 8LL + (threadIdx.x >> 5);
     if (r >= rows) return;
@@ -287,14 +293,14 @@ __global__ void attention_bwd_dot(const T* __restrict__ dout, const T* __restric
     for (int j = 0; j < V; ++j) s += to_float(a.v[j]) * to_float(c.v[j]);
     s = warp_sum(s);
     if (lane == 0) delta[(b * h + head) * sq + i] = s;
+    if (dq_sem && lane == 0 && i % kBwdBM == 0)
+        dq_sem[(b * h + head) * ((sq + kBwdBM - 1) / kBwdBM) + i / kBwdBM] = 0;
 }
 
 // Strides (elements) of the backward's operands: batch and sequence of each.
 struct BwdStrides {
     long long do_b, do_s, q_b, q_s, k_b, k_s, v_b, v_s, dq_b, dq_s, dk_b, dk_s;
 };
-
-constexpr int kBwdBM = 64;
 
 // Shared memory of the backward kernel, in elements of T (lse and delta are float).
 template <int D, int NW> struct BwdSmem {
@@ -391,13 +397,16 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
 // dQ[q0.., :] += dS K from shared memory; float32 vector reductions into dq (pointing at
 // [b, 0, head, 0], row stride dq_s). Warp tiles: MT row tiles of 16 (query rows
 // 16 MT (w % (4 / MT))) by D / (NW MT / 4) columns (MT = 2: fewer shared-memory reads).
-template <typename T, int D, int NW, int MT>
+// DET: the reductions wait for the turn (counter == want), the counter read before the
+// product so that its latency hides behind it.
+template <typename T, int D, int NW, int MT, bool DET>
 __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int q0, int q_len,
-                                       long long dq_s) {
+                                       long long dq_s, const int* counter, int want) {
     constexpr int BM = kBwdBM, BN = 16 * NW, WQ = 4 / MT, DQC = D / (NW / WQ);
     using S = BwdSmem<D, NW>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     const int qw = 16 * MT * (warp % WQ), c0 = (warp / WQ) * DQC;
+    const int seen = DET ? ld_relaxed(counter) : 0;
     float acc[MT][DQC / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -415,6 +424,7 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int
             }
         }
     }
+    if (DET) turn_wait(counter, want, seen);
     // lanes t, t ^ 1 swap halves so that each adds 4 consecutive floats of one row:
     // even t row g, odd t row g + 8, columns 2 (t & ~1) .. + 3
     const bool odd = t & 1;
@@ -435,11 +445,15 @@ __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int
     }
 }
 
-template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT>
+// DET: dQ added in turns (dq_sem: [b, h, ceil(sq / 64)] counters; attention_common.cuh);
+// each warp counts itself in after the next step's bwd_block (its reductions have landed by
+// then, so the fence is cheap).
+template <typename T, int D, int NW, bool CAUSAL, bool DROPOUT, bool DET>
 __global__ void __launch_bounds__(32 * NW)
 attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
               const T* __restrict__ v, const float* __restrict__ lse,
-              const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
+              const float* __restrict__ delta, float* __restrict__ dq_acc,
+              int* __restrict__ dq_sem, T* __restrict__ dk,
               T* __restrict__ dv, const int* __restrict__ seqlens_q,
               const int* __restrict__ seqlens_kv, int sq, int skv, int h, int hk, float scale,
               float p_drop, float factor, unsigned long long seed,
@@ -449,7 +463,8 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     extern __shared__ __align__(128) unsigned char smem[];
     T* sm = reinterpret_cast<T*>(smem);
     float* sf = reinterpret_cast<float*>(sm + S::END);
-    const int n0 = blockIdx.x * BN, kvh = blockIdx.y, b = blockIdx.z, group = h / hk;
+    const int nb = DET && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // see DET
+    const int n0 = nb * BN, kvh = blockIdx.y, b = blockIdx.z, group = h / hk;
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
     const int qb0 = CAUSAL ? n0 / BM : 0, qb1 = (q_len + BM - 1) / BM;
     const int nqb = n0 < kv_len ? max(qb1 - qb0, 0) : 0, total = group * nqb;
@@ -463,8 +478,9 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     const Dropout dr{philox_key(seed, seed_ptr), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
     float* dqb = dq_acc + b * st.dq_b;
+    int* counter = nullptr;  // DET: this step's turn counter (the last step's until it is set)
     for (int it = 0; it < total; ++it) {
-        const int hh = kvh * group + it / nqb, q0 = (qb0 + it % nqb) * BM;
+        const int hh = kvh * group + it / nqb, qb = qb0 + it % nqb, q0 = qb * BM;
         cp_async_wait_all();
         __syncthreads();
         if (it + 1 < total)
@@ -477,9 +493,13 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                              q_len, kv_len, masked, scale,
                                              (unsigned long long)(b * h + hh) * sq * skv, skv,
                                              dr);
+        if (DET && it > 0) turn_release(counter);  // the last step's adds
+        if (DET) counter = dq_sem + (long long)(b * h + hh) * ((sq + BM - 1) / BM) + qb;
         __syncthreads();
-        bwd_dq<T, D, NW, 2>(dqb + hh * D, sm, sm + S::DS, q0, q_len, st.dq_s);
+        bwd_dq<T, D, NW, 2, DET>(dqb + hh * D, sm, sm + S::DS, q0, q_len, st.dq_s, counter,
+                                 NW * dq_turn<BM, BN, CAUSAL>(nb, qb, kv_len));
     }
+    if (DET && total > 0) turn_release(counter);
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
 }

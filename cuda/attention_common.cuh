@@ -2,7 +2,7 @@
 // attention_sm90.cu on wgmma): the online softmax and the output store, both over the
 // accumulator layout of mma.sync m16n8 and of wgmma m64nN (per warp: 16 rows, a thread
 // holds rows lane / 4 and lane / 4 + 8, columns 8 n + 2 (lane % 4) + {0, 1}), the packing
-// of float pairs to 16-bit, the dropout mask.
+// of float pairs to 16-bit, the dropout mask, the turns of the deterministic dQ.
 #pragma once
 #include "common.cuh"
 
@@ -155,4 +155,46 @@ __device__ __forceinline__ void store_dkv(T* dk, T* dv, const float dkr[][4],
                 Mma<T>::pack(dvr[dt][2 * i], dvr[dt][2 * i + 1]);
         }
     }
+}
+
+// ---- deterministic dQ: KV blocks add in turns ---------------------------------------------
+// Both backward kernels run one block per (KV block nb of BN keys, KV head, batch) and add
+// its part of dQ into the float32 dq_acc, query block (BM rows) after query block. By
+// default with float reductions, whose order (so the sum's rounding) varies between runs.
+// DET: one int32 counter per (batch, query head, query block), zeroed by the kernel before
+// the backward (prep / dot); the block whose turn at that counter is t waits until it reads
+// NW t (NW: the warps that add dQ in a block), adds, and each warp later counts itself in
+// (fence, then a release add), so the adds to every element come in the turns' order.
+// Turns: the blocks that add into query block qb are nb = 0 .. nc - 1 (blocks at or past
+// kv_len add nothing; causal: block nb meets qb iff nb BN <= qb BM). No mask: turn = nb.
+// Causal: turn = nc - 1 - nb (the diagonal block first) and the grid runs nb backwards
+// (blockIdx.x = last - nb), so that the blocks later in line never wait for long: each
+// starts at query block nb BN / BM and so works ahead of all lower nb.
+// No deadlock: an earlier turn is always a lower blockIdx.x (same head and batch), and
+// blocks are dispatched in index order, so the lowest-index resident block waits only on
+// blocks that have finished; it runs to the end and frees its SM for the next.
+template <int BM, int BN, bool CAUSAL>
+__device__ __forceinline__ int dq_turn(int nb, int qb, int kv_len) {
+    static_assert(BN % BM == 0, "a KV block starts at a query block's first row");
+    if (!CAUSAL) return nb;
+    return min((kv_len + BN - 1) / BN, qb / (BN / BM) + 1) - 1 - nb;
+}
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Wait for the turn (v: the counter read early), then acquire: the earlier turns' adds
+// are ordered before this thread's.
+__device__ __forceinline__ void turn_wait(const int* counter, int want, int v) {
+    while (v != want) v = ld_relaxed(counter);
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+// This warp's adds are done: each lane's fence orders its own, the warp barrier gathers
+// them, lane 0's release add counts the warp in.
+__device__ __forceinline__ void turn_release(int* counter) {
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }

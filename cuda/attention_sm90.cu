@@ -11,9 +11,11 @@
 //                            softmax in registers, O += P V (wgmma with P from registers:
 //                            the accumulator layout of S is the A-fragment layout of the next
 //                            wgmma, so P never goes through shared memory).
-//   attention_bwd_prep_sm90  lse2 = lse log2(e), delta = rowsum(dO O), padded rows.
+//   attention_bwd_prep_sm90  lse2 = lse log2(e), delta = rowsum(dO O), padded rows; zeroes
+//                            the turn counters of the deterministic dQ.
 //   attention_bwd_sm90       grid (ceil(skv / 128), hk, b): 128 keys per block, steps of 64
-//                            queries; see the kernel.
+//                            queries; see the kernel. DET: dQ added in a fixed order
+//                            (attention_common.cuh), the causal grid runs backwards.
 //
 // Shared tiles are TMA boxes of 64 columns (128 bytes) x rows with the 128-byte swizzle, one
 // box ("panel") per 64 columns of d: row r of a panel lies at r * 128 bytes with its 16-byte
@@ -305,13 +307,16 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
 }
 
 // ---- backward ----------------------------------------------------------------------------
+constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys per block
 // lse2 = lse log2(e) and delta = rowsum(dO * O), both [b h, sq_pad] float32 (rows past q_len
 // and sq: +inf and 0, so they drop out of P and dS); a warp per row, 8 rows per block.
 // Padded rows let the backward fetch 64 of each per query block in one aligned bulk copy.
+// dq_sem (null unless deterministic): [b h, sq_pad / 64] turn counters, zeroed here.
 template <typename T, int D>
 __global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __restrict__ out,
                                         const float* __restrict__ lse,
                                         float* __restrict__ lse2, float* __restrict__ delta,
+                                        int* __restrict__ dq_sem,
                                         const int* __restrict__ seqlens_q, int sq, int sq_pad,
                                         int h, long long rows, long long do_b, long long do_s,
                                         long long o_b, long long o_s) {
@@ -332,6 +337,7 @@ __global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __r
     if (lane == 0) {
         delta[r] = s;
         lse2[r] = i < q_len ? lse[bh * sq + i] * kLog2e : kInf;
+        if (dq_sem && i % kBwdSm90BM == 0) dq_sem[r / kBwdSm90BM] = 0;
     }
 }
 
@@ -345,7 +351,6 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
                  "f"(c), "f"(d) : "memory");
 }
 
-constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys per block
 constexpr int kDsBar = 1;  // named barrier: both consumer warpgroups wrote dS^T
 
 // Shared memory (bytes from a 1024-aligned base): K and V of the block (128 rows), rings of
@@ -447,26 +452,46 @@ struct BwdSm90Strides {
     long long dq_b, dq_s, dk_b, dk_s;
 };
 
+// This warpgroup's dQ [64 queries x D / 2 columns] into dq_acc (dqb: the thread's first
+// float, rows >= q_len skipped: ok = false): lane pairs swap halves so that each thread adds
+// 4 consecutive floats of one row (even t: row g, odd t: row g + 8) in one vector reduction.
+template <int D>
+__device__ __forceinline__ void bwd_add_dq(float* dqb, const float (&dq)[D / 16][4], bool odd,
+                                           bool ok) {
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+        if (ok)
+            red_add4(dqb + 8 * n, odd ? r0 : dq[n][0], odd ? r1 : dq[n][1],
+                     odd ? dq[n][2] : r0, odd ? dq[n][3] : r1);
+    }
+}
+
 // grid (ceil(skv / 128), hk, b), 384 threads: warpgroup 0 produces (K and V once, then Q, dO,
 // lse2, delta per query block of 64 rows into a ring of 2); warpgroups 1 and 2 each own 64
 // keys: S^T = K Q^T and dP^T = V dO^T (wgmma, shared operands), P^T = exp2(S^T scale log2 e
 // - lse2), dS^T = P^T (dP^T - delta) scale, dV += P^T dO and dK += dS^T Q (wgmma with P^T and
 // dS^T from registers); dS^T goes to shared memory and each warpgroup computes half of the
-// columns of dQ = dS K, added into dq_acc by vector float32 reductions.
-template <typename T, int D, bool CAUSAL>
+// columns of dQ = dS K, added into dq_acc by vector float32 reductions. DET: in turns
+// (dq_sem: [b h, sq_pad / 64] counters; attention_common.cuh): each warp reads its turn's
+// counter while dQ = dS K runs, waits before adding, and counts itself in early in the next
+// step (its reductions have landed by then, so the fence is cheap).
+template <typename T, int D, bool CAUSAL, bool DET>
 __global__ void __launch_bounds__(384, 1)
 attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
                    const __grid_constant__ TmaDesc tv, const __grid_constant__ TmaDesc tdo,
                    const float* __restrict__ lse2, const float* __restrict__ delta,
-                   float* __restrict__ dq_acc, T* __restrict__ dk, T* __restrict__ dv,
-                   const int* __restrict__ seqlens_q, const int* __restrict__ seqlens_kv,
-                   int sq, int sq_pad, int skv, int h, int hk, float scale,
-                   const BwdSm90Strides st) {
+                   float* __restrict__ dq_acc, int* __restrict__ dq_sem, T* __restrict__ dk,
+                   T* __restrict__ dv, const int* __restrict__ seqlens_q,
+                   const int* __restrict__ seqlens_kv, int sq, int sq_pad, int skv, int h,
+                   int hk, float scale, const BwdSm90Strides st) {
     using S = BwdSm90Smem<D>;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
-    const int n0 = blockIdx.x * kBwdSm90BN, kvh = blockIdx.y, b = blockIdx.z;
+    const int nb = DET && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // see DET
+    const int n0 = nb * kBwdSm90BN, kvh = blockIdx.y, b = blockIdx.z;
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
     const BwdWork w(n0, q_len, kv_len, h, hk, CAUSAL);
     if (threadIdx.x == 0) {
@@ -490,10 +515,11 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     const int g = lane >> 2, t = lane & 3, kv_row = n0 + 64 * c + 16 * warp + g;
     const float scale_log2 = scale * kLog2e;
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
+    int* counter = nullptr;  // DET: this step's turn counter (the last step's until it is set)
     if (w.total > 0) mbar_wait(bar_kv, 0);
     for (int it = 0; it < w.total; ++it) {
-        const int s = it & 1, hh = kvh * w.group + it / w.nqb;
-        const int q0 = (w.qb0 + it % w.nqb) * kBwdSm90BM;
+        const int s = it & 1, hh = kvh * w.group + it / w.nqb, qb = w.qb0 + it % w.nqb;
+        const int q0 = qb * kBwdSm90BM;
         const unsigned q_t = base + S::Q + s * S::TQ, do_t = base + S::DO + s * S::TQ,
                        ds_t = base + S::DS + s * S::TDS;
         const unsigned sl = base + S::LSE + s * 256, sd = base + S::DELTA + s * 256;
@@ -505,6 +531,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         wg_commit();
         bwd_scores<T, D>(dp, base + S::V + c * 64 * 128, do_t);
         wg_commit();
+        if (DET && it > 0) turn_release(counter);  // the last step's adds
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S^T is done
         reg_fence(st_);
         const bool masked = n0 + kBwdSm90BN > kv_len || (CAUSAL && n0 + kBwdSm90BN - 1 > q0);
@@ -538,6 +565,11 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         store_ds(ds_t, da, 64 * c + 16 * warp + g, t);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         bar_sync(kDsBar, 256);  // both warpgroups' dS^T written
+        int seen = 0;  // DET: the counter, read while the product runs
+        if (DET) {
+            counter = dq_sem + (long long)(b * h + hh) * (sq_pad / kBwdSm90BM) + qb;
+            seen = ld_relaxed(counter);
+        }
         float dq[D / 16][4];
         bwd_dq<T, D>(dq, ds_t, base + S::K + c * (D == 128 ? kPanel : 64));
         wg_commit();
@@ -546,19 +578,14 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         reg_fence(dvr);
         reg_fence(dkr);
         warp_release(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
-        // dQ into dq_acc: lane pairs swap halves so that each thread adds 4 consecutive
-        // floats of one row (even t: row g, odd t: row g + 8) in one vector reduction
+        if (DET)  // 8 consumer warps count themselves in per turn
+            turn_wait(counter, 8 * dq_turn<kBwdSm90BM, kBwdSm90BN, CAUSAL>(nb, qb, kv_len),
+                      seen);
         const bool odd = t & 1;
         const int qr = q0 + 16 * warp + g + (odd ? 8 : 0);
-        float* dqb = dq_acc + b * st.dq_b + qr * st.dq_s + hh * D + c * (D / 2) + 4 * (t >> 1);
-#pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
-            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-            if (qr < q_len)
-                red_add4(dqb + 8 * n, odd ? r0 : dq[n][0], odd ? r1 : dq[n][1],
-                         odd ? dq[n][2] : r0, odd ? dq[n][3] : r1);
-        }
+        bwd_add_dq<D>(dq_acc + b * st.dq_b + qr * st.dq_s + hh * D + c * (D / 2) + 4 * (t >> 1),
+                      dq, odd, qr < q_len);
     }
+    if (DET && w.total > 0) turn_release(counter);
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
 }

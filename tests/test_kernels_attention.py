@@ -3,7 +3,8 @@ float64 reference: the output, lse and all three gradients, by flash-attention's
 (error at most 2x the error of the reference run in the same low precision, plus one unit of
 the format's precision at the data's largest value: the kernel rounds P and dS to the input
 dtype before the second matrix product, as FlashAttention does; the reference rounds only
-its result)."""
+its result). The deterministic backward (kernels.attention.deterministic()): its selection
+and turn order on the CPU, its bits on the GPU."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tecupy.kernels import attention as kernel
 from tecupy.ops.attention import MASKS
 from conftest import asnp, assert_within_2x_reference, f64, run
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 DTYPES = [np.float16, tecupy.bfloat16]
 CASES = {  # (b, sq, skv, h, hk, d, dropout), each under every mask type; tiles: 128/64 rows
@@ -37,6 +38,7 @@ def _lengths(rng, b, s):
     return lens.astype(np.int32)
 
 
+@gpu
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", list(CASES))
@@ -44,6 +46,7 @@ def test_attention_fwd_bwd(rng, dtype, case, mask):
     _check(rng, dtype, case, mask)
 
 
+@gpu
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("variant", kernel.FWD_VARIANTS, ids=str)
 @pytest.mark.parametrize("case", ["mha-d128", "gqa-d64-long", "mha-d64-dropout"])
@@ -53,13 +56,81 @@ def test_attention_forward_variants(rng, monkeypatch, variant, case, mask):
     _check(rng, tecupy.bfloat16, case, mask)
 
 
+@gpu
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
-@pytest.mark.parametrize("case", ["gqa-d64", "mqa-d128"])
-def test_attention_backward_variants(rng, monkeypatch, variant, case, mask):
-    """Both backward kernels (CONFIG["bwd"]; "sm90" runs on Hopper, else mma.sync's)."""
+@pytest.mark.parametrize("case", ["gqa-d64", "mqa-d128", "mha-d64-dropout"])
+def test_attention_backward_variants(rng, monkeypatch, variant, case, mask, det):
+    """Both backward kernels (CONFIG["bwd"]; "sm90" runs on Hopper without dropout, else
+    mma.sync's), dQ added by float reductions in any order or in turns (deterministic)."""
     monkeypatch.setitem(kernel.CONFIG, "bwd", variant)
+    monkeypatch.setitem(kernel.CONFIG, "deterministic", det)
     _check(rng, tecupy.bfloat16, case, mask)
+
+
+# b2 h8 s2048 d128: 16 KV blocks x 8 heads x 2 = 256 blocks (more than an H100 or H200 holds
+# at once: some turns wait on blocks not yet started), 16 parts into each query block
+DET_SHAPE = (2, 2048, 8, 128)
+
+
+@gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
+def test_deterministic_backward_is_bit_identical(rng, monkeypatch, variant, mask):
+    """Deterministic mode at a size with many blocks: two eager backward runs and the replay
+    of a CUDA graph of it give the same bits (dq too), within the float64 reference's
+    tolerance (references on the GPU: float64, and the inputs' bf16 with float32 maths)."""
+    import cupy
+    from tecupy.reference import attention as ref
+    monkeypatch.setitem(kernel.CONFIG, "bwd", variant)
+    monkeypatch.setitem(kernel.CONFIG, "deterministic", True)
+    b, s, h, d = DET_SHAPE
+    do, q, k, v = (cupy.asarray(rng.standard_normal((b, s, h, d)).astype(tecupy.bfloat16))
+                   for _ in range(4))
+    lens = cupy.asarray(_lengths(rng, b, s)) if MASKS[mask].padding else None
+    tail = [float(rng.uniform(0.5, 2) / np.sqrt(d)), MASKS[mask], lens, lens, 0.0, None]
+    o, lse = backends.dispatch("attention_fwd", q, k, v, *tail)
+    args = (do, q, k, v, o, lse)
+    first = backends.dispatch("attention_bwd", *args, *tail)
+    second = backends.dispatch("attention_bwd", *args, *tail)
+    step = tecupy.make_graphed_step(lambda *a: backends.dispatch("attention_bwd", *a, *tail),
+                                    args)
+    step(*args)
+    replay = step(*args)
+    for name, x, y, z in zip(("dq", "dk", "dv"), first, second, replay):
+        for other in (y, z):
+            assert cupy.array_equal(x.view(np.uint16), other.view(np.uint16)), name
+    f64 = [t.astype(np.float64) for t in (do, q, k, v)]
+    o64, lse64 = ref.attention_fwd(*f64[1:], *tail)
+    want = ref.attention_bwd(*f64, o64, lse64, *tail)
+    lp = ref.attention_bwd(*args[:4], *ref.attention_fwd(q, k, v, *tail), *tail)
+    atol = float(ml_dtypes.finfo(tecupy.bfloat16).eps)
+    for name, g, w, r in zip(("dq", "dk", "dv"), first, want, lp):
+        assert_within_2x_reference(g, w, r, name, atol)
+
+
+@gpu
+@pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
+def test_backward_mode_follows_the_environment(rng, monkeypatch, variant):
+    """Nothing set: the float reductions' kernel (Transformer Engine's default);
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: the deterministic one."""
+    import cupy
+    names, real = [], kernel._function
+    monkeypatch.setattr(kernel, "_function", lambda name, smem, file=kernel.FILE: (
+        names.append(name) or real(name, smem, file)))
+    monkeypatch.setitem(kernel.CONFIG, "bwd", variant)
+    for var in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "TECUPY_DETERMINISTIC"):
+        monkeypatch.delenv(var, raising=False)
+    q = cupy.asarray(rng.standard_normal((1, 130, 2, 64)).astype(tecupy.bfloat16))
+    tail = (0.125, MASKS["causal"], None, None, 0.0, None)
+    o, lse = backends.dispatch("attention_fwd", q, q, q, *tail)
+    for value, det in ((None, "false"), ("0", "true"), ("1", "false")):
+        if value is not None:
+            monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", value)
+        names.clear()
+        backends.dispatch("attention_bwd", q, q, q, q, o, lse, *tail)
+        assert names[-1].startswith("attention_bwd") and names[-1].endswith(f", {det}>")
 
 
 def _check(rng, dtype, case, mask_type):
@@ -90,6 +161,7 @@ def _check(rng, dtype, case, mask_type):
         assert_within_2x_reference(g, w, r, name, atol)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_attention_dropout_reproducible(rng, dtype):
     """The same seed gives the same output; another seed another one."""
@@ -101,6 +173,7 @@ def test_attention_dropout_reproducible(rng, dtype):
     assert not cupy.array_equal(a, backends.dispatch("attention_fwd", *args, 6)[0])
 
 
+@gpu
 def test_attention_declines_what_it_cannot_take(rng):
     import cupy
     for dtype, d in ((np.float32, 64), (tecupy.bfloat16, 96)):
@@ -109,6 +182,7 @@ def test_attention_declines_what_it_cannot_take(rng):
                                0.0, None) == "reference"
 
 
+@gpu
 def test_dot_product_attention_sbhd_gqa_tape(rng):
     """The public function through the kernels: sbhd layout, GQA, gradients on the tape."""
     import cupy
@@ -134,6 +208,7 @@ def test_dot_product_attention_sbhd_gqa_tape(rng):
         assert_within_2x_reference(g, w, r, "d" + name, atol)
 
 
+@gpu
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d, p", [(64, 0.1), (128, 0.0)])
 def test_attention_reads_strided_views_in_place(rng, d, p, mask):
@@ -165,6 +240,7 @@ def test_attention_reads_strided_views_in_place(rng, d, p, mask):
             np.testing.assert_array_equal(asnp(g).view(np.uint16), asnp(gc).view(np.uint16))
 
 
+@gpu
 @pytest.mark.parametrize("mask", UNPADDED)
 def test_attention_takes_size_one_dims_with_stride_zero(rng, mask):
     """x[None] gives the batch dim stride 0 (and x[:, None] the sequence dim): the same bits
@@ -190,6 +266,7 @@ def test_attention_takes_size_one_dims_with_stride_zero(rng, mask):
     np.testing.assert_array_equal(asnp(o1).view(np.uint16), asnp(o1_c).view(np.uint16))
 
 
+@gpu
 def test_packed_qkv_gradients_need_no_concatenate(rng):
     """The layer's path: one projection [s, b, (h + 2 hk) d], reshaped and split into q, k, v.
     The backward writes dq, dk, dv as slices of one packed buffer, which the split joins
@@ -213,3 +290,129 @@ def test_packed_qkv_gradients_need_no_concatenate(rng):
     np.testing.assert_array_equal(asnp(o).view(np.uint16), asnp(o2).view(np.uint16))
     err = float(cupy.abs(g.astype(np.float32) - want).max() / cupy.abs(want).max())
     assert err <= 2.0 ** -7, err  # dq's atomics may add in another order
+
+
+# ---- CPU: choosing the deterministic backward, its launches, its turn order ---------------
+@pytest.mark.parametrize("config, env, want", [
+    (None, {}, False),
+    (None, {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"}, False),
+    (None, {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}, True),
+    (None, {"TECUPY_DETERMINISTIC": "1"}, True),
+    (None, {"TECUPY_DETERMINISTIC": "0", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}, False),
+    (True, {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"}, True),
+    (False, {"TECUPY_DETERMINISTIC": "1"}, False),
+])
+def test_deterministic_selection(monkeypatch, config, env, want):
+    """CONFIG["deterministic"] over TECUPY_DETERMINISTIC over TE's
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO (0: deterministic); by default the fast kernels."""
+    for var in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "TECUPY_DETERMINISTIC"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setitem(kernel.CONFIG, "deterministic", config)
+    assert kernel.deterministic() is want
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
+def test_backward_launches_without_gpu(monkeypatch, det):
+    """The mma.sync backward's launches, CuPy's allocation and the kernels faked: the
+    backward's name carries the mode; deterministic, the turn counters (int32, one per batch,
+    query head and query block of 64 rows) go to the dot kernel (which zeroes them) and to
+    the backward, else a null pointer does."""
+    import cupy
+    from tecupy import loader
+    launched = []
+
+    def fake(file, name):
+        return lambda grid, block, args, **kw: launched.append((file, name, grid, args))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: np.empty(shape, dtype))
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: np.zeros(shape, dtype))
+    monkeypatch.setattr(cupy, "ascontiguousarray",
+                        lambda a, dtype=None: np.ascontiguousarray(a, dtype))
+    monkeypatch.setattr(kernel, "_strided", lambda t: t)
+    monkeypatch.setattr(kernel, "grid_1d", lambda *a, **kw: 1)
+    monkeypatch.setattr(loader, "function", fake)
+    monkeypatch.setattr(kernel, "_function", lambda name, smem, file=kernel.FILE: fake(file, name))
+    monkeypatch.setitem(kernel.CONFIG, "bwd", "mma")
+    monkeypatch.setitem(kernel.CONFIG, "deterministic", det)
+    b, sq, skv, h, hk, d = 2, 130, 200, 4, 2, 64
+    q, do, o = (np.zeros((b, sq, h, d), tecupy.bfloat16) for _ in range(3))
+    k, v = (np.zeros((b, skv, hk, d), tecupy.bfloat16) for _ in range(2))
+    lse = np.zeros((b, h, sq), np.float32)
+    kernel.attention_bwd(do, q, k, v, o, lse, 0.1, MASKS["causal"], None, None, 0.0, None)
+    (_, dot, _, dot_args), (file, bwd, grid, bwd_args), (_, convert, _, _) = launched
+    assert dot == "attention_bwd_dot<__nv_bfloat16, 64>" and convert.startswith("attention_con")
+    assert bwd == f"attention_bwd<__nv_bfloat16, 64, 8, true, false, {'true' if det else 'false'}>"
+    assert bwd in loader.declared()[kernel.FILE] and file == kernel.FILE
+    assert grid == (2, hk, b)
+    sem = dot_args[3]  # (dout, out, delta, dq_sem, ...) and (..., dq_acc, dq_sem, dk, ...)
+    assert bwd_args[7] is sem and bwd_args[6].dtype == np.float32
+    if det:
+        assert sem.dtype == np.int32 and sem.shape == (b * h * 3,)
+    else:
+        assert isinstance(sem, np.uint64) and sem == 0
+
+
+def test_every_backward_mode_is_declared():
+    from tecupy import loader
+    for det in (False, True):
+        for causal in (False, True):
+            for t, d in ((t, d) for t in kernel._TYPES for d in kernel.HEAD_DIMS):
+                assert kernel._sm90_bwd_name(t, d, causal, det) in \
+                    loader.declared("sm_90a")[kernel.SM90_FILE]
+                for dropout in (False, True):
+                    assert kernel._bwd_name(t, d, causal, dropout, det) in \
+                        loader.declared("sm_89")[kernel.FILE]
+
+
+def _turns(skv, q_len, kv_len, causal, group, bm=64, bn=128):
+    """The kernels' loops and dq_turn (cuda/attention_common.cuh) mirrored for one (KV head,
+    batch): each block's steps [(head, query block, turn)] by blockIdx.x."""
+    nblocks = -(-skv // bn)
+    steps = {}
+    for x in range(nblocks):
+        nb = nblocks - 1 - x if causal else x  # the causal grid runs backwards
+        qb0 = nb * bn // bm if causal else 0
+        nqb = max(-(-q_len // bm) - qb0, 0) if nb * bn < kv_len else 0
+        nc = [min(-(-kv_len // bn), qb // (bn // bm) + 1) for qb in range(qb0, qb0 + nqb)]
+        steps[x] = [(hh, qb0 + i, nc[i] - 1 - nb if causal else nb)
+                    for hh in range(group) for i in range(nqb)]
+    return steps
+
+
+@pytest.mark.parametrize("skv, q_len, kv_len, causal, group", [
+    (2048, 2048, 2048, False, 1), (2048, 2048, 2048, True, 1), (333, 250, 200, True, 2),
+    (333, 300, 333, False, 3), (1000, 77, 1000, True, 1), (77, 130, 0, True, 1),
+    (1000, 1000, 700, True, 2)])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_dq_turns_are_a_deadlock_free_order(skv, q_len, kv_len, causal, group, slots):
+    """Mirrored on the CPU: the blocks that meet query block qb are exactly those whose keys
+    it attends to, their turns are 0 .. n - 1 in blockIdx.x order, and blocks dispatched in
+    index order onto `slots` SMs, each waiting for its turn at every step, all finish."""
+    steps = _turns(skv, q_len, kv_len, causal, group)
+    meets = {}
+    for x, work in steps.items():
+        for hh, qb, turn in work:
+            meets.setdefault((hh, qb), []).append((x, turn))
+    nb_of = {x: -(-skv // 128) - 1 - x if causal else x for x in steps}
+    for (hh, qb), who in meets.items():
+        want = [x for x in steps if nb_of[x] * 128 < kv_len
+                and (not causal or nb_of[x] * 128 <= 64 * qb + 63)]
+        assert sorted(x for x, _ in who) == sorted(want)
+        assert [t for _, t in sorted(who)] == list(range(len(who)))  # index order = turns
+    count, waiting, resident, done = {}, sorted(steps), [], 0
+    while waiting or resident:
+        while waiting and len(resident) < slots:
+            resident.append([waiting.pop(0), 0])
+        moved = False
+        for block in resident:
+            x, i = block
+            while i < len(steps[x]) and count.get(steps[x][i][:2], 0) == steps[x][i][2]:
+                count[steps[x][i][:2]] = steps[x][i][2] + 1
+                i, moved = i + 1, True
+            block[1] = i
+        finished = [b for b in resident if b[1] == len(steps[b[0]])]
+        assert moved or finished, "deadlock"
+        resident = [b for b in resident if b not in finished]
+        done += len(finished)
+    assert done == len(steps) and count == {key: len(who) for key, who in meets.items()}

@@ -128,16 +128,24 @@ def _torch_rows(shape):
 
 def _graphs_match(shape):
     """Twin layers, 3 steps each, eager and graphed (FP8): the last step's output and
-    gradients and the FP8 state bit-identical?"""
+    gradients and the FP8 state bit-identical? Both twins run attention's deterministic
+    backward (as NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 would): by default its dQ is summed by
+    float atomics in an order that varies from run to run at the full size, eager or not."""
     import tecupy
     from tecupy.__main__ import build, step
-    r = _recipe()
-    (a, x, dy), (b, _, _) = build(shape, "cuda"), build(shape, "cuda")
-    for _ in range(3):
-        y, grads = step(a, x, dy, r)
-    g = tecupy.make_graphed_step(b, (x, dy), fp8_recipe=r)
-    for _ in range(2):
-        y_g, grads_g, (dx_g,) = g(x, dy)
+    from tecupy.kernels import attention
+    print("  (the twins run attention's deterministic backward: dQ summed in a fixed order)")
+    r, before = _recipe(), attention.CONFIG["deterministic"]
+    attention.CONFIG["deterministic"] = True
+    try:
+        (a, x, dy), (b, _, _) = build(shape, "cuda"), build(shape, "cuda")
+        for _ in range(3):
+            y, grads = step(a, x, dy, r)
+        g = tecupy.make_graphed_step(b, (x, dy), fp8_recipe=r)
+        for _ in range(2):
+            y_g, grads_g, (dx_g,) = g(x, dy)
+    finally:
+        attention.CONFIG["deterministic"] = before
     want = [y, *grads.values()]
     got = [y_g, *grads_g.values(), dx_g]
     same = all(bool((u.view(np.uint16) == v.view(np.uint16)).all()) for u, v in zip(got, want))

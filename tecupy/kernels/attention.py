@@ -9,6 +9,13 @@ back to the reference (supports() declines them, and a softmax scale <= 0). The 
 take each operand's batch and sequence strides, so sbhd views and the q/k/v slices of a
 packed projection are read in place (no copies); outputs are laid out in memory as the
 matching input is (sequence-major for sbhd).
+
+The backward adds each KV block's part of dQ into a float32 buffer with float reductions,
+whose order varies between runs: dq is not bit-reproducible at large sizes (dk and dv are).
+deterministic() picks the kernels' deterministic mode instead, where the KV blocks add in a
+fixed order (turn counters, FlashAttention-3's deterministic backward): dq bit-identical
+from run to run and between eager calls and CUDA-graph replays, for a slower backward
+(predicted 5-15%, not yet measured).
 """
 import itertools
 
@@ -34,7 +41,8 @@ FWD_VARIANTS = ("sm90", (64, 2, False), (64, 1, True))
 BWD_WARPS = 8  # warps of 16 KV rows per backward block (4 was 10% slower)
 # Backward: "sm90" (attention_sm90.cu; Hopper, no dropout) or "mma" (attention.cu).
 BWD_VARIANTS = ("sm90", "mma")
-CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0]}
+# "deterministic": None follows the environment (deterministic()), True / False overrides it
+CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0], "deterministic": None}
 SM90_BM, SM90_STAGES = 128, 2  # query rows per forward block, K/V buffers (3 was 5% slower)
 # causal? -> keys per forward tile (176 was 0-4% faster than 128 without a mask, H200)
 SM90_BN = {False: 176, True: 128}
@@ -47,16 +55,17 @@ def _fwd_name(t, d, variant, causal, dropout):
             f"{cbool(dropout)}>")
 
 
-def _bwd_name(t, d, causal, dropout):
-    return f"attention_bwd<{t}, {d}, {BWD_WARPS}, {cbool(causal)}, {cbool(dropout)}>"
+def _bwd_name(t, d, causal, dropout, det):
+    return (f"attention_bwd<{t}, {d}, {BWD_WARPS}, {cbool(causal)}, {cbool(dropout)}, "
+            f"{cbool(det)}>")
 
 
 def _sm90_name(t, d, bn, causal):
     return f"attention_fwd_sm90<{t}, {d}, {bn}, {cbool(causal)}, {SM90_STAGES}>"
 
 
-def _sm90_bwd_name(t, d, causal):
-    return f"attention_bwd_sm90<{t}, {d}, {cbool(causal)}>"
+def _sm90_bwd_name(t, d, causal, det):
+    return f"attention_bwd_sm90<{t}, {d}, {cbool(causal)}, {cbool(det)}>"
 
 
 def _declare():
@@ -64,16 +73,30 @@ def _declare():
     names += [f"attention_convert<{t}>" for t in _TYPES]
     for t, d, c, r in itertools.product(_TYPES, HEAD_DIMS, (False, True), (False, True)):
         names += [_fwd_name(t, d, v, c, r) for v in FWD_VARIANTS[1:]]
-        names.append(_bwd_name(t, d, c, r))
+        names += [_bwd_name(t, d, c, r, det) for det in (False, True)]
     loader.declare(FILE, names)
     sm90 = [f"attention_bwd_prep_sm90<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS]
     for t, d, c in itertools.product(_TYPES, HEAD_DIMS, (False, True)):
-        sm90 += [_sm90_name(t, d, SM90_BN[c], c), _sm90_bwd_name(t, d, c)]
+        sm90 += [_sm90_name(t, d, SM90_BN[c], c)]
+        sm90 += [_sm90_bwd_name(t, d, c, det) for det in (False, True)]
     # -default-device: the forward's step is a lambda (NVRTC has no host code)
     loader.declare(SM90_FILE, sm90, archs=("sm_90a",), options=("-default-device",))
 
 
 _declare()
+
+
+def deterministic():
+    """Whether the backward adds dQ in a fixed order (bit-identical runs, a slower backward):
+    CONFIG["deterministic"] unless None, else TECUPY_DETERMINISTIC when set (0 or 1), else
+    Transformer Engine's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0. Default: no (TE's default, the
+    fast float reductions). Read at every call (a capture keeps the kernel it recorded)."""
+    if CONFIG["deterministic"] is not None:
+        return bool(CONFIG["deterministic"])
+    own = backends._env("TECUPY_DETERMINISTIC").strip()
+    if own:
+        return own != "0"
+    return backends._env("NVTE_ALLOW_NONDETERMINISTIC_ALGO").strip() == "0"
 
 
 def _ok(t, like):
@@ -212,29 +235,38 @@ def attention_bwd(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, dropo
     import cupy
     do, q, k, v, o = (_strided(t) for t in (do, q, k, v, o))
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)
+    det = deterministic()
     if CONFIG["bwd"] == "sm90" and dropout_p == 0 and hopper():
-        return _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv)
+        return _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det)
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
     t, rows = CTYPE[q.dtype], b * sq * h
     delta = cupy.empty((b, h, sq), np.float32)
+    sem = _turn_counters(b * h * -(-sq // BWD_BM), det)
     loader.function(FILE, f"attention_bwd_dot<{t}, {d}>")(
-        (-(-rows // 8),), (256,), (do, o, delta, np.int64(rows), np.int32(sq), np.int32(h),
-                                   *_strides(do), *_strides(o)))
+        (-(-rows // 8),), (256,), (do, o, delta, sem, np.int64(rows), np.int32(sq),
+                                   np.int32(h), *_strides(do), *_strides(o)))
     dq_acc = _empty_as(q, np.float32, cupy.zeros)
     dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
     st = np.array([x for t in (do, q, k, v, dq_acc, dk) for x in _strides(t)],
                   np.int64).view("V96")  # struct BwdStrides
     bn = 16 * BWD_WARPS
     smem = (2 * bn * d + 4 * BWD_BM * d + bn * BWD_BM) * 2 + 4 * BWD_BM * 4
-    fn = _function(_bwd_name(t, d, mask.causal, dropout_p > 0), smem)
+    fn = _function(_bwd_name(t, d, mask.causal, dropout_p > 0, det), smem)
     lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
     fn((-(-skv // bn), hk, b), (2 * bn,),
-       (do, q, k, v, lse, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
+       (do, q, k, v, lse, delta, dq_acc, sem, dk, dv, lq, lkv, np.int32(sq), np.int32(skv),
         np.int32(h), np.int32(hk), np.float32(scale), *_dropout_args(dropout_p, seed), st),
        shared_mem=smem)
     _convert_dq(dq_acc, dq)
     return dq, dk, dv
+
+
+def _turn_counters(n, det):
+    """The deterministic dQ's n int32 turn counters (one per batch, query head and query
+    block; the kernel before the backward zeroes them), or a null pointer."""
+    import cupy
+    return cupy.empty(n, np.int32) if det else np.uint64(0)
 
 
 def _convert_dq(dq_acc, dq):
@@ -247,7 +279,7 @@ def _convert_dq(dq_acc, dq):
                                              np.int64(inner)))
 
 
-def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv):
+def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det):
     import cupy
     b, sq, h, d = q.shape
     skv, hk = k.shape[1], k.shape[2]
@@ -255,18 +287,20 @@ def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv):
     lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
     lse2, delta = cupy.empty((2, b * h, pad), np.float32)  # rows padded to whole blocks
     rows = b * h * pad
+    sem = _turn_counters(rows // SM90_BWD_BM, det)
     loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")(
-        (-(-rows // 8),), (256,), (do, o, lse, lse2, delta, lq, np.int32(sq), np.int32(pad),
-                                   np.int32(h), np.int64(rows), *_strides(do), *_strides(o)))
+        (-(-rows // 8),), (256,), (do, o, lse, lse2, delta, sem, lq, np.int32(sq),
+                                   np.int32(pad), np.int32(h), np.int64(rows), *_strides(do),
+                                   *_strides(o)))
     dq_acc = _empty_as(q, np.float32, cupy.zeros)
     dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
     st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).view("V32")  # BwdSm90Strides
     tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
     smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
-    fn = _function(_sm90_bwd_name(t, d, mask.causal), smem, SM90_FILE)
+    fn = _function(_sm90_bwd_name(t, d, mask.causal, det), smem, SM90_FILE)
     fn((-(-skv // SM90_BWD_BN), hk, b), (384,),
        (_tma(q, SM90_BWD_BM), _tma(k, SM90_BWD_BN), _tma(v, SM90_BWD_BN),
-        _tma(do, SM90_BWD_BM), lse2, delta, dq_acc, dk, dv, lq, lkv, np.int32(sq),
+        _tma(do, SM90_BWD_BM), lse2, delta, dq_acc, sem, dk, dv, lq, lkv, np.int32(sq),
         np.int32(pad), np.int32(skv), np.int32(h), np.int32(hk), np.float32(scale), st),
        shared_mem=smem)
     _convert_dq(dq_acc, dq)
