@@ -4,8 +4,10 @@ all-reduce overlapped with the backward (Tape.gradient's on_grad driving Gradien
 bit-identical to the all-reduce after it (bf16 and FP8 TransformerLayer), a TP=2
 column -> gelu -> row MLP (nn.Linear) against the single-GPU run in high precision and
 under fp8_autocast, a TP=2 TransformerLayer with and without sequence parallel against the
-single GPU (float32 and FP8 with reduce_amax), a raising rank ending every rank within
-10 s, and an init timeout naming the absent rank. Skipped unless CuPy sees 2+ GPUs and loads NCCL.
+single GPU (float32 and FP8 with reduce_amax), a gradient of >= bucket_mb reduced with no
+copy, ZeRO-1 (ZeroOptimizer) equal to plain data parallel (bit for bit on 2 ranks), a
+raising rank ending every rank within 10 s, and an init timeout naming the absent rank.
+Skipped unless CuPy sees 2+ GPUs and loads NCCL.
 
     python -m pytest -q -s -p no:cacheprovider tests/test_distributed_nccl.py
 
@@ -162,8 +164,8 @@ def _grads(g):
     reducer = dist.GradientReducer(g, again, bucket_mb=0.05)
     for i in reversed(range(len(again))):
         reducer.ready(i, again[i])
-    reducer.finish()
-    return [_np(a) for a in grads], [_np(a) for a in again]
+    means = reducer.finish()  # (new arrays: `again` is only read)
+    return [_np(a) for a in grads], [_np(a) for a in means]
 
 
 def test_all_reduce_gradients_mean():
@@ -239,6 +241,133 @@ def test_dp_overlapped_equals_all_reduce_after_the_backward(fp8):
     nbuckets = check_dp_overlap(dist.spawn(_dp_overlap, N, fp8, timeout=300), gpu=True)
     row(f"DP: on_grad overlap vs after ({'fp8' if fp8 else 'bf16'})", N, "ok",
         f"bit-identical, {nbuckets} buckets, 2 steps; {time.perf_counter() - t0:.1f} s")
+
+
+def _no_copy(g):
+    """A (512, 256) float32 gradient (512 KiB) with 256 KiB buckets: all_reduce_gradients
+    all-reduces it in place (same pointer), the reducer into a new array leaving it as it
+    was; NcclGroup.all_reduce_into and the in-place all_gather_into against NumPy."""
+    xp, api = _xp(g), g._job.api
+    host = _no_copy_host(g.rank)
+    a = [xp.array(h) for h in host]  # (copies, on NumPy too)
+    ptr = api.ptr(a[0])
+    dist.all_reduce_gradients(a, g, bucket_mb=0.25)
+    b = [xp.array(h) for h in host]
+    reducer = dist.GradientReducer(g, b, bucket_mb=0.25)
+    assert reducer.direct == [False, True]  # (reverse order: the small one first)
+    for i in reversed(range(2)):
+        reducer.ready(i, b[i])
+    means = reducer.finish()
+    untouched = all(np.array_equal(_np(x), h) for x, h in zip(b, host))
+    x = xp.array(host[1])
+    out = g.all_reduce_into(x, xp.empty_like(x))
+    full = xp.zeros(100 * g.size, np.float32)
+    mine = full[g.rank * 100:(g.rank + 1) * 100]
+    mine[...] = x
+    g.all_gather_into(mine, full)  # NCCL's in-place all-gather
+    return ([_np(v) for v in a], [_np(v) for v in means], api.ptr(a[0]) == ptr, untouched,
+            _np(out), _np(full))
+
+
+def _no_copy_host(rank):
+    rng = np.random.default_rng(rank)
+    return [rng.standard_normal(s).astype(np.float32) for s in ((512, 256), (100,))]
+
+
+def check_no_copy(got, exact):
+    host = [_no_copy_host(r) for r in range(len(got))]
+    for r, (inplace, means, same_ptr, untouched, out, full) in enumerate(got):
+        assert same_ptr and untouched
+        for i in range(2):
+            np.testing.assert_array_equal(inplace[i], means[i])  # in place == into: same bits
+            np.testing.assert_array_equal(means[i], got[0][1][i])  # every rank
+            mean = np.mean([h[i].astype(np.float64) for h in host], axis=0)
+            np.testing.assert_allclose(means[i], mean, rtol=1e-6, atol=1e-6)
+        _close(out, np.sum([h[1] for h in host], axis=0, dtype=np.float32), exact,
+               f"all_reduce_into rank {r}")
+        np.testing.assert_array_equal(full, np.concatenate([h[1] for h in host]))
+
+
+def test_large_gradients_reduced_with_no_copy():
+    got = dist.spawn(_no_copy, N, timeout=120)
+    check_no_copy(got, exact=N == 2)
+    row("DP: a gradient >= bucket_mb reduced with no copy", N, "ok",
+        "all_reduce_gradients in place, the reducer out of place (input untouched), the "
+        "same bits; all_reduce_into, in-place all_gather_into")
+
+
+def _zero_vs_dp(g, fp8, hidden=256, bucket_mb=0.25):
+    """ZeRO-1 vs plain data parallel: three TransformerLayers of one seed (bf16 on the GPU,
+    float32 on NumPy), 2 steps of this rank's batch through (a) GradientReducer.gradient
+    then AdamW over every parameter, (b) ZeroOptimizer.gradient (reduce-scatter overlapped
+    with the backward) then its step, (c) tape.gradient then ZeroOptimizer.step; buckets of
+    a quarter MiB at hidden 256 (bf16): qkv, fc1 and fc2 alone (no copy, their shards views
+    of the parameters).
+    -> per step the three's parameters (NumPy), (b)'s count of parameters reduced alone
+    (-1 unless each is a view) and its state over plain's."""
+    import tecupy
+    xp = _xp(g)
+    gpu = xp is not np
+    dt = bfloat16 if gpu else np.float32
+    mk = dict(params_dtype=dt, device="cuda" if gpu else "cpu", seed=0, hidden_dropout=0.0,
+              attention_dropout=0.0)
+    layers = [tecupy.nn.TransformerLayer(hidden, 4 * hidden, 4, **mk) for _ in "abc"]
+    opt = dict(lr=1e-3, weight_decay=0.1)
+    reducer = dist.GradientReducer(g, layers[0], bucket_mb=bucket_mb)
+    plain = tecupy.optim.AdamW(layers[0].named_parameters(), **opt)
+    zeros = [dist.ZeroOptimizer(tecupy.optim.AdamW, layer, g, bucket_mb=bucket_mb, **opt)
+             for layer in layers[1:]]
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
+    out = []
+    for step in range(2):
+        rng = np.random.default_rng(100 * step + g.rank)
+        x, dy = (xp.asarray((rng.standard_normal((64, 2, hidden)) * s).astype(dt))
+                 for s in (1.0, 1e-2))
+        for k, layer in enumerate(layers):
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+                y = layer(x)
+            if k == 0:
+                plain.step(reducer.gradient(tape, y, output_grad=dy))
+            elif k == 1:
+                zeros[0].step(zeros[0].gradient(tape, y, output_grad=dy))
+            else:
+                zeros[1].step(tape.gradient(y, layer, output_grad=dy))
+        out.append([{n: _np(p) for n, p in layer.named_parameters().items()}
+                    for layer in layers])
+    state = sum(v.size for v in zeros[0].state_dict().values() if isinstance(v, np.ndarray))
+    full = sum(v.size for v in plain.state_dict().values() if isinstance(v, np.ndarray))
+    direct = [s.view for s, d in zip(zeros[0].segments, zeros[0].reducer.direct) if d]
+    return out, len(direct) if all(direct) else -1, state / full
+
+
+def check_zero(got, exact):
+    """Every rank, every step: ZeRO's parameters (overlapped and after) equal to plain data
+    parallel's (bit for bit where exact, else within bf16's tolerance) and the same bits on
+    every rank; qkv, fc1, fc2 (and on NumPy proj: float32) are views; the state per rank
+    about 1/N."""
+    n, worst = len(got), 0.0
+    for r, (steps, views, share) in enumerate(got):
+        assert views >= 3 and share < 1.0 / n + 0.01, (views, share)
+        for step, runs in enumerate(steps):
+            for j in (1, 2):  # ZeRO overlapped, ZeRO after
+                for k, want in runs[0].items():
+                    what = f"{k} rank {r} step {step} run {j}"
+                    worst = max(worst, _close(runs[j][k], want, exact, what))
+                    np.testing.assert_array_equal(runs[j][k], got[0][0][step][j][k], what)
+    return worst
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+def test_zero_equals_plain_data_parallel(fp8):
+    """2 ranks: bit for bit (a + b commutes, whatever the collective). N > 2 (4 GPUs):
+    NCCL's reduce-scatter may add in another order than its all-reduce: within bf16's
+    tolerance, the table says how far."""
+    for n in sorted({2, N}):
+        t0 = time.perf_counter()
+        worst = check_zero(dist.spawn(_zero_vs_dp, n, fp8, timeout=300), exact=n == 2)
+        row(f"ZeRO-1 vs plain DP ({'fp8' if fp8 else 'bf16'})", n, "ok",
+            f"{'bit-identical' if worst == 0 else f'max diff {worst:.2g}'}, 2 steps, "
+            f"overlapped and after; {time.perf_counter() - t0:.1f} s")
 
 
 def _mlp(g, fp8):
