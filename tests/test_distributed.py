@@ -522,6 +522,48 @@ def test_bench_sweep_table_and_options(capsys):
     assert "best FP8 overlapped: 95.5% (NCCL channels 8, 100 MiB buckets, all_reduce)" in out
 
 
+def test_bench_sweep_rows_on_threads(monkeypatch, capsys):
+    """Part 3's orchestration (_rank "dp": each bucket size x reduction, after and
+    overlapped, HP and FP8, the 1-GPU step on rank 0 alone) on 2 ThreadGroup ranks with a
+    small CPU layer, every step run once (timing and the bandwidth probe faked): the rows
+    the table reads, and the table."""
+    import cupy
+
+    import tecupy.__main__
+    from tecupy.bench import distributed as bench
+
+    def build(shape, device):
+        layer = tecupy.nn.TransformerLayer(32, 64, 2, device="cpu", seed=3,
+                                           hidden_dropout=0.0, attention_dropout=0.0)
+        rng = np.random.default_rng(0)
+        return layer, *(rng.standard_normal((8, 2, 32)).astype(np.float32) for _ in "ab")
+    ran = []
+
+    def timed(g, step, alone=False):
+        if alone and g.rank:
+            return None
+        ran.append(len(step()))
+        return (10.0, 1.0) if alone else (12.5, 1.0)
+    monkeypatch.setattr(tecupy.__main__, "build", build)
+    monkeypatch.setattr(bench, "_timed", timed)
+    monkeypatch.setattr(bench, "_bus", lambda g, reduces: {r: 200.0 for r in reduces})
+    monkeypatch.setattr(cupy, "get_default_memory_pool",
+                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+    cfg = {"layer": "small", "buckets": [4096 / 2**20, 1.0], "optimizer": "adamw",
+           "reduces": ["all_reduce", "reduce_scatter"]}
+    got = dist.run_threads(2, bench._rank, cfg, "dp")
+    rows = got[0]["steps"]
+    assert got[1]["steps"]["FP8"]["single"] is None  # (rank 0 alone)
+    for name in ("HP", "FP8"):
+        assert set(rows[name]) == {"single"} | {(mb, red, kind) for mb in cfg["buckets"]
+                                               for red in cfg["reduces"]
+                                               for kind in ("after", "overlapped")}
+    assert len(ran) == 2 * (1 + 8 + 8)  # per precision: single on rank 0, 8 steps x 2 ranks
+    bench.print_sweep({0: got[0]}, 2, cfg)
+    out = capsys.readouterr().out
+    assert "| default | 1 | reduce_scatter | 200 | 10.00 | 12.50 (80.0%) |" in out
+
+
 class Spy:
     """A ThreadGroup rank that records the array each collective is given (the reducer and
     ZeroOptimizer need only rank, size and the collectives); all_reduce_into and

@@ -153,8 +153,11 @@ def dp_steps(layer, x, dy, recipe, group, bucket_mb=25, reduce="all_reduce", opt
         reducer = dist.GradientReducer(group, layer, bucket_mb)
 
     def optimize(grads):  # (the plain optimizer made at its first step: single may not run)
-        if spec is not None:
-            made.setdefault("opt", spec[0](layer.named_parameters(), **spec[1])).step(grads)
+        if spec is None:
+            return grads
+        if "opt" not in made:
+            made["opt"] = spec[0](layer.named_parameters(), **spec[1])
+        made["opt"].step(grads)
         return grads
 
     def forward():

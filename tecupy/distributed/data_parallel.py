@@ -224,7 +224,7 @@ def _flatten(grads, size):
     flat = xp.empty(size, grads[0].dtype)
     xp.concatenate([g.ravel() for g in grads], out=flat[:numel])
     if size > numel:
-        flat[numel:] = 0
+        flat[numel:].fill(0)
     return flat
 
 
