@@ -424,10 +424,10 @@ __device__ __forceinline__ void mainloop_fast(uint64_t da, uint64_t db,
 // i (row half (i / 2) % 2, column 8 (i / 4) + 2 (lane % 4) + i % 2 of the tile). SCALE 0
 // (per tensor) has none: the promotion is a plain add and alpha comes in the epilogue.
 template <int BN, int SCALE> struct Factors {
-    static constexpr bool scaled = false;
+    static constexpr bool scaled() { return false; }
 };
 template <int BN> struct Factors<BN, 1> {  // sa per row, sb per column (in shared memory)
-    static constexpr bool scaled = true;
+    static constexpr bool scaled() { return true; }
     float a[2];
     const float* b;  // this stage's BN column factors + 2 (lane % 4)
     __device__ __forceinline__ float operator()(int i) const {
@@ -435,7 +435,7 @@ template <int BN> struct Factors<BN, 1> {  // sa per row, sb per column (in shar
     }
 };
 template <int BN> struct Factors<BN, 2> {  // sa per row, sb per 64 columns (128x128 blocks)
-    static constexpr bool scaled = true;
+    static constexpr bool scaled() { return true; }
     float a[2], b[BN / 64];
     __device__ __forceinline__ float operator()(int i) const {
         return a[(i >> 1) & 1] * b[i >> 5];
@@ -480,7 +480,7 @@ __device__ __forceinline__ void promote(float (&acc)[N], float (&part)[NP], cons
     fence(part);
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
-        if constexpr (F::scaled)
+        if constexpr (F::scaled())
             acc[H * NP + i] = fmaf(part[i], f(H * NP + i), acc[H * NP + i]);
         else
             acc[H * NP + i] += part[i];
