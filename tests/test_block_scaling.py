@@ -514,3 +514,32 @@ def test_launcher_shapes_and_arguments_without_gpu(monkeypatch):
     assert [type(v) for v in a1[5:]] == [np.int32, np.int32] + [np.float32] * 3
     assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"))
     assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"))
+
+
+def test_block_gemm_kernels_declared_and_fit_in_shared_memory():
+    """The block GEMM's ahead-of-time instantiations are in fp8_gemm.cu's list (python -m
+    tecupy.build compiles them), one per B layout, output, epilogue and tile, and each tile's
+    stages, staging and 1x128 B factors fit in shared memory."""
+    from tecupy import loader
+    from tecupy.kernels import block_scaling as B
+    from tecupy.kernels import fp8_gemm as G
+    declared = set(loader.declared("sm_90a")[G.FILE])
+    names = list(B._gemm_names())
+    assert len(names) == len(set(names)) == 44 and set(names) <= declared
+    assert all(n.startswith("tc::fp8_block_gemm_tn<") for n in names)
+    for config, _ in G.DEFAULTS[True]:
+        assert G.smem_bytes(config, True, 1) <= G.SMEM_MAX, config
+        assert G.smem_bytes(config, True, 2) == G.smem_bytes(config, True)  # no factors kept
+        for scale in (1, 2):
+            name = G.kernel_name("e4m3", "e4m3", "__nv_bfloat16", 0, False, config, scale)
+            assert name in declared and name.endswith(f", false, {scale}>")
+    with pytest.raises(AssertionError):  # block scaling always promotes, never clusters
+        G.kernel_name("e4m3", "e4m3", "float", 0, False, (256, 3, False, 1), 2)
+
+
+def test_block_gemm_on_numpy_runs_the_reference(rng):
+    """NumPy operands never reach the kernel's supports() past its first checks."""
+    a = backends.dispatch("block_quantize", _random(rng, (64, 256)), E4M3, 1, True, 0.0, False)
+    b = backends.dispatch("block_quantize", _random(rng, (72, 256)), E4M3, 2, True, 0.0, False)
+    assert backends.chosen("fp8_block_gemm", a[0], E4M3, a[1], b[0], E4M3, b[1],
+                           np.float32) == "reference"
