@@ -27,7 +27,13 @@ import types
 
 import numpy as np
 
-from ._array import is_cupy, unbroadcast, xp_of
+from ._array import unbroadcast, xp_of
+
+try:  # (read per sweep: a test may stand another class in for cupy.ndarray)
+    import cupy as _cupy
+except ImportError:  # pragma: no cover - cupy is a declared dependency
+    _cupy = None
+_ARRAY_KINDS = (np.ndarray,)
 
 # The open tapes of this thread (a tuple, rebuilt on enter/exit): every op records into all
 # of them. A context variable, so each thread (and each asyncio task) has its own: one
@@ -90,11 +96,15 @@ def _index(nodes):
     function of its own: its loop variables, which hold arrays, are gone when references
     are counted."""
     index = {}
-    for node in nodes:
-        for group in (node.inputs, node.outputs):
-            for a in group:
-                if isinstance(a, np.ndarray) or is_cupy(a):  # (not None, not a _Released)
-                    index.setdefault(id(a), [a, []])[1].append(node)
+    kinds = _ARRAY_KINDS if _cupy is None else (np.ndarray, _cupy.ndarray)
+    for node in nodes:  # (one isinstance of a tuple and one lookup per array: every
+        for a in node.inputs + node.outputs:  # record's sweep pays this, issue 21)
+            if isinstance(a, kinds):  # (not None, not a _Released, not an FP8 weight)
+                entry = index.get(id(a))
+                if entry is None:
+                    index[id(a)] = [a, [node]]
+                else:
+                    entry[1].append(node)
     return index
 
 
@@ -140,8 +150,9 @@ def _release(index, keys, grads=None):
 
 
 def _swapped(group, dead):
-    if any(id(a) in dead for a in group):
-        return tuple(dead.get(id(a), a) for a in group)
+    for a in group:  # (a loop: any() of a generator costs ~1 us more, per node swept)
+        if id(a) in dead:
+            return tuple([dead.get(id(b), b) for b in group])
     return group
 
 
