@@ -418,11 +418,12 @@ def channel_env(channels):
             "NCCL_MAX_CTAS": v}
 
 
-def run(args, cfg):
+def run(args, cfg=None):
     import cupy
 
     from tecupy import distributed as dist
     from .timing import gpu_name
+    cfg = config(args) if cfg is None else cfg
     n = args.nproc or cupy.cuda.runtime.getDeviceCount()
     if n < 2:
         raise SystemExit(f"tecupy.bench distributed needs 2+ GPUs (this host has {n})")
