@@ -605,6 +605,13 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
         cutlass::arch::fence_barrier_init();
     }
     if constexpr (CLUSTER > 1) cute::cluster_sync(); else __syncthreads();
+    // Programmatic dependent launch: nothing above touched global memory, so this grid's
+    // launch and set-up overlapped the previous grid's tail; A, B, the scales, bias, aux and
+    // D are only read or written from here on (a no-op when launched without PDL). The
+    // next grid may launch at once: our CTAs hold their SMs' registers until they leave (it
+    // takes only SMs we free) and it waits for our completion before its own first access.
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)

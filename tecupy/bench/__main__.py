@@ -26,6 +26,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=1,
                    help="layer: the memory of a stack of this many layers too (a deep "
                         "model's peak: saved activations; each layer checkpointed)")
+    p.add_argument("--recipe", choices=("tensor", "block"), default="tensor",
+                   help="gemm: per-tensor FP8 (against cuBLASLt) or block-scaled FP8 "
+                        "(Float8BlockScaling, against our per-tensor GEMM and torch's)")
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers must be >= 1, got {args.layers}")
