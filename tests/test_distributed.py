@@ -637,6 +637,22 @@ def test_large_gradients_reduced_with_no_copy():
             np.testing.assert_array_equal(got[r][1][i], mean)
 
 
+def test_all_reduce_gradients_reduces_an_array_given_twice_once():
+    """Two parameters added together get the very same gradient array from the tape: in
+    place, it must be reduced once (a second in-place all-reduce would sum the sums; the
+    mean of equal values would hide it: average=False)."""
+    def body(g):
+        a, b = (np.zeros((64, 32)) for _ in "ab")
+        with tecupy.Tape() as tape:
+            y = tecupy.add(a, b)
+        dy = np.full((64, 32), float(g.rank + 1))
+        grads = tape.gradient(y, [a, b], output_grad=dy)
+        assert grads[0] is grads[1]
+        return dist.all_reduce_gradients(grads, g, bucket_mb=1 / 1024, average=False)
+    for grads in dist.run_threads(2, body):
+        np.testing.assert_array_equal(grads[1], np.full((64, 32), 3.0))  # (not 6)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_reducer_reduce_scatter_gives_each_rank_its_chunk(n):
     """reduce="reduce_scatter": each bucket zero-padded to a multiple of n, this rank's

@@ -268,10 +268,12 @@ def all_reduce_gradients(grads, group, bucket_mb=25, average=True):
     """Average (or sum, average=False) the gradients over `group`, in place (after the
     backward), on the current stream: a gradient of at least bucket_mb MiB all-reduced in
     place, smaller ones one all-reduce per bucket of up to bucket_mb MiB (copied in, the
-    means copied back); grads: a list/tuple or dict of arrays (None entries skipped).
-    -> grads."""
+    means copied back); grads: a list/tuple or dict of arrays (None entries skipped; an
+    array given twice is reduced once). -> grads."""
     items = list(grads.values()) if isinstance(grads, dict) else list(grads)
-    live = [g for g in items if g is not None]
+    # each array once: two parameters can get the very same gradient array (an add hands
+    # one dy to both), which reduced twice in place would be summed twice
+    live = list({id(g): g for g in items if g is not None}.values())
     bucket_bytes = _bucket_bytes("all_reduce_gradients", bucket_mb)
     n = _divisor(group, average)
     for b in plan_buckets(live, bucket_bytes):
