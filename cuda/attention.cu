@@ -397,16 +397,17 @@ __device__ __forceinline__ void bwd_block(float dk[][4], float dv[][4], T* sm, T
 // dQ[q0.., :] += dS K from shared memory; float32 vector reductions into dq (pointing at
 // [b, 0, head, 0], row stride dq_s). Warp tiles: MT row tiles of 16 (query rows
 // 16 MT (w % (4 / MT))) by D / (NW MT / 4) columns (MT = 2: fewer shared-memory reads).
-// DET: the reductions wait for the turn (counter == want), the counter read before the
-// product so that its latency hides behind it.
+// DET: the reductions wait for the turn (counter == want; seen: its value read at the step's
+// start, read again before the product if it was not the turn yet).
 template <typename T, int D, int NW, int MT, bool DET>
 __device__ __forceinline__ void bwd_dq(float* dq, const T* sm, const T* sds, int q0, int q_len,
-                                       long long dq_s, const int* counter, int want) {
+                                       long long dq_s, const int* counter, int want,
+                                       int seen) {
     constexpr int BM = kBwdBM, BN = 16 * NW, WQ = 4 / MT, DQC = D / (NW / WQ);
     using S = BwdSmem<D, NW>;
     const int warp = threadIdx.x >> 5, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     const int qw = 16 * MT * (warp % WQ), c0 = (warp / WQ) * DQC;
-    const int seen = DET ? ld_relaxed(counter) : 0;
+    if (DET && seen != want) seen = ld_relaxed(counter);
     float acc[MT][DQC / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -465,7 +466,10 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     float* sf = reinterpret_cast<float*>(sm + S::END);
     const int nb = DET && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // see DET
     const int n0 = nb * BN, kvh = blockIdx.y, b = blockIdx.z, group = h / hk;
-    const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
+    // lengths past the sequence (not checked on the GPU) are clamped: no row out of bounds,
+    // no turn (DET) that no block takes
+    const int q_len = min(seqlens_q ? seqlens_q[b] : sq, sq);
+    const int kv_len = min(seqlens_kv ? seqlens_kv[b] : skv, skv);
     const int qb0 = CAUSAL ? n0 / BM : 0, qb1 = (q_len + BM - 1) / BM;
     const int nqb = n0 < kv_len ? max(qb1 - qb0, 0) : 0, total = group * nqb;
     load_tile<BN, D, NT>(sm + S::K, k + b * st.k_b + kvh * D, st.k_s, n0, kv_len);
@@ -478,9 +482,15 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     const Dropout dr{philox_key(seed, seed_ptr), p_drop, factor};
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
     float* dqb = dq_acc + b * st.dq_b;
-    int* counter = nullptr;  // DET: this step's turn counter (the last step's until it is set)
+    int *counter = nullptr, *last = nullptr, want = 0, seen = 0;  // DET: turn, last step's
     for (int it = 0; it < total; ++it) {
         const int hh = kvh * group + it / nqb, qb = qb0 + it % nqb, q0 = qb * BM;
+        if (DET) {  // read the turn's counter now: by the adds its latency is long past
+            last = counter;
+            counter = dq_sem + (long long)(b * h + hh) * ((sq + BM - 1) / BM) + qb;
+            want = NW * dq_turn<BM, BN, CAUSAL>(nb, qb, kv_len);  // NW warps count in a turn
+            seen = ld_relaxed(counter);
+        }
         cp_async_wait_all();
         __syncthreads();
         if (it + 1 < total)
@@ -493,15 +503,14 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
                                              q_len, kv_len, masked, scale,
                                              (unsigned long long)(b * h + hh) * sq * skv, skv,
                                              dr);
-        if (DET && it > 0) turn_release(counter);  // the last step's adds
-        if (DET) counter = dq_sem + (long long)(b * h + hh) * ((sq + BM - 1) / BM) + qb;
+        if (DET && it > 0) turn_release(last);  // the last step's adds
         __syncthreads();
         bwd_dq<T, D, NW, 2, DET>(dqb + hh * D, sm, sm + S::DS, q0, q_len, st.dq_s, counter,
-                                 NW * dq_turn<BM, BN, CAUSAL>(nb, qb, kv_len));
+                                 want, seen);
     }
-    if (DET && total > 0) turn_release(counter);
     cp_async_wait_all();  // nothing may be in flight at exit (total = 0)
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
+    if (DET && total > 0) turn_release(counter);  // (its fence waits for dK, dV too)
 }
 
 // dq = dq_acc in T, 4 elements per thread step (n % 4 == 0): dq_acc is rows of `width`

@@ -163,8 +163,9 @@ __device__ __forceinline__ void store_dkv(T* dk, T* dv, const float dkr[][4],
 // default with float reductions, whose order (so the sum's rounding) varies between runs.
 // DET: one int32 counter per (batch, query head, query block), zeroed by the kernel before
 // the backward (prep / dot); the block whose turn at that counter is t waits until it reads
-// NW t (NW: the warps that add dQ in a block), adds, and each warp later counts itself in
-// (fence, then a release add), so the adds to every element come in the turns' order.
+// NW t (NW: the warps that add dQ in a block), adds, and each warp counts itself in (a
+// release add) later in the next step, so the adds to every element come in the turns'
+// order.
 // Turns: the blocks that add into query block qb are nb = 0 .. nc - 1 (blocks at or past
 // kv_len add nothing; causal: block nb meets qb iff nb BN <= qb BM). No mask: turn = nb.
 // Causal: turn = nc - 1 - nb (the diagonal block first) and the grid runs nb backwards
@@ -190,10 +191,10 @@ __device__ __forceinline__ void turn_wait(const int* counter, int want, int v) {
     while (v != want) v = ld_relaxed(counter);
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
-// This warp's adds are done: each lane's fence orders its own, the warp barrier gathers
-// them, lane 0's release add counts the warp in.
+// This warp's adds are done: the warp barrier orders every lane's before lane 0's release
+// add (cumulative), which counts the warp in. Called well after the adds, so that its fence
+// finds them landed.
 __device__ __forceinline__ void turn_release(int* counter) {
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     __syncwarp();
     if ((threadIdx.x & 31) == 0)
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");

@@ -475,8 +475,9 @@ __device__ __forceinline__ void bwd_add_dq(float* dqb, const float (&dq)[D / 16]
 // dS^T from registers); dS^T goes to shared memory and each warpgroup computes half of the
 // columns of dQ = dS K, added into dq_acc by vector float32 reductions. DET: in turns
 // (dq_sem: [b h, sq_pad / 64] counters; attention_common.cuh): each warp reads its turn's
-// counter while dQ = dS K runs, waits before adding, and counts itself in early in the next
-// step (its reductions have landed by then, so the fence is cheap).
+// counter at the step's start (again while dQ = dS K runs if it was not its turn yet), waits
+// before adding, and counts itself in once the next step's dK product is issued (its
+// reductions have landed by then: the fence is cheap).
 template <typename T, int D, bool CAUSAL, bool DET>
 __global__ void __launch_bounds__(384, 1)
 attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
@@ -492,7 +493,10 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
     const int nb = DET && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // see DET
     const int n0 = nb * kBwdSm90BN, kvh = blockIdx.y, b = blockIdx.z;
-    const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
+    // lengths past the sequence (not checked on the GPU) are clamped: no row out of bounds,
+    // no turn (DET) that no block takes
+    const int q_len = min(seqlens_q ? seqlens_q[b] : sq, sq);
+    const int kv_len = min(seqlens_kv ? seqlens_kv[b] : skv, skv);
     const BwdWork w(n0, q_len, kv_len, h, hk, CAUSAL);
     if (threadIdx.x == 0) {
         mbar_init(bar_kv, 1);
@@ -515,7 +519,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     const int g = lane >> 2, t = lane & 3, kv_row = n0 + 64 * c + 16 * warp + g;
     const float scale_log2 = scale * kLog2e;
     float dkr[D / 8][4] = {}, dvr[D / 8][4] = {};
-    int* counter = nullptr;  // DET: this step's turn counter (the last step's until it is set)
+    int *counter = nullptr, *last = nullptr, want = 0, seen = 0;  // DET: turn, last step's
     if (w.total > 0) mbar_wait(bar_kv, 0);
     for (int it = 0; it < w.total; ++it) {
         const int s = it & 1, hh = kvh * w.group + it / w.nqb, qb = w.qb0 + it % w.nqb;
@@ -524,6 +528,12 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                        ds_t = base + S::DS + s * S::TDS;
         const unsigned sl = base + S::LSE + s * 256, sd = base + S::DELTA + s * 256;
         mbar_wait(bar_q + 8 * s, (it >> 1) & 1);
+        if (DET) {  // read the turn's counter now: by the adds its latency is long past
+            last = counter;
+            counter = dq_sem + (long long)(b * h + hh) * (sq_pad / kBwdSm90BM) + qb;
+            want = 8 * dq_turn<kBwdSm90BM, kBwdSm90BN, CAUSAL>(nb, qb, kv_len);  // 8 warps
+            seen = ld_relaxed(counter);
+        }
         float st_[8][4], dp[8][4];  // S^T and dP^T: this warpgroup's 64 keys x 64 queries
         unsigned pa[4][4], da[4][4];  // P^T, dS^T as A fragments (16 queries each)
         wg_fence();
@@ -531,7 +541,6 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         wg_commit();
         bwd_scores<T, D>(dp, base + S::V + c * 64 * 128, do_t);
         wg_commit();
-        if (DET && it > 0) turn_release(counter);  // the last step's adds
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S^T is done
         reg_fence(st_);
         const bool masked = n0 + kBwdSm90BN > kv_len || (CAUSAL && n0 + kBwdSm90BN - 1 > q0);
@@ -562,14 +571,11 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         wg_fence();
         bwd_rs<T, D>(dkr, da, q_t);  // dK += dS^T Q
         wg_commit();
+        if (DET && it > 0) turn_release(last);  // the last step's adds
         store_ds(ds_t, da, 64 * c + 16 * warp + g, t);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         bar_sync(kDsBar, 256);  // both warpgroups' dS^T written
-        int seen = 0;  // DET: the counter, read while the product runs
-        if (DET) {
-            counter = dq_sem + (long long)(b * h + hh) * (sq_pad / kBwdSm90BM) + qb;
-            seen = ld_relaxed(counter);
-        }
+        if (DET && seen != want) seen = ld_relaxed(counter);  // again, while dQ = dS K runs
         float dq[D / 16][4];
         bwd_dq<T, D>(dq, ds_t, base + S::K + c * (D == 128 ? kPanel : 64));
         wg_commit();
@@ -578,14 +584,12 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         reg_fence(dvr);
         reg_fence(dkr);
         warp_release(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
-        if (DET)  // 8 consumer warps count themselves in per turn
-            turn_wait(counter, 8 * dq_turn<kBwdSm90BM, kBwdSm90BN, CAUSAL>(nb, qb, kv_len),
-                      seen);
+        if (DET) turn_wait(counter, want, seen);
         const bool odd = t & 1;
         const int qr = q0 + 16 * warp + g + (odd ? 8 : 0);
         bwd_add_dq<D>(dq_acc + b * st.dq_b + qr * st.dq_s + hh * D + c * (D / 2) + 4 * (t >> 1),
                       dq, odd, qr < q_len);
     }
-    if (DET && w.total > 0) turn_release(counter);
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
+    if (DET && w.total > 0) turn_release(counter);  // (its fence waits for dK, dV too)
 }
