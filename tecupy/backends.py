@@ -61,6 +61,7 @@ def register(op, kind, priority=None, supports=None):
         _registry[op] = impls
         _failures.pop((op, kind), None)  # a new implementation gets a new chance
         _order_cache.clear()
+        _last.clear()
         return fn
     return deco
 
@@ -115,10 +116,29 @@ def _env(name):
 
 def _ordered(op):
     """All implementations of `op` in preference order, cached per environment setting
-    (dispatch is on every op's hot path)."""
+    (dispatch is on every op's hot path): the op's last answer is kept with what it was
+    given, the two settings' raw values and the registry's list, each compared by identity
+    (an environment value set again is a new object: the general lookup, same answer)."""
     data = getattr(os.environ, "_data", None)  # the settings as raw bytes (see _env)
-    env = (os.environ.get("TECUPY_OP_BACKENDS"), os.environ.get("TECUPY_BACKEND")) \
-        if data is None else (data.get(_OP_BACKENDS), data.get(_BACKEND))
+    if data is None:
+        return _ordered_env(op, (os.environ.get("TECUPY_OP_BACKENDS"),
+                                 os.environ.get("TECUPY_BACKEND")))
+    per_op, kind = data.get(_OP_BACKENDS), data.get(_BACKEND)
+    last = _last.get(op)
+    if last is not None and last[0] is per_op and last[1] is kind \
+            and last[2] is _registry.get(op) and last[3] == len(last[2]):
+        return last[4]
+    order = _ordered_env(op, (per_op, kind))
+    impls = _registry.get(op)  # (_ordered_env raised where there is none)
+    _last[op] = (per_op, kind, impls, len(impls), order)
+    return order
+
+
+_last = {}  # op -> (settings' raw values, its registry list and length, order); cleared
+#            with _order_cache (a registration, a remembered or cleared failure)
+
+
+def _ordered_env(op, env):
     key = (op, env, len(_registry.get(op, ())))
     order = _order_cache.get(key)
     if order is None:
@@ -240,6 +260,7 @@ def _build_errors():
 def _remember(op, kind, err):
     _failures[(op, kind)] = (err, err.__traceback__)
     _order_cache.clear()
+    _last.clear()
 
 
 def _warn_build_failure(op, kind, err, fallback):
@@ -266,6 +287,7 @@ def clear_failures():
     (after a fix, e.g. a header installed or the cache cleared)."""
     _failures.clear()
     _order_cache.clear()
+    _last.clear()
 
 
 def registered():

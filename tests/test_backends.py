@@ -25,6 +25,29 @@ def fake_op():
     backends._registry.pop("demo_fwd")
 
 
+def test_kept_order_follows_settings_and_registry(fake_op, monkeypatch):
+    """dispatch keeps each op's last order (issue 21): a changed setting, a setting set
+    again to its value, a registration, a list replaced or changed in place all count."""
+    for var in ("TECUPY_BACKEND", "TECUPY_OP_BACKENDS"):
+        monkeypatch.delenv(var, raising=False)
+    assert backends.dispatch("demo_fwd", 20) == "cutlass"
+    monkeypatch.setenv("TECUPY_BACKEND", "cuda")
+    assert backends.dispatch("demo_fwd", 20) == "cuda"
+    monkeypatch.setenv("TECUPY_BACKEND", "cuda")  # the same value, a new object
+    assert backends.dispatch("demo_fwd", 20) == "cuda"
+    monkeypatch.setenv("TECUPY_OP_BACKENDS", "demo=reference")
+    assert backends.dispatch("demo_fwd", 20) == "ref"
+    monkeypatch.delenv("TECUPY_OP_BACKENDS")
+    monkeypatch.delenv("TECUPY_BACKEND")
+    backends.register("demo_fwd", "cutlass", supports=lambda x: x > 100)(lambda x: "new")
+    assert backends.dispatch("demo_fwd", 20) == "cuda"
+    impls = backends._registry["demo_fwd"]
+    impls.append(backends.Impl("demo_fwd", "mine", 99, lambda x: "mine", None))  # in place
+    assert backends.dispatch("demo_fwd", 20) == "mine"
+    backends._registry["demo_fwd"] = [i for i in impls if i.kind != "mine"]  # replaced
+    assert backends.dispatch("demo_fwd", 20) == "cuda"
+
+
 def test_priority_and_supports(fake_op, monkeypatch):
     for var in ("TECUPY_BACKEND", "TECUPY_OP_BACKENDS", "TECUPY_STRICT"):
         monkeypatch.delenv(var, raising=False)

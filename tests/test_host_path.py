@@ -159,12 +159,15 @@ def test_fp8_gemm_fp8_output_needs_its_scale():
 def test_cast_transpose_plan(monkeypatch, fake_driver):
     made = _fake_gpu(monkeypatch, cast_kernels, sms=100)
     monkeypatch.setattr(cast_kernels, "resident_blocks", lambda k, threads, smem: 4)
-    run, rows, cols = cast_kernels._ct_plan(256, 4096, tecupy.bfloat16, "e5m2", True)
+    run, rows, cols, tail = cast_kernels._ct_plan(256, 4096, tecupy.bfloat16, "e5m2", True)
     name = "cast_transpose_tiled<__nv_bfloat16, __nv_fp8_e5m2, 1, true, false>"
     assert made == [run.k.name] == [name]
     assert run.grid == (min(2 * 64, 400),) and run.block == (256,)
     assert (type(rows), rows, type(cols), cols) == (np.int32, 256, np.int32, 4096)
-    run, _, _ = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
+    # the plain kernel's arguments from rows on: rows, cols, null h and hbias, ldh, ldq
+    assert tail[:2] == (rows, cols) and tail[2:] == (0, 0, 4096, 4096)
+    assert list(map(type, tail)) == [np.int32] * 2 + [np.uint64] * 2 + [np.int64] * 2
+    run, _, _, _ = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
                                       False)  # a tail: 40 % 16
     assert run.k.name.endswith("false, true>") and run.grid == (1,)
 
@@ -520,6 +523,27 @@ def test_cast_transpose_call_allocates_the_codes_only(fake_cupy, fake_driver, mo
     want = (x.data.ptr, scale.data.ptr, q.data.ptr, qt.data.ptr, inv.data.ptr, amax.data.ptr,
             0, amax.data.ptr, 256, 4096, 0, 0)
     assert _packed(raw, "Q" * 8 + "i4xi4xQQ") == want
+
+
+def test_cast_transpose_checks_what_its_common_case_skips(fake_cupy, fake_driver,
+                                                          monkeypatch):
+    """The quantizers' case (a float32 amax_out and scale_inv_out of one element) packs the
+    same arguments as the general path; any other amax_out or scale_inv_out takes that path
+    and its errors."""
+    monkeypatch.setattr(cast_kernels, "_plans", {})
+    monkeypatch.setattr(cast_kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(cast_kernels, "resident_blocks", lambda k, threads, smem: 4)
+    x = FakeArray((32, 64), tecupy.bfloat16)
+    scale, amax, inv = (FakeArray((1,), np.float32) for _ in range(3))
+    q, qt, _ = cast_kernels.cast_transpose(x, scale, E4M3, amax, inv)
+    q2, qt2, _ = cast_kernels._cast_transpose(x, scale, E4M3, None, amax, inv)
+    fmt = "Q" * 8 + "i4xi4xQQqq"
+    fast, general = (_packed(r[4], fmt) for r in fake_driver[-2:])
+    assert fast[4:] == general[4:] and fast[2:4] == (q.data.ptr, qt.data.ptr)
+    for bad_amax, bad_inv in ((FakeArray((1,), np.float64), inv), (amax, FakeArray((2,),
+                                                                                   np.float32))):
+        with pytest.raises(TypeError, match="float32 CuPy array of one element"):
+            cast_kernels.cast_transpose(x, scale, E4M3, bad_amax, bad_inv)
 
 
 def test_cast_to_fp8_call_packs_its_plan(fake_cupy, fake_driver, monkeypatch):
