@@ -1,7 +1,9 @@
 """NcclGroup: the ProcessGroup API over cupy.cuda.nccl, one process per GPU.
 
 Collectives run on CuPy arrays of this rank's GPU, on the current stream, with no host
-synchronisation (barrier() is the one call that waits on the host). Dtypes: float32,
+synchronisation (barrier() is the one call that waits on the host); all_reduce_into and
+all_gather_into add NCCL's out-of-place / in-place forms that need no copy (the data-
+parallel reducer and ZeroOptimizer use them where a group has them). Dtypes: float32,
 float16, bfloat16, float64, uint8, int32, int64. Groups are made by init_process_group
 (process.py) and split(); every rank calls the same collectives in the same order, as NCCL
 requires (TECUPY_DIST_DEBUG=1 checks that through the store on every call, naming each
