@@ -101,9 +101,9 @@ def test_deterministic_backward_is_bit_identical(rng, monkeypatch, variant, mask
     for name, x, y, z in zip(("dq", "dk", "dv"), first, second, replay):
         for other in (y, z):
             assert cupy.array_equal(x.view(np.uint16), other.view(np.uint16)), name
-    f64 = [t.astype(np.float64) for t in (do, q, k, v)]
-    o64, lse64 = ref.attention_fwd(*f64[1:], *tail)
-    want = ref.attention_bwd(*f64, o64, lse64, *tail)
+    x64 = [t.astype(np.float64) for t in (do, q, k, v)]
+    o64, lse64 = ref.attention_fwd(*x64[1:], *tail)
+    want = ref.attention_bwd(*x64, o64, lse64, *tail)
     lp = ref.attention_bwd(*args[:4], *ref.attention_fwd(q, k, v, *tail), *tail)
     atol = float(ml_dtypes.finfo(tecupy.bfloat16).eps)
     for name, g, w, r in zip(("dq", "dk", "dv"), first, want, lp):
