@@ -20,7 +20,7 @@ from .. import backends, loader
 from .._array import bfloat16, is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
-from . import launch
+from . import launch as launch_module  # (PDL: a setting; `launch` is a function here)
 from .launch import Launcher, hopper, planned, sm_count
 from .tma import tma_desc as tma_encode
 
@@ -301,7 +301,7 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     grid = (min(units, sm_count() // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
             (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids),
-            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=launch.PDL))
+            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=launch_module.PDL))
 
 
 def _kinds():
@@ -342,9 +342,9 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
 
 
 # The launch: through cuLaunchKernelEx with the plan's Launcher (arguments packed by its
-# struct, the descriptors as bytes; with the PDL attribute where launch.PDL was on when the
-# plan was made: the kernel waits with griddepcontrol.wait), or CuPy's launch (which converts every argument per
-# call): scripts/linear_host.py times both on the GPU (PERFLOG.md, issue 21).
+# struct, the descriptors as bytes; with the PDL attribute where launch_module.PDL was on
+# when the plan was made: the kernel waits with griddepcontrol.wait), or CuPy's launch
+# (which converts every argument per call): scripts/linear_host.py times both on the GPU.
 CTYPES_LAUNCH = True
 _gemm_desc_sets = {}  # (plan number, addresses of A, B, D) -> the call's 3 TMA descriptors,
 #                     as bytes (the Launcher's 128-byte arguments) and as NumPy (CuPy's)
