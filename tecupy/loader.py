@@ -127,10 +127,11 @@ def cache_dir():
 def _key(file, arch, names, options):
     from cupy.cuda import nvrtc
     h = hashlib.sha256(repr((file, arch, names, options, nvrtc.getVersion())).encode())
-    folder = source_path(file).parent
-    h.update(_sources_digest(folder))
-    if folder != cuda_dir():  # cuda/ is on every file's include path (the GEMM includes
-        h.update(_sources_digest(cuda_dir()))  # act_math.cuh): its headers key it too
+    path = source_path(file)
+    h.update(path.read_bytes())
+    h.update(_sources_digest(path.parent))
+    if path.parent != cuda_dir():  # cuda/ is on every file's include path (the GEMM
+        h.update(_sources_digest(cuda_dir()))  # includes act_math.cuh): its headers key it
     h.update(header_stamp(include_dirs()))
     return h.hexdigest()[:20]
 
@@ -176,9 +177,10 @@ _digest = {}
 
 
 def _sources_digest(folder):
-    """Digest of every *.cu* in the source's folder (a shared header change rebuilds the
-    folder's kernels), recomputed when a file's mtime changes."""
-    files = sorted(folder.glob("*.cu*"))
+    """Digest of the headers (*.cuh) of a source's folder: a shared header's change rebuilds
+    the folder's kernels, an edit of one .cu file only that file's (no .cu includes another);
+    recomputed when a header's mtime changes."""
+    files = sorted(folder.glob("*.cuh"))
     stamp = tuple((f.name, f.stat().st_mtime_ns) for f in files)
     if _digest.get(folder, (None,))[0] != stamp:
         h = hashlib.sha256()
