@@ -62,6 +62,7 @@ def register(op, kind, priority=None, supports=None):
         _failures.pop((op, kind), None)  # a new implementation gets a new chance
         _order_cache.clear()
         _last.clear()
+        _generation[0] += 1
         return fn
     return deco
 
@@ -209,6 +210,33 @@ def dispatch(op, *args, **kwargs):
         return _fall_back(op, impl, err, impls[first + 1:], args, kwargs)
 
 
+def choose(op, *args, **kwargs):
+    """The implementation dispatch would run first for these inputs (None if none accepts
+    them). A call site that keeps it (a launch plan of an op's common case) keeps it only
+    while token() is unchanged and for inputs that every supports() answers alike for."""
+    for impl in _ordered(op):
+        if impl.supports is None or impl.supports(*args, **kwargs):
+            return impl
+    return None
+
+
+_generation = [0]  # registrations, remembered and cleared failures so far (see token)
+
+
+def token():
+    """What dispatch's choice depends on besides the inputs: the registry's generation
+    (register(), a remembered or cleared failure) and the settings' raw values
+    (TECUPY_OP_BACKENDS, TECUPY_BACKEND, TECUPY_STRICT). Equal tokens: the same choice."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return (_generation[0],) + tuple(map(os.environ.get, _SETTINGS))
+    return (_generation[0], data.get(_OP_BACKENDS), data.get(_BACKEND), data.get(_STRICT))
+
+
+_SETTINGS = ("TECUPY_OP_BACKENDS", "TECUPY_BACKEND", "TECUPY_STRICT")
+_STRICT = os.environ.encodekey("TECUPY_STRICT")
+
+
 def _fall_back(op, failed, err, later, args, kwargs):
     """After `failed` raised `err`: the next implementations that accept the inputs, each
     after a warning; re-raises under TECUPY_STRICT=1 or when none is left."""
@@ -261,6 +289,7 @@ def _remember(op, kind, err):
     _failures[(op, kind)] = (err, err.__traceback__)
     _order_cache.clear()
     _last.clear()
+    _generation[0] += 1
 
 
 def _warn_build_failure(op, kind, err, fallback):
@@ -288,6 +317,7 @@ def clear_failures():
     _failures.clear()
     _order_cache.clear()
     _last.clear()
+    _generation[0] += 1
 
 
 def registered():

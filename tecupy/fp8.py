@@ -304,6 +304,25 @@ def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
     return t if dbias_dtype is None else (t, dbias)
 
 
+def bound_cast(a, scale, fmt, amax_out):
+    """cast(x, scale, fmt, amax_out, transpose=True) for arrays x like `a` (2-D, its shape,
+    dtype and array type; scale and amax_out float32 (1,) arrays on its device), bound now to
+    the implementation dispatch chooses for `a` and its launch plan: f(x) -> FP8Tensor, or
+    None where that implementation has no bound form (kernels' `bind`: an op's kept plan,
+    ops/linear.py). The same kernel, arguments and outputs as cast (scale_inv written by
+    the kernel), without dispatch and checks per call."""
+    impl = backends.choose("cast_transpose", a, scale, fmt, amax_out, amax_out)
+    bind = getattr(getattr(impl, "fn", None), "bind", None)
+    if bind is None or impl.failure is not None or not a.size:
+        return None
+    launch = bind(a.shape[0], a.shape[1], a.dtype, fmt)
+
+    def cast_bound(x):
+        data, data_t, inv = launch(x, scale, amax_out)
+        return FP8Tensor.made(data, fmt, inv, data_t)
+    return cast_bound
+
+
 def dact_cast(dy, x, bias, name, scale, fmt, amax_out, dbias_dtype=None):
     """cast(dx, ..., transpose=True, dbias_dtype) of the activation `name`'s backward
     dx = dy * f'(x + bias) (in dy's dtype), in one pass where a kernel has it: dx is never

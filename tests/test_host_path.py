@@ -12,6 +12,7 @@ import pytest
 import tecupy
 from tecupy import backends
 from tecupy.fp8 import E4M3, E5M2
+from tecupy.inspect import ACTIVE_INSPECTOR
 from tecupy.kernels import cast as cast_kernels
 from tecupy.kernels import fp8_gemm as gemm_kernels
 from tecupy.kernels import launch as launch_mod
@@ -624,3 +625,129 @@ def test_fp8_gemm_supports_what_is_built(fake_cupy, monkeypatch, out_dtype, kw, 
     kw = {k: arrays.get(v, v) if isinstance(v, str) else v for k, v in kw.items()}
     for _ in range(2):
         assert gemm_kernels.supported(a, E4M3, sa, b, E4M3, sb, out_dtype, **kw) is ok
+
+
+# ---- the FP8 linear's kept plan (ops/linear.py, issue 21) ------------------------------
+def _linear_host():
+    """scripts/linear_host.py as a module (its FakeCupy: a whole nn.Linear on CPU)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "linear_host.py"
+    spec = importlib.util.spec_from_file_location("linear_host", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.M, mod.K, mod.N = 64, 256, 128  # (its shapes, smaller: the weights made on the CPU)
+    return mod
+
+
+def _recorded_steps(monkeypatch, kept, steps=3, fail_gemm=False):
+    """The launches of the last of `steps` training forwards of an FP8 nn.Linear and one
+    with FP8 weights (faked CuPy): per launch the kernel, grid, block, shared bytes and the
+    packed arguments, each address named by its first appearance in the step."""
+    host = _linear_host()
+    for module in (cast_kernels, gemm_kernels, scaling_kernels):
+        monkeypatch.setattr(module, "_plans", {})
+    monkeypatch.setattr(linear_op, "_kept", {})
+    monkeypatch.setattr(linear_op, "KEPT", kept)
+    if not hasattr(gemm_kernels.launch, "PDL"):  # (launch: a function there at 5fe48bb)
+        monkeypatch.setattr(gemm_kernels.launch, "PDL", False, raising=False)
+    sizes, launched, real_state = {}, [], launch_mod._launch_state
+
+    def launch_state(*args):
+        st, buf, params, cfg = real_state(*args)
+        sizes[ctypes.addressof(params)] = st.size
+        return st, buf, params, cfg
+
+    def launch_ex(cfg_ptr, f, params, extra):
+        cfg = launch_mod._LaunchConfig.from_address(cfg_ptr)
+        first = (ctypes.c_void_p * 1).from_address(params)[0]
+        name = ctypes.cast(f, ctypes.py_object).value.name  # (the fake kernel: f is its id)
+        launched.append((name, tuple(cfg.grid), tuple(cfg.block), cfg.shared,
+                         ctypes.string_at(first, sizes[params])))
+        return 0
+    monkeypatch.setattr(launch_mod, "_launch_state", launch_state)
+    r = DelayedScaling(amax_history_len=4)
+    with host.FakeCupy():
+        import cupy
+        launch_mod._cupy[2] = launch_ex
+        lin, x = host.make(cupy, True)
+        lin8 = host.make_fp8_weights(cupy, True, r)
+        for _ in range(steps):
+            del launched[:]
+            with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+                ys = [lin(x), lin8(x)]
+            assert [(y.shape, y.dtype) for y in ys] == [((64, 128), tecupy.bfloat16)] * 2
+    names = {}
+    return [(f, grid, block, shared, [names.setdefault(w, len(names)) if w >= 1 << 32 else w
+                                      for w in struct.unpack(f"<{len(raw) // 8}Q", raw)])
+            for f, grid, block, shared, raw in launched]
+
+
+def test_kept_plan_launches_what_the_general_path_launches(monkeypatch):
+    """Under a Tape, the kept plan's forward launches the same kernels with the same grids
+    and arguments (x, weight, bias, the state's slots, codes and outputs in the same places)
+    as dispatching every call: the same bits on a GPU. 2 casts + GEMM, a cast + GEMM (FP8
+    weights); the update (CuPy's launch) is not recorded."""
+    general = _recorded_steps(monkeypatch, False)
+    kept = _recorded_steps(monkeypatch, True)
+    assert [k[0].split("<")[0] for k in kept] == ["cast_transpose_tiled"] * 2 + [
+        "tc::fp8_gemm_tn", "cast_transpose_tiled", "tc::fp8_gemm_tn"]
+    assert len(kept) == 5 and len(linear_op._kept) == 2 and all(linear_op._kept.values())
+    assert kept == general
+
+
+def test_kept_plan_is_dropped_where_it_fails(monkeypatch):
+    """A kept GEMM that raises: the general path runs that call (dispatch, its fallback) and
+    the key's plan is dropped for good."""
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("a launch failure")
+    real = linear_op._kept_plan
+
+    def plan(*args):
+        got = real(*args)
+        return got and (got[0], got[1], failing, got[3])
+    monkeypatch.setattr(linear_op, "_kept_plan", plan)
+    general = _recorded_steps(monkeypatch, True)
+    assert len(calls) == 2 and not any(linear_op._kept.values())
+    monkeypatch.setattr(linear_op, "_kept_plan", real)
+    assert general == _recorded_steps(monkeypatch, False)
+
+
+def test_kept_plan_follows_the_settings_and_the_registry(monkeypatch):
+    """backends.token() is part of the key: a changed setting or a registration plans
+    again; NumPy inputs, an FP8Inspector or no Tape never plan."""
+    host = _linear_host()
+    monkeypatch.setattr(linear_op, "_kept", {})
+    if not hasattr(gemm_kernels.launch, "PDL"):  # (launch: a function there at 5fe48bb)
+        monkeypatch.setattr(gemm_kernels.launch, "PDL", False, raising=False)
+    r = DelayedScaling(amax_history_len=4)
+    with host.FakeCupy():
+        import cupy
+        lin, x = host.make(cupy, True)
+        with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+            lin(x)
+            assert len(linear_op._kept) == 1
+            monkeypatch.setenv("TECUPY_BACKEND", "cuda")
+            lin(x)
+            backends.register("demo_kept", "reference")(lambda: None)
+            backends._registry.pop("demo_kept")
+            lin(x)
+            assert len(linear_op._kept) == 3
+            seen = []  # an inspector sees every cast: the general path
+            token = ACTIVE_INSPECTOR.set(type("Inspector", (), {
+                "record": lambda self, q, x, out: seen.append(q)})())
+            try:
+                lin(x)
+            finally:
+                ACTIVE_INSPECTOR.reset(token)
+            assert len(seen) == 2
+        with tecupy.fp8_autocast(fp8_recipe=r):  # no Tape: no transposed copies, no plan
+            lin(x)
+        assert len(linear_op._kept) == 3
+    lin = tecupy.nn.Linear(32, 16, device="cpu", seed=0)
+    with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+        lin(np.ones((16, 32), np.float32))
+    assert len(linear_op._kept) == 3

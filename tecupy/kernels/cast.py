@@ -127,6 +127,28 @@ def _ct_given(x, scale, fmt, amax_out, inv, cupy):
     return q, qt, amax_out
 
 
+def _ct_bind(rows, cols, dtype, fmt):
+    """cast_transpose of [rows, cols] arrays of `dtype` (rows * cols > 0) to `fmt`, its
+    plan made now: cast(x, scale, amax_out) -> (q, qt, scale_inv), the three made here and
+    amax_out (a float32 CuPy array of one element) taken as it is (the caller checked it):
+    an op's kept plan (ops/linear.py's common case), what cast_transpose does after its
+    dispatch and checks."""
+    import cupy
+    run, _, _, tail = planned(_plans, (rows, cols, dtype, fmt.name, False, None, _device()),
+                              _ct_plan, rows, cols, dtype, fmt.name, False, None)
+
+    def cast(x, scale, amax_out):
+        x = cupy.ascontiguousarray(x)
+        inv = cupy.empty((1,), np.float32)
+        q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
+        run((x, scale, q, qt, inv, amax_out, _NULL, amax_out) + tail)
+        return q, qt, inv
+    return cast
+
+
+cast_transpose.bind = _ct_bind  # (backends.choose's callers look for it on the function)
+
+
 @backends.register("cast_transpose_dbias", "cuda", supports=_ct_supported)
 def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the float32 column sums of x in dbias_dtype, from the
