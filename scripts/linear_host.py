@@ -7,8 +7,14 @@
   (c), (d) the same with the weight as FP8 codes (quantized_model_init: no weight cast);
 and where (a) goes: cProfile's top functions by own time over --calls calls.
 
-    python scripts/linear_host.py [--top 30] [--calls 300]
+    python scripts/linear_host.py [--top 30] [--calls 300] [--parts] [--ab]
     python scripts/linear_host.py --fake      # no GPU: CuPy faked, the Python only
+
+--ab: (a)-(d) again with the FP8 linear's kept plan off (ops/linear.py KEPT, every call
+dispatched), then on, in the same run: the plan's gain on this machine. --parts on a GPU also
+times CuPy's own primitives the forward pays (an allocation, a view carved from one, a
+launch), the numbers that decide whether carving scale_inv out of the transposed codes'
+allocation pays.
 
 --fake runs the same calls on a machine without a GPU with CuPy's arrays, allocations,
 kernel lookups and launches replaced by trivial stand-ins (FakeCupy), so what is timed is
@@ -121,6 +127,58 @@ def parts(lin, x, rounds_=40, calls=100):
         gc.enable()
 
 
+def ab(lin, lin8, x, r, a, sync):
+    """(a)-(d) with ops/linear.py's kept plan off, then on (same process, same arrays)."""
+    import importlib
+    ops_linear = importlib.import_module("tecupy.ops.linear")
+    for kept in (False, True, False, True):
+        ops_linear.KEPT = kept
+        tag = f"kept plan {'on' if kept else 'off'}"
+        report(f"  {tag}: (a)", rounds(per_call(lin, x, r), a.calls, sync))
+        report(f"  {tag}: (b)", rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
+                                       held=held_context(r)))
+        report(f"  {tag}: (c)", rounds(per_call(lin8, x, r), a.calls, sync))
+        report(f"  {tag}: (d)", rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
+                                       held=held_context(r)))
+    ops_linear.KEPT = True
+
+
+def cupy_parts(cupy, rounds_=40, calls=100):
+    """us per call of CuPy's primitives in the forward (GPU only): allocations of scale_inv's
+    and the transposed codes' sizes, a pool allocation alone, an array carved from one (what
+    carving scale_inv out of the transposed copy's allocation would cost instead), a launch
+    of a trivial kernel through the Launcher."""
+    import gc
+    import numpy as np
+    from tecupy.kernels.launch import Launcher
+    buf = cupy.cuda.alloc(K * M + 512)
+    k = cupy.RawKernel('extern "C" __global__ void nop(float* p) {}', "nop")
+    k.compile()
+    run = Launcher(k, (1,), (32,), (cupy.ndarray,), pdl=False)  # (k.kernel: its function)
+    one = cupy.empty((1,), np.float32)
+    cases = {
+        "cupy.empty((1,), float32)": lambda: cupy.empty((1,), np.float32),
+        "cupy.empty((K, M), uint8)": lambda: cupy.empty((K, M), np.uint8),
+        "cupy.cuda.alloc(K*M + 512)": lambda: cupy.cuda.alloc(K * M + 512),
+        "cupy.ndarray((1,), float32, memptr=buf + K*M)": lambda: cupy.ndarray(
+            (1,), np.float32, memptr=buf + K * M),
+        "Launcher, 1 argument (cuLaunchKernelEx)": lambda: run((one,)),
+    }
+    gc.disable()
+    try:
+        for label, fn in cases.items():
+            best = []
+            for _ in range(rounds_):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best.append((time.perf_counter() - t0) / calls * 1e6)
+            print(f"  {label}: {min(best):.2f} us")
+    finally:
+        gc.enable()
+    cupy.cuda.Device().synchronize()
+
+
 def report(label, best):
     print(f"{label}: {min(best):.1f} us per call (rounds: "
           + ", ".join(f"{b:.1f}" for b in best) + ")")
@@ -133,6 +191,7 @@ def main():
     p.add_argument("--held", type=int, default=100, help="calls per held Tape + autocast")
     p.add_argument("--parts", action="store_true", help="also time each wrapper alone")
     p.add_argument("--fake", action="store_true", help="no GPU: CuPy faked (FakeCupy)")
+    p.add_argument("--ab", action="store_true", help="(a)-(d) with the kept plan off, then on")
     a = p.parse_args()
     with FakeCupy() if a.fake else contextlib.nullcontext():
         import cupy
@@ -161,8 +220,12 @@ def main():
             fp8_gemm.CTYPES_LAUNCH = True
             report("(a) with the FP8 GEMM through the Launcher, again",
                    rounds(fwd, a.calls, sync))
+        if a.ab:
+            ab(lin, lin8, x, r, a, sync)
         if a.parts:
             parts(lin, x)
+            if not a.fake:
+                cupy_parts(cupy)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(a.calls):

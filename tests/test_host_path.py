@@ -133,7 +133,8 @@ def test_fp8_gemm_plan_is_the_default_then_the_tuned_config(monkeypatch, tmp_pat
     args = (256, 4096, 4096, E4M3, E4M3, True, tecupy.bfloat16, False, False, False)
     plan = gemm_kernels._shape_plan(*args)
     fn, grid, smem, staged, out_dtype, bn, gelu, b_dtype, ints, _, run = plan
-    assert (run.k, run.grid, run.shared_mem, run.pdl) == (fn, grid, smem, False)
+    # PDL as launch.PDL was at the plan (the kernel waits in griddepcontrol.wait: 5fe48bb)
+    assert (run.k, run.grid, run.shared_mem, run.pdl) == (fn, grid, smem, launch_mod.PDL)
     config = gemm_kernels.default_config(256, 4096, True)
     assert fn.name == gemm_kernels.kernel_name("e4m3", "e4m3", "__nv_bfloat16", 1, False,
                                                config)
@@ -283,7 +284,7 @@ def _gemm_launch(fake_driver, i=-1):
     """The i-th launch's arguments, pointers named by their FakeArray (None: a raw one),
     descriptors by the number the fake encoder gave them."""
     grid, block, _, _, raw, num_attrs, shared = fake_driver[i]
-    assert block == (384, 1, 1) and num_attrs == 0 and shared > 0  # no PDL: no PDL_WAIT
+    assert block == (384, 1, 1) and num_attrs == 1 and shared > 0  # PDL (fake_driver's)
     args = _packed(raw, _GEMM_ARGS)
     arrays = {a.data.ptr: a for a in FakeArray.made}
     return ([arrays.get(p) for p in args[:7]] + list(args[7:10])
@@ -649,8 +650,6 @@ def _recorded_steps(monkeypatch, kept, steps=3, fail_gemm=False):
         monkeypatch.setattr(module, "_plans", {})
     monkeypatch.setattr(linear_op, "_kept", {})
     monkeypatch.setattr(linear_op, "KEPT", kept)
-    if not hasattr(gemm_kernels.launch, "PDL"):  # (launch: a function there at 5fe48bb)
-        monkeypatch.setattr(gemm_kernels.launch, "PDL", False, raising=False)
     sizes, launched, real_state = {}, [], launch_mod._launch_state
 
     def launch_state(*args):
@@ -721,8 +720,6 @@ def test_kept_plan_follows_the_settings_and_the_registry(monkeypatch):
     again; NumPy inputs, an FP8Inspector or no Tape never plan."""
     host = _linear_host()
     monkeypatch.setattr(linear_op, "_kept", {})
-    if not hasattr(gemm_kernels.launch, "PDL"):  # (launch: a function there at 5fe48bb)
-        monkeypatch.setattr(gemm_kernels.launch, "PDL", False, raising=False)
     r = DelayedScaling(amax_history_len=4)
     with host.FakeCupy():
         import cupy
