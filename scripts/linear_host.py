@@ -128,19 +128,21 @@ def parts(lin, x, rounds_=40, calls=100):
 
 
 def ab(lin, lin8, x, r, a, sync):
-    """(a)-(d) with ops/linear.py's kept plan off, then on (same process, same arrays)."""
+    """(a)-(d) with ops/linear.py's kept plan off, on, and on with scale_inv carved out of the
+    transposed codes' allocation (kernels/cast.py CARVE_SCALE_INV), twice, in one process."""
     import importlib
+    from tecupy.kernels import cast
     ops_linear = importlib.import_module("tecupy.ops.linear")
-    for kept in (False, True, False, True):
-        ops_linear.KEPT = kept
-        tag = f"kept plan {'on' if kept else 'off'}"
+    for kept, carve in ((False, False), (True, False), (True, True)) * 2:
+        ops_linear.KEPT, cast.CARVE_SCALE_INV = kept, carve
+        tag = f"kept plan {'on' if kept else 'off'}{', carved' if carve else ''}"
         report(f"  {tag}: (a)", rounds(per_call(lin, x, r), a.calls, sync))
         report(f"  {tag}: (b)", rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
                                        held=held_context(r)))
         report(f"  {tag}: (c)", rounds(per_call(lin8, x, r), a.calls, sync))
         report(f"  {tag}: (d)", rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
                                        held=held_context(r)))
-    ops_linear.KEPT = True
+    ops_linear.KEPT, cast.CARVE_SCALE_INV = True, False
 
 
 def cupy_parts(cupy, rounds_=40, calls=100):
@@ -242,9 +244,15 @@ class _Mem:
     def __init__(self, ptr):
         self.ptr = ptr
 
+    def __add__(self, offset):  # (a MemoryPointer's offset)
+        return _Mem(self.ptr + offset)
+
 
 class _Flags:
     c_contiguous = True
+
+
+_ALLOCS = itertools.count(1 << 44, 1 << 32)  # cupy.cuda.alloc's addresses, room for any size
 
 
 class FakeArray:
@@ -252,17 +260,21 @@ class FakeArray:
     flags = _Flags()
     _free, _next = {}, itertools.count(1 << 32, 1 << 12)  # size -> freed addresses; new ones
 
-    def __init__(self, shape, dtype):  # (about what CuPy's own constructor costs, ~1 us)
+    def __init__(self, shape, dtype, memptr=None):  # (about CuPy's own constructor, ~1 us)
         self.shape = shape = tuple(shape) if type(shape) is not int else (shape,)
         self.dtype = dtype = dtype if type(dtype) is np.dtype else np.dtype(dtype)
         self.ndim, self.itemsize = len(shape), dtype.itemsize
         self.size = math.prod(shape)
         self.nbytes = self.size * self.itemsize
+        if memptr is not None:  # on a given pointer (a carved allocation): nothing to free
+            self.data, self.nbytes = memptr, -1
+            return
         free = FakeArray._free.get(self.nbytes)  # an address freed is reused, as in CuPy's
         self.data = _Mem(free.pop() if free else next(FakeArray._next))  # pool (same size)
 
     def __del__(self):
-        FakeArray._free.setdefault(self.nbytes, []).append(self.data.ptr)
+        if self.nbytes >= 0:
+            FakeArray._free.setdefault(self.nbytes, []).append(self.data.ptr)
 
     def astype(self, dtype, copy=True):
         return self if not copy and np.dtype(dtype) == self.dtype else FakeArray(self.shape,
@@ -321,6 +333,7 @@ class FakeCupy:
                 a if isinstance(a, FakeArray) else FakeArray(np.shape(a),
                                                              dtype or np.asarray(a).dtype)),
             (cupy.cuda.runtime, "getDevice"): lambda: 0,
+            (cupy.cuda, "alloc"): lambda n: _Mem(next(_ALLOCS)),  # (apart from arrays')
             (cupy.cuda, "get_current_stream"): lambda: stream,
             (_array, "_CUPY_ARRAY"): FakeArray,
             (loader, "function"): lambda file, name, options=(): kernels.setdefault(

@@ -641,7 +641,7 @@ def _linear_host():
     return mod
 
 
-def _recorded_steps(monkeypatch, kept, steps=3, fail_gemm=False):
+def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
     """The launches of the last of `steps` training forwards of an FP8 nn.Linear and one
     with FP8 weights (faked CuPy): per launch the kernel, grid, block, shared bytes and the
     packed arguments, each address named by its first appearance in the step."""
@@ -650,6 +650,7 @@ def _recorded_steps(monkeypatch, kept, steps=3, fail_gemm=False):
         monkeypatch.setattr(module, "_plans", {})
     monkeypatch.setattr(linear_op, "_kept", {})
     monkeypatch.setattr(linear_op, "KEPT", kept)
+    monkeypatch.setattr(cast_kernels, "CARVE_SCALE_INV", carve)
     sizes, launched, real_state = {}, [], launch_mod._launch_state
 
     def launch_state(*args):
@@ -666,6 +667,11 @@ def _recorded_steps(monkeypatch, kept, steps=3, fail_gemm=False):
         return 0
     monkeypatch.setattr(launch_mod, "_launch_state", launch_state)
     r = DelayedScaling(amax_history_len=4)
+
+    class NoReuse(dict):  # every allocation a new address: an address names one array
+        def get(self, key, default=None):
+            return None
+    monkeypatch.setattr(host.FakeArray, "_free", NoReuse())
     with host.FakeCupy():
         import cupy
         launch_mod._cupy[2] = launch_ex
@@ -693,6 +699,25 @@ def test_kept_plan_launches_what_the_general_path_launches(monkeypatch):
         "tc::fp8_gemm_tn", "cast_transpose_tiled", "tc::fp8_gemm_tn"]
     assert len(kept) == 5 and len(linear_op._kept) == 2 and all(linear_op._kept.values())
     assert kept == general
+    assert _recorded_steps(monkeypatch, True, carve=True) == general  # scale_inv carved
+
+
+def test_carved_scale_inv_lies_after_the_transposed_codes(monkeypatch):
+    """CARVE_SCALE_INV: the bound cast's scale_inv is the float32 at the first 256-byte
+    boundary after the transposed codes, in their allocation; the row-wise codes apart."""
+    host = _linear_host()
+    monkeypatch.setattr(cast_kernels, "CARVE_SCALE_INV", True)
+    with host.FakeCupy():
+        import cupy
+        x = cupy.empty((48, 80), tecupy.bfloat16)
+        scale, amax = cupy.empty((1,), np.float32), cupy.empty((1,), np.float32)
+        q, qt, inv = cast_kernels._ct_bind(48, 80, x.dtype, E4M3)(x, scale, amax)
+        assert (qt.shape, qt.dtype, inv.shape, inv.dtype) == ((80, 48), np.uint8, (1,),
+                                                               np.float32)
+        assert inv.data.ptr - qt.data.ptr == 3840  # 48 * 80 = 15 * 256 bytes
+        _, qt, inv = cast_kernels._ct_bind(48, 88, x.dtype, E4M3)(x, scale, amax)
+        assert inv.data.ptr - qt.data.ptr == 4352  # 48 * 88 = 4224 -> 17 * 256
+        assert q.shape == (48, 80) and q.data.ptr not in range(qt.data.ptr, inv.data.ptr + 4)
 
 
 def test_kept_plan_is_dropped_where_it_fails(monkeypatch):

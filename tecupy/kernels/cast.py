@@ -137,13 +137,29 @@ def _ct_bind(rows, cols, dtype, fmt):
     run, _, _, tail = planned(_plans, (rows, cols, dtype, fmt.name, False, None, _device()),
                               _ct_plan, rows, cols, dtype, fmt.name, False, None)
 
+    off = -(-rows * cols // 256) * 256  # (scale_inv's place in a carved allocation)
+
     def cast(x, scale, amax_out):
         x = cupy.ascontiguousarray(x)
-        inv = cupy.empty((1,), np.float32)
-        q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
+        if CARVE_SCALE_INV:
+            mem = cupy.cuda.alloc(off + 4)
+            inv = cupy.ndarray((1,), np.float32, memptr=mem + off)
+            qt = cupy.ndarray((cols, rows), np.uint8, memptr=mem)
+        else:
+            inv = cupy.empty((1,), np.float32)
+            qt = cupy.empty((cols, rows), np.uint8)
+        q = cupy.empty((rows, cols), np.uint8)
         run((x, scale, q, qt, inv, amax_out, _NULL, amax_out) + tail)
         return q, qt, inv
     return cast
+
+
+# The bound cast's scale_inv carved out of the transposed codes' allocation: the two live
+# and die together (a linear's backward keeps both; the row-wise codes, which die after the
+# forward GEMM, stay apart: issue 22), so one pool allocation (malloc and free) less per
+# cast, for an array made on a given pointer. Off until timed on a GPU: CuPy's own costs
+# decide (scripts/linear_host.py --parts --ab prints both and the A/B).
+CARVE_SCALE_INV = False
 
 
 cast_transpose.bind = _ct_bind  # (backends.choose's callers look for it on the function)
