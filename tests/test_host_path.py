@@ -773,3 +773,32 @@ def test_kept_plan_follows_the_settings_and_the_registry(monkeypatch):
     with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
         lin(np.ones((16, 32), np.float32))
     assert len(linear_op._kept) == 3
+
+
+@pytest.mark.parametrize("carve", [False, True])
+def test_kept_plan_reuses_the_row_wise_blocks(monkeypatch, carve):
+    """In one Tape (every transposed copy alive), each forward's row-wise codes take the
+    block the last forward's freed, as on the general path (the fake reuses a freed address
+    per size, as CuPy's pool): the GEMM's TMA descriptors are encoded at the first calls
+    only, not at every call."""
+    host = _linear_host()
+    for module in (cast_kernels, gemm_kernels):
+        monkeypatch.setattr(module, "_plans", {})
+    monkeypatch.setattr(gemm_kernels, "_descs", {})
+    monkeypatch.setattr(gemm_kernels, "_gemm_desc_sets", {})
+    monkeypatch.setattr(cast_kernels, "CARVE_SCALE_INV", carve)
+    r = DelayedScaling(amax_history_len=4)
+    counts = []
+    for kept in (False, True):
+        monkeypatch.setattr(linear_op, "KEPT", kept)
+        monkeypatch.setattr(linear_op, "_kept", {})
+        with host.FakeCupy():
+            import cupy
+            encoded, real = [], gemm_kernels.tma_encode
+            gemm_kernels.tma_encode = lambda *args: encoded.append(args) or real(*args)
+            lin, x = host.make(cupy, True)
+            with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+                for _ in range(40):
+                    lin(x)
+            counts.append(len(encoded))
+    assert counts[1] <= counts[0] < 40

@@ -140,15 +140,20 @@ def _ct_bind(rows, cols, dtype, fmt):
     off = -(-rows * cols // 256) * 256  # (scale_inv's place in a carved allocation)
 
     def cast(x, scale, amax_out):
+        # (the row-wise codes first, as cast_transpose allocates them: they take the block
+        # the last call's row-wise codes freed, where the transposed copy, alive until the
+        # backward, would take it and move them: a new address, the GEMM's TMA descriptors
+        # encoded again at every call)
         x = cupy.ascontiguousarray(x)
         if CARVE_SCALE_INV:
+            q = cupy.empty((rows, cols), np.uint8)
             mem = cupy.cuda.alloc(off + 4)
             inv = cupy.ndarray((1,), np.float32, memptr=mem + off)
             qt = cupy.ndarray((cols, rows), np.uint8, memptr=mem)
         else:
             inv = cupy.empty((1,), np.float32)
+            q = cupy.empty((rows, cols), np.uint8)
             qt = cupy.empty((cols, rows), np.uint8)
-        q = cupy.empty((rows, cols), np.uint8)
         run((x, scale, q, qt, inv, amax_out, _NULL, amax_out) + tail)
         return q, qt, inv
     return cast
