@@ -28,7 +28,8 @@ def main(argv=None):
                         "model's peak: saved activations; each layer checkpointed)")
     p.add_argument("--recipe", choices=("tensor", "block"), default="tensor",
                    help="gemm: per-tensor FP8 (against cuBLASLt) or block-scaled FP8 "
-                        "(Float8BlockScaling, against our per-tensor GEMM and torch's)")
+                        "(Float8BlockScaling, against our per-tensor GEMM and torch's); "
+                        "layer: the step under Float8BlockScaling against delayed scaling")
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers must be >= 1, got {args.layers}")

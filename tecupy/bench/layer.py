@@ -166,6 +166,8 @@ def header(args, what=""):
 
 
 def run(args):
+    if getattr(args, "recipe", "tensor") == "block":
+        return _block_run(args)
     size, shape = header(args)
     rows, pools = _tecupy_rows(shape)
     rows.update(_torch_rows(shape))
@@ -185,6 +187,39 @@ def run(args):
         _stack_memory(shape, args.layers)
     if size == "full":
         _kernel_time(shape)
+
+
+def _block_run(args):
+    """--recipe block: the layer's FP8 step under Float8BlockScaling (1x128 activation and
+    gradient blocks, 128x128 weight blocks) against delayed scaling's, eager and graphed,
+    the same run, and each one's memory peak (issue 20: block step <= 1.15x delayed)."""
+    from tecupy.recipe import Float8BlockScaling
+    _, shape = header(args, ", FP8 block scaling against delayed scaling")
+    rows = {}
+    for name, r in (("delayed", _recipe()), ("block", Float8BlockScaling())):
+        rows.update(_recipe_rows(name, r, shape))
+    print(f"  {'':18s}{'ms/step':>9s}{'host ms':>9s}{'/ delayed':>11s}  (target <= 1.15)")
+    for name, (ms, host) in rows.items():
+        ref = rows.get(name.replace("block", "delayed"))
+        print(f"  {name:18s}{ms:9.3f}{host:9.3f}{ms / ref[0]:>11.2f}")
+
+
+def _recipe_rows(name, r, shape):
+    """{name eager/graphed: (ms, host ms)} of the FP8 step under recipe r; prints its peak
+    (a step that cannot be captured says why, and has no graphed row)."""
+    import cupy
+    import tecupy
+    from tecupy.__main__ import step
+    layer, x, dy = _build(shape)
+    rows = {f"{name} eager": _rate(lambda: step(layer, x, dy, r), cupy)}
+    try:
+        g = tecupy.make_graphed_step(layer, (x, dy), fp8_recipe=r)
+        rows[f"{name} graphed"] = _rate(lambda: g(x, dy), cupy)
+    except RuntimeError as err:
+        print(f"  {name}: not graphed: {str(err)[:160]}")
+    print(f"  {name}: step peak {step_memory(layer, x, dy, r)[0] / GIB:.2f} GiB above "
+          "parameters and inputs")
+    return rows
 
 
 def _memory(shape):
