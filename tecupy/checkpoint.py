@@ -47,7 +47,8 @@ def checkpoint(fn, *args, **kwargs):
     states = _fp8_states(modules, (*args, *kwargs.values()))
     rngs = [m.rng.bit_generator.state for m in modules]
     stack = _stack.get()
-    autocast = stack[-1][:2] if stack else None  # (enabled, recipe) of the call
+    # (enabled, recipe, amax group) of the call
+    autocast = (stack[-1][0], stack[-1][1], stack[-1][3]) if stack else None
     with discarding():
         out = fn(*args, **kwargs)
     outs = _outputs(out)
@@ -69,7 +70,7 @@ def checkpoint(fn, *args, **kwargs):
 class _Replay:
     """What the backward needs to run fn again as its first forward ran: fn, its arguments,
     the modules' generator states before it, the FP8 forward metas after it, the autocast
-    (enabled, recipe); no array that fn made."""
+    (enabled, recipe, amax group); no array that fn made."""
 
     def __init__(self, fn, args, kwargs, modules, rngs, meta, autocast):
         self.fn, self.args, self.kwargs = fn, args, kwargs
@@ -91,7 +92,8 @@ class _Replay:
         """fn again under a fresh Tape (only it records), the first forward's autocast (a
         scratch list of used states: the exit's forward update must not run again), its
         generator states and FP8 forward metas; everything put back after."""
-        frame = ((*self.autocast, []),) if self.autocast else ()
+        enabled, recipe, group = self.autocast or (None, None, None)
+        frame = ((enabled, recipe, [], group),) if self.autocast else ()
         stack, tapes = _stack.set(frame), _active.set(())
         now = self._swap_in()
         try:

@@ -62,15 +62,19 @@ class FP8State:
         # under a recipe with reduce_amax, this step's amaxes (history row 0) are maxed over
         # it before each update, as Transformer Engine reduces them over its amax group
         self.amax_group = None
+        # the fp8_group of the autocast this state was last used in (autocast.note_used):
+        # where one is given it takes the place of amax_group (TE: the autocast's group)
+        self.autocast_group = None
 
     def __repr__(self):
         return f"FP8State(num_gemms={self.num_gemms}, recipe={self.recipe!r})"
 
     def __getstate__(self):  # (a process group is this process's: not pickled either)
-        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "amax_group")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("derived", "amax_group", "autocast_group")}
 
     def __setstate__(self, d):
-        self.__dict__.update(d, derived={}, amax_group=None)
+        self.__dict__.update(d, derived={}, amax_group=None, autocast_group=None)
 
     def bind(self, xp, recipe):
         """Make or adapt the arrays for `recipe`. A recipe with another fp8_format keeps the
@@ -228,7 +232,7 @@ def update_states(states, direction):
         s = states[0]
         meta = getattr(s, direction)
         if meta is not None and s.recipe is not None:
-            if s.amax_group is not None:
+            if s.amax_group is not None or s.autocast_group is not None:
                 reduce_amaxes(states, direction)
             _update_group(s.recipe, [meta])
         return
@@ -245,14 +249,16 @@ def update_states(states, direction):
 
 def reduce_amaxes(states, direction):
     """Transformer Engine's amax reduction (reduce_amax=True): this step's amaxes (row 0 of
-    the `direction` histories) of the states with an amax_group are maxed over that group,
+    the `direction` histories) of the states with a group (the fp8_group of the autocast
+    they were used in, else their amax_group) are maxed over that group,
     one all-reduce per group for all its states (TE's one fused buffer), before the update;
     every rank then computes the same scales. Every rank of a group must update the same
     states in the same order (they do: the same modules run on every rank). Nothing is done
     (and nothing launched) for states without a group, or whose recipe says reduce_amax=False."""
     by_group = {}
     for s in states:
-        meta, group = getattr(s, direction), s.amax_group
+        group = s.autocast_group if s.autocast_group is not None else s.amax_group
+        meta = getattr(s, direction)
         if (group is not None and meta is not None and s.recipe is not None
                 and s.recipe.reduce_amax):
             by_group.setdefault(id(group), (group, []))[1].append(meta.amax_history)
