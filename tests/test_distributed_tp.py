@@ -297,15 +297,23 @@ def test_layernorm_mlp_sp_current_scaling_and_fp8_weights(init):
         _fp8_close(grads["layer_norm_weight"], want["layer_norm_weight"], "ln", False)
 
 
-def test_sequence_parallel_fp8_gathers_uint8_codes():
+@pytest.mark.parametrize("ring", [False, True], ids=["all_gather", "ring"])
+def test_sequence_parallel_fp8_gathers_uint8_codes(ring, monkeypatch):
     """Under fp8_autocast the sequence-parallel gather moves the activation's uint8 codes
-    (half of bf16's bytes) and no high-precision activation; outside it, the activation."""
+    (half of bf16's bytes) and no high-precision activation; outside it, the activation.
+    With the comm-GEMM overlap (ring) the same chunks travel by shift(), one step each."""
+    from tecupy.distributed import overlap
+    monkeypatch.setattr(overlap, "OVERLAP", ring)
     seen = []
 
     class Spy(dist.ThreadGroup):
         def _all_gather(self, x, axis):
             seen.append((self.rank, x.dtype, x.shape))
             return super()._all_gather(x, axis)
+
+        def _shift(self, x, out):
+            seen.append((self.rank, x.dtype, x.shape))
+            return super()._shift(x, out)
 
     def body(g):
         spy = Spy(g._world, g.rank)
@@ -317,7 +325,8 @@ def test_sequence_parallel_fp8_gathers_uint8_codes():
         m(x)
     dist.run_threads(2, body)
     assert sorted(dt.name for r, dt, _ in seen if r == 0) == ["float32", "uint8"]
-    assert all(shape == (32, 64) for r, dt, shape in seen if dt == np.uint8)
+    want = (32, 64) if ring else (16, 2, 64)
+    assert all(shape == (want if dt == np.float32 else (32, 64)) for r, dt, shape in seen)
 
 
 def test_amax_reduction_only_with_a_group_and_reduce_amax():

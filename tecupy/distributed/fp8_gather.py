@@ -16,22 +16,36 @@ so no rank's chunk saturates more than its own scale would). Current scaling max
 chunks' amaxes over the group first, so the scale is that of the whole sequence, as on
 one device. Only the sequence axis 0 (sbhd) is gathered as codes: the chunks are then
 whole rows of the [s*b, in] GEMM operand.
+
+Comm-GEMM overlap (overlap.py, on by default): the all-gather of the codes is a ring whose
+chunks' GEMMs write their rows of the output as they arrive, and the backward's dgrad +
+reduce-scatter a ring whose chunks' dgrad GEMMs run while the sums travel.
 """
 from .._array import xp_of
 from ..fp8 import FP8Tensor, amax, cast, current_scale
 from ..fp8_params import weight_fp8
 from ..ops import linear
-from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_linear_backward
+from ..ops.linear import (as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm,
+                          fp8_linear_backward)
 from ..quantization import gemm_quantizers
-from ..tape import keeping, record
+from ..tape import keeping, record, retaining
+from . import overlap
+from .ring_linear import ring_column_linear_hp
 
 
 def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0):
     """linear(all-gather of x along axis 0, weight, bias), the gather in FP8 codes under
-    fp8_autocast; x's gradient is reduce-scattered back to this rank's chunk."""
+    fp8_autocast; x's gradient is reduce-scattered back to this rank's chunk. With the
+    comm-GEMM overlap (overlap.py) the gather is a ring whose chunks' GEMMs run as they
+    arrive, and dgrad's reduce-scatter a ring whose chunks' GEMMs run as the sums travel."""
     from .tensor_parallel import gather_sequence
     q = gemm_quantizers(fp8_state, gemm_index, xp_of(x))
-    if q is None or x.ndim < 2:
+    ring = x.ndim >= 2 and overlap.enabled(group, x)
+    if q is None:
+        if ring:
+            return ring_column_linear_hp(x, weight, bias, group)
+        return linear(gather_sequence(x, group, 0), weight, bias, fp8_state, gemm_index)
+    if x.ndim < 2:
         return linear(gather_sequence(x, group, 0), weight, bias, fp8_state, gemm_index)
     n, k = weight.shape
     m_local = x.size // k
@@ -40,12 +54,24 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
     qi = q.input
     qx = cast(as_2d(x, m_local, k), shared_scale(qi, fp8_state, group, x), qi.fmt,
               qi.amax_out)
-    full = FP8Tensor.made(group.all_gather(qx.data, 0), qi.fmt, qx.scale_inv)
-    del qx
     tr = keeping()
-    qw = weight_fp8(q.weight, weight, tr)
     shape = (x.shape[0] * group.size,) + x.shape[1:-1] + (n,)
-    y = as_nd(fp8_gemm(full, qw, x.dtype, bias), shape)
+    if ring:
+        qw = weight_fp8(q.weight, weight, tr)
+        y2 = xp_of(x).empty((m, n), x.dtype)
+
+        def gemm(c, chunk):  # the rows of chunk c, as the one GEMM would write them
+            fp8_gemm(FP8Tensor.made(chunk, qi.fmt, qx.scale_inv), qw, x.dtype, bias,
+                     out=y2[c * m_local:(c + 1) * m_local])
+        full = FP8Tensor.made(overlap.ring_gather(group, qx.data, gemm), qi.fmt,
+                              qx.scale_inv)
+        del qx
+        y = as_nd(y2, shape)
+    else:
+        full = FP8Tensor.made(group.all_gather(qx.data, 0), qi.fmt, qx.scale_inv)
+        del qx
+        qw = weight_fp8(q.weight, weight, tr)
+        y = as_nd(fp8_gemm(full, qw, x.dtype, bias), shape)
     if not tr:
         return y
     x_shape, x_dtype = x.shape, x.dtype
@@ -53,10 +79,32 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
     del full
 
     def backward(dy):
+        if ring:
+            dx, dw, db = _ring_backward(as_2d(dy, m, n), saved, bias, q.grad_output,
+                                        x_dtype, group, m_local)
+            return dx.reshape(x_shape), dw, db
         dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
         return group.reduce_scatter(dx, 0).reshape(x_shape), dw, db
     record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
+
+
+def _ring_backward(dy2, saved, bias, q_dy, x_dtype, group, m_local):
+    """fp8_linear_backward (dy cast with its transposed copy and dbias, wgrad, then dgrad)
+    with dgrad's reduce-scatter a ring: dgrad's row chunk of each step computed while the
+    previous step's sum travels -> (this rank's dx chunk [m_local, K], dw, dbias)."""
+    qx_t, qw_t = saved
+    if not retaining():
+        saved.clear()
+    qdy, db = fp8_dy(q_dy, dy2, bias)
+    dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
+    del qx_t
+    qdy = qdy.rowwise()
+
+    def partial(c):  # dgrad's rows of chunk c: [m_local, N] x [K, N]^T
+        return fp8_gemm(qdy.rows(c * m_local, (c + 1) * m_local), qw_t, x_dtype,
+                        split_accumulator=True)
+    return overlap.ring_reduce_scatter(group, partial), dw, db
 
 
 def shared_scale(quantizer, fp8_state, group, x):

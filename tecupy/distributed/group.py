@@ -55,6 +55,29 @@ class ProcessGroup:
                              f"{root!r}")
         return self._broadcast(x, int(root))
 
+    def shift(self, x, out):
+        """Ring exchange: x goes to rank (rank + 1) % size, and what rank (rank - 1) % size
+        sends lands in `out` (x's shape and dtype, both C-contiguous; not x itself). Every
+        rank calls it; -> out. The point-to-point step of the comm-GEMM overlap
+        (overlap.py): NCCL send + recv in one group, on the current stream."""
+        self._check_array("shift", x)
+        self._check_array("shift", out)
+        if tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype:
+            raise ValueError(f"shift: out must have x's shape {tuple(x.shape)} and dtype "
+                             f"{x.dtype}; got {tuple(out.shape)} {out.dtype}")
+        if out is x:
+            raise ValueError("shift: out must not be x (x is still being sent)")
+        return self._shift(x, out)
+
+    @property
+    def can_shift(self):
+        """Whether this group has shift() (point-to-point): the overlapped tensor-parallel
+        GEMMs fall back to the plain collectives where it has not."""
+        return type(self)._shift is not ProcessGroup._shift
+
+    def _shift(self, x, out):
+        raise NotImplementedError
+
     def barrier(self):
         """Return once every rank of the group has called barrier()."""
         self._barrier()

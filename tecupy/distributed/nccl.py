@@ -43,6 +43,7 @@ DTYPE_NAMES = "float32, float16, bfloat16, float64, uint8, int32, int64"
 class CupyNccl:
     """The real api: cupy.cuda.nccl and CuPy arrays."""
     name = "nccl"
+    point_to_point = True  # ncclSend / ncclRecv (NcclGroup.shift)
 
     def __init__(self):
         import cupy
@@ -326,6 +327,33 @@ class NcclGroup(ProcessGroup):
                    api.ptr(send), api.ptr(out), out.size, NCCL_DTYPES[np.dtype(x.dtype)],
                    NCCL_OPS[op])
         return out.reshape(shape[:axis] + (n,) + shape[axis + 1:])
+
+    @property
+    def can_shift(self):
+        return bool(getattr(self._job.api, "point_to_point", False))
+
+    def _shift(self, x, out):
+        api = self._job.api
+        if not (x.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("shift: x and out must be C-contiguous (NCCL sends them flat)")
+        dt = NCCL_DTYPES[np.dtype(x.dtype)]
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        if self.size == 1:
+            out[...] = x
+            return out
+        self._call(_name("shift", x, "ring"), self._send_recv, api.ptr(x), api.ptr(out),
+                   x.size, dt, nxt, prev)
+        return out
+
+    def _send_recv(self, send, recv, count, dt, nxt, prev, stream):
+        """ncclSend to nxt and ncclRecv from prev in one group (no deadlock on a ring)."""
+        nccl = self._job.api.nccl
+        nccl.groupStart()
+        try:
+            self._comm.send(send, count, dt, nxt, stream)
+            self._comm.recv(recv, count, dt, prev, stream)
+        finally:
+            nccl.groupEnd()
 
     def _broadcast(self, x, root):
         xp, api = self._job.api.xp, self._job.api

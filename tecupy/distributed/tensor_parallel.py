@@ -18,12 +18,20 @@ pair are this rank's chunk of the sequence (axis 0, [s/tp, b, h]); the column GE
 is all-gathered (under FP8: its uint8 codes, fp8_gather.py), the row GEMM's output
 reduce-scattered. Parameters that act on sequence chunks (norm weights, the row GEMM's
 bias) get their gradients all-reduced (replicated_grad).
+
+Comm-GEMM overlap (overlap.py; TECUPY_TP_OVERLAP, default on): under sequence parallel the
+column GEMM's all-gather and dgrad reduce-scatter, and the row GEMM's reduce-scatter
+(row_parallel_linear), are rings whose chunks' GEMMs run while the chunks travel.
+reduce_row_output (a GEMM computed elsewhere: LayerNormMLP's fused activation + fc2) has
+no GEMM to overlap with and stays a plain reduce-scatter.
 """
 from .._array import xp_of
 from ..ops import add, linear
 from ..tape import record
+from . import overlap
 from .fp8_gather import gather_sequence_linear
 from .group import ProcessGroup
+from .ring_linear import ring_row_linear, row_ring_ok
 
 SEQUENCE_AXIS = 0  # sequence parallel splits [s, b, h] activations along s (TE: sbhd)
 
@@ -159,6 +167,10 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_stat
     _check_group("row_parallel_linear", group)
     if not input_is_parallel:
         x = scatter_to_tp(x, group)
+    if sequence_parallel and row_ring_ok(x, group) and overlap.enabled(group, x):
+        y = ring_row_linear(x, weight, group, fp8_state, gemm_index)  # (overlap.py)
+        bias = replicated_grad(bias, group)
+        return y if bias is None else add(y, bias)
     return reduce_row_output(linear(x, weight, None, fp8_state, gemm_index), bias, group,
                              sequence_parallel)
 

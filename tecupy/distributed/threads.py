@@ -104,6 +104,12 @@ class ThreadGroup(ProcessGroup):
         what = _name("reduce_scatter", x, f"axis={axis}, {op}")
         return self._collective(what, x, lambda xs: _reduce([a[index] for a in xs], op))
 
+    def _shift(self, x, out):
+        prev = (self.rank - 1) % self.size  # (copied before the second wait: x stays put)
+        src = self._collective(_name("shift", x, "ring"), x, lambda xs: xs[prev].copy())
+        out[...] = src
+        return out
+
     def _broadcast(self, x, root):
         mine = self.rank == root  # the others copy the root's array before the second wait
         src = self._collective(_name("broadcast", x, f"root={root}"), x,

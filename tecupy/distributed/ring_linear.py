@@ -1,0 +1,128 @@
+"""The sequence-parallel linears with their collectives overlapped (overlap.py's rings):
+
+    ring_column_linear_hp  x [s/tp, ..., in] -> gather(x) @ w.T + b  [s, ..., out/tp]
+                           (high precision; FP8's is in fp8_gather.py, on the codes)
+    ring_row_linear        x [s, ..., in/tp] -> reduce_scatter(x @ w.T) [s/tp, ..., out]
+                           (high precision or FP8; the bias is the caller's, after)
+
+Each is one tape node that computes what linear() and the collective node beside it
+compute today, with the same kernels on row chunks: the forward bit for bit (module doc of
+overlap.py), the backward's ring reduce-scatter in the ring's order of sums. The row
+linear's backward all-gathers dy (as reduce_scatter_sequence's backward does) and runs
+linear's backward on it: not overlapped (under FP8 dy is cast as one tensor, with its
+amax over the full sequence: gathering codes would change the numerics).
+"""
+from .. import backends
+from .._array import xp_of
+from ..fp8_params import hp, weight_fp8
+from ..ops.linear import (_check_args, _dbias, as_2d, as_nd, check_fp8_dims, fp8_gemm,
+                          fp8_linear_backward)
+from ..quantization import gemm_quantizers
+from ..tape import keeping, record
+from .overlap import ring_gather, ring_reduce_scatter
+
+
+def gemm_rows(a, w, bias, out):
+    """out[...] = a @ w.T + bias, as backends' "gemm" computes it: cuBLAS writes straight
+    into `out` (a row slice of a larger output) where that is the implementation chosen,
+    else the chosen one's result is copied in."""
+    from ..kernels import gemm as cublas
+    impl = backends.choose("gemm", a, w, out.dtype, bias)
+    if (impl is None or impl.fn is not cublas.gemm or getattr(impl, "failure", None)
+            is not None or not out.flags.c_contiguous or a.shape[1] == 0):
+        out[...] = backends.dispatch("gemm", a, w, out.dtype, bias)
+        return out
+    import cupy
+    m, k = a.shape
+    n = w.shape[0]
+    op_b, ld_b, b = cublas._operand(w, transposed=False)
+    op_a, ld_a, a = cublas._operand(a, transposed=True)
+    dt = cublas.CUDA_DTYPE[a.dtype]
+    cublas._check(cublas._cublas().cublasGemmEx(
+        cublas._handle(cupy.cuda.get_current_stream().ptr), op_b, op_a, n, m, k,
+        cublas._ALPHA.ctypes.data, b.data.ptr, dt, ld_b, a.data.ptr, dt, ld_a,
+        cublas._BETA.ctypes.data, out.data.ptr, dt, n, cublas.COMPUTE_32F,
+        cublas.GEMM_DEFAULT), "cublasGemmEx")
+    if bias is not None:
+        out += bias
+    return out
+
+
+def ring_column_linear_hp(x, weight, bias, group):
+    """High-precision gather_sequence + linear with the gather a ring (overlap.ring_gather)
+    and dgrad's reduce-scatter a ring (overlap.ring_reduce_scatter)."""
+    _check_args("linear", x, weight, bias)
+    xp, size = xp_of(x), group.size
+    n, k = weight.shape
+    w = hp(weight)
+    m_local = x.size // k
+    y2 = xp.empty((m_local * size, n), x.dtype)
+
+    def gemm(c, chunk):
+        gemm_rows(chunk, w, bias, y2[c * m_local:(c + 1) * m_local])
+    full = ring_gather(group, xp.ascontiguousarray(x.reshape(m_local, k)), gemm)
+    y = y2.reshape((x.shape[0] * size,) + x.shape[1:-1] + (n,))
+    x_shape, x_dtype = x.shape, x.dtype
+
+    def backward(dy):
+        dy2 = dy.reshape(-1, n)
+
+        def partial(c):  # dgrad's rows of chunk c
+            return backends.dispatch("gemm", dy2[c * m_local:(c + 1) * m_local], w, x_dtype,
+                                     None, trans_b=False)
+        dx = ring_reduce_scatter(group, partial)
+        dw = backends.dispatch("gemm", dy2.T, full, weight.dtype, None, trans_b=False)
+        return dx.reshape(x_shape), dw, _dbias(dy2, bias)
+    record(backward, (x, weight, bias), (y,))
+    return y
+
+
+def ring_row_linear(x, weight, group, fp8_state=None, gemm_index=0):
+    """linear(x, weight) reduce-scattered along axis 0 over `group` (the row-parallel GEMM
+    of sequence parallel, no bias), the reduce-scatter a ring whose steps' GEMMs are the
+    partial outputs of the chunk that travels next -> this rank's [s/tp, ..., out]. x:
+    [s, ..., in/tp], s a multiple of the group's size."""
+    xp = _check_args("linear", x, weight, None)
+    q = gemm_quantizers(fp8_state, gemm_index, xp)
+    size = group.size
+    n, k = weight.shape
+    m = x.size // k
+    m_local = m // size
+    shape = (x.shape[0] // size,) + x.shape[1:-1] + (n,)
+    x_shape, x_dtype = x.shape, x.dtype
+    x2 = as_2d(x, m, k)
+    if q is None:
+        w = hp(weight)
+        x2 = xp.ascontiguousarray(x2)
+        y = ring_reduce_scatter(group, lambda c: backends.dispatch(
+            "gemm", x2[c * m_local:(c + 1) * m_local], w, x_dtype, None)).reshape(shape)
+
+        def backward(dy):
+            dy2 = group.all_gather(dy, 0).reshape(-1, n)
+            dx = backends.dispatch("gemm", dy2, w, x_dtype, None, trans_b=False)
+            dw = backends.dispatch("gemm", dy2.T, x2, weight.dtype, None, trans_b=False)
+            return dx.reshape(x_shape), dw
+        record(backward, (x, weight), (y,))
+        return y
+    check_fp8_dims("linear", m, n, k)
+    tr = keeping()
+    qx = q.input.quantize(x2, transpose=tr)
+    qw = weight_fp8(q.weight, weight, tr)
+    y = ring_reduce_scatter(group, lambda c: fp8_gemm(
+        qx.rows(c * m_local, (c + 1) * m_local), qw, x_dtype)).reshape(shape)
+    if not tr:
+        return y
+    saved = [qx.columnwise(), qw.columnwise()]  # (qx itself dies with this call)
+
+    def backward(dy):
+        dy2 = as_2d(group.all_gather(dy, 0), m, n)
+        dx, dw, _ = fp8_linear_backward(dy2, saved, None, q.grad_output, x_dtype)
+        return as_nd(dx, x_shape), dw
+    record(backward, (x, weight), (y,), after_backward=q.after_backward, once=q.once)
+    return y
+
+
+def row_ring_ok(x, group):
+    """Whether ring_row_linear takes x: axis 0 splits into the group's chunks, and the
+    chunks are whole rows of the [M, K] operand."""
+    return x.ndim >= 2 and x.shape[0] % group.size == 0
