@@ -6,8 +6,9 @@ column -> gelu -> row MLP (nn.Linear) against the single-GPU run in high precisi
 under fp8_autocast, a TP=2 TransformerLayer with and without sequence parallel against the
 single GPU (float32 and FP8 with reduce_amax), a gradient of >= bucket_mb reduced with no
 copy, ZeRO-1 (ZeroOptimizer) equal to plain data parallel (bit for bit on 2 ranks), a
-raising rank ending every rank within 10 s, and an init timeout naming the absent rank.
-Skipped unless CuPy sees 2+ GPUs and loads NCCL.
+raising rank ending every rank within 10 s, an init timeout naming the absent rank, and the
+comm-GEMM overlap of sequence parallel (shift, the rings against the collectives, a TP=2
+layer with the overlap on against it off). Skipped unless CuPy sees 2+ GPUs and loads NCCL.
 
     python -m pytest -q -s -p no:cacheprovider tests/test_distributed_nccl.py
 
@@ -503,6 +504,98 @@ def check_tp_layer(got, sp, fp8, c=TP_LAYER):
             assert err < (2.0 ** -4 if fp8 else 1e-4), (name, r, err)
             worst = max(worst, err)
     return worst, len(want)
+
+
+def _rings(g):
+    """NcclGroup.shift and overlap.py's rings (side stream, events) against the NCCL
+    collectives, int64 (exact in any order of sums) and bf16, on every rank of g."""
+    from tecupy.distributed import overlap
+    cupy = _xp(g)
+    out = {}
+    for dt in (np.int64, bfloat16):
+        x = cupy.asarray(_data(g.rank, dt, (8 * g.size, 40)))
+        got = cupy.empty_like(x)
+        g.shift(x, got)
+        seen = []
+        full = overlap.ring_gather(g, x[:8], lambda c, chunk: seen.append(c))
+        rs = overlap.ring_reduce_scatter(g, lambda c: x[8 * c:8 * c + 8].copy())
+        cupy.cuda.get_current_stream().synchronize()
+        out[np.dtype(dt).name] = [_np(got), _np(full), seen, _np(rs),
+                                  _np(g.all_gather(x[:8], 0)), _np(g.reduce_scatter(x, 0))]
+    return out
+
+
+def test_shift_and_rings_equal_the_collectives():
+    """shift: every rank gets the previous rank's array; ring_gather: the all-gather, each
+    chunk's GEMM called once, in ring order; ring_reduce_scatter: the reduce-scatter (int64
+    exact; bf16 exact at 2 ranks, else within bf16 rounding: another order of sums)."""
+    got = dist.spawn(_rings, N, timeout=120)
+    for r in range(N):
+        for name, (shifted, full, seen, rs, ag, want_rs) in got[r].items():
+            dt = bfloat16 if name == "bfloat16" else np.int64
+            np.testing.assert_array_equal(shifted, _data((r - 1) % N, dt, (8 * N, 40)))
+            np.testing.assert_array_equal(full, ag)
+            assert seen == [(r - j) % N for j in range(N)], seen
+            if name == "int64" or N == 2:
+                np.testing.assert_array_equal(rs, want_rs)
+            else:
+                np.testing.assert_allclose(rs.astype(np.float64), want_rs.astype(np.float64),
+                                           rtol=2e-2, atol=0.2)
+    row("shift, ring all-gather / reduce-scatter vs NCCL", N, "ok", "int64 and bf16")
+
+
+OVERLAP_LAYER = dict(hidden=256, ffn=1024, heads=8, s=256, b=2)
+
+
+def _overlap_layer(g, fp8, c=OVERLAP_LAYER):
+    """The TP=2 + SP TransformerLayer (ranks 0 and 1; bf16, FP8 delayed scaling with
+    reduce_amax: two steps) with the comm-GEMM overlap off, then on -> {False/True: [y,
+    every gradient]} (NumPy float32)."""
+    import tecupy
+    from tecupy.distributed import overlap
+    cupy = _xp(g)
+    tp = g.split(color=0 if g.rank < 2 else None)
+    if tp is None:
+        return None
+    rng = np.random.default_rng(7)
+    x, dy = (rng.standard_normal((c["s"], c["b"], c["hidden"])).astype(np.float32)
+             for _ in range(2))
+    x, dy = (cupy.asarray(_cut(a, tp.rank, 2, 0)).astype(bfloat16) for a in (x, dy * 0.1))
+    recipe = tecupy.recipe.DelayedScaling(amax_history_len=4, reduce_amax=True)
+    out = {}
+    for ring in (False, True):
+        overlap.OVERLAP = ring
+        layer = tecupy.nn.TransformerLayer(c["hidden"], c["ffn"], c["heads"], hidden_dropout=0.0,
+                                           attention_dropout=0.0, seed=4, tp_group=tp,
+                                           sequence_parallel=True, params_dtype=bfloat16,
+                                           device="cuda")
+        params = layer.named_parameters()
+        for _ in range(2 if fp8 else 1):
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+                y = layer(x)
+            grads = tape.gradient(y, [x, *params.values()], output_grad=dy)
+        out[ring] = [_np(a.astype(np.float32)) for a in [y, *grads]]
+    overlap.OVERLAP = True
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_tp2_layer_overlap_equals_plain_collectives(fp8):
+    """TP=2 + SP TransformerLayer with the comm-GEMM overlap (rings of send/recv on a side
+    stream, chunk GEMMs) against the plain NCCL all-gather / reduce-scatter: within 1e-3
+    (relative, per tensor); expected bit for bit (2 ranks: the ring's one sum commutes; the
+    chunk GEMMs compute the same rows): the row says which tensors are."""
+    got = dist.spawn(_overlap_layer, N, fp8, timeout=300)
+    exact = total = 0
+    worst = 0.0
+    for r in range(2):
+        for k, (a, b) in enumerate(zip(got[r][True], got[r][False])):
+            assert a.shape == b.shape, (r, k)
+            err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            assert err < 1e-3, (r, k, err)
+            worst, exact, total = max(worst, err), exact + np.array_equal(a, b), total + 1
+    row(f"TP=2 +SP layer, overlap on vs off ({'fp8' if fp8 else 'bf16'})", 2, "ok",
+        f"bit-exact {exact}/{total} tensors; worst relative diff {worst:.2g}")
 
 
 def _raise_on_1(g):
