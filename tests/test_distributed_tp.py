@@ -408,8 +408,38 @@ def test_bench_tp_step_on_threads(capsys):
                                    _cut(want["layernorm_mlp.fc2_weight"], r, 2, 1),
                                    rtol=1e-4, atol=1e-6)
     steps = {"HP": {"single": (10.0, 1.0)}, "FP8": {"single": (8.0, 1.0)}}
-    print_tp({"HP": (5.5, 2.0), "FP8": (5.0, 2.0)}, steps, 2, "full")
+    print_tp({"HP": {False: (5.5, 2.0), True: (5.0, 2.0)},
+              "FP8": {False: (5.0, 2.0), True: (4.6, 2.0)}}, steps, 2, "full")
     out = capsys.readouterr().out
     assert "target: <= 0.60x" in out and "(4096, 16384, 32, 2048, 4)" in out
-    assert "| HP | 10.00 | 5.50 | 2.00 | 0.55x | met |" in out
-    assert "| FP8 | 8.00 | 5.00 | 2.00 | 0.62x | missed |" in out
+    assert "| HP | off | 10.00 | 5.50 | 2.00 | 0.55x | met |" in out
+    assert "| HP | on | 10.00 | 5.00 | 2.00 | 0.50x | met |" in out
+    assert "| FP8 | off | 8.00 | 5.00 | 2.00 | 0.62x | missed |" in out
+    assert "| FP8 | on | 8.00 | 4.60 | 2.00 | 0.57x | met |" in out
+
+
+def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
+    """Part 4's _tp_rows on ThreadGroup ranks (a small CPU layer, the timing faked): one
+    row per precision and overlap setting, each step run with OVERLAP as its row says,
+    OVERLAP restored after."""
+    import cupy
+
+    from tecupy.bench import distributed as bench
+    from tecupy.bench import layer as bench_layer
+    from tecupy.distributed import overlap
+    seen = []
+
+    def rate(step, xp):
+        seen.append(overlap.OVERLAP)
+        step()
+        return (1.0 + overlap.OVERLAP, 0.5)
+    real_build = bench.tp_build
+    monkeypatch.setattr(bench, "tp_build",
+                        lambda shape, g, device: real_build((32, 64, 4, 8, 2), g, "cpu"))
+    monkeypatch.setattr(bench_layer, "_rate", rate)
+    monkeypatch.setattr(cupy, "get_default_memory_pool",
+                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+    got = dist.run_threads(2, bench._tp_rows, "small")
+    assert got[0] == {"HP": {False: (1.0, 0.5), True: (2.0, 0.5)},
+                      "FP8": {False: (1.0, 0.5), True: (2.0, 0.5)}}
+    assert seen.count(False) == seen.count(True) == 4 and overlap.OVERLAP

@@ -33,7 +33,8 @@ NcclGroup on the GPUs of this host, one process each (spawned).
    (heads and ffn split over the ranks, x [seq/n, batch, hidden] per rank; FP8's amaxes
    reduced over the group), one forward + backward, against the single-GPU step of part 3:
    ms per step on rank 0 and the ratio TP step / single-GPU step (issue 25's targets:
-   <= 0.6x at TP=2, <= 0.35x at TP=4).
+   <= 0.6x at TP=2, <= 0.35x at TP=4), with the comm-GEMM overlap off (NCCL all-gather /
+   reduce-scatter) and on (tecupy/distributed/overlap.py's rings), a row each.
 Parts 1, 2 and 4 run in the first channel count's processes. --dp-only: part 3 alone (the
 sweep); --tp-only: the single-GPU step and part 4.
 """
@@ -262,39 +263,54 @@ def tp_step(layer, x, dy, recipe):
 
 
 def _tp_rows(g, layer_size):
-    """Part 4 on this rank: {precision: (GPU ms, host ms)} of the TP=size+SP step (every
-    rank runs it: its collectives need them all)."""
+    """Part 4 on this rank: {precision: {overlap: (GPU ms, host ms)}} of the TP=size+SP
+    step with the comm-GEMM overlap off (False: NCCL all-gather / reduce-scatter) and on
+    (True: overlap.py's rings), one layer each precision, timed in that order (every rank
+    runs it: its collectives need them all)."""
     import cupy
 
+    from tecupy.distributed import overlap
     from .layer import SIZES, _rate, _recipe
-    rows = {}
-    for name, recipe in (("HP", None), ("FP8", _recipe())):
-        layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
-        g.barrier()
-        rows[name] = _rate(tp_step(layer, x, dy, recipe), cupy)
-        g.barrier()
-        del layer, x, dy
-        cupy.get_default_memory_pool().free_all_blocks()
+    rows, default = {}, overlap.OVERLAP
+    try:
+        for name, recipe in (("HP", None), ("FP8", _recipe())):
+            layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
+            rows[name] = {}
+            for ring in OVERLAPS:
+                overlap.OVERLAP = ring
+                g.barrier()
+                rows[name][ring] = _rate(tp_step(layer, x, dy, recipe), cupy)
+                g.barrier()
+            del layer, x, dy
+            cupy.get_default_memory_pool().free_all_blocks()
+    finally:
+        overlap.OVERLAP = default
     return rows
 
 
+OVERLAPS = (False, True)  # part 4's rows: the comm-GEMM overlap off, on
 TP_TARGETS = {2: 0.6, 4: 0.35}  # issue 25: TP step / single-GPU step, sequence parallel on
 
 
 def print_tp(tp_rows, step_rows, n, layer_size):
-    """Part 4's table: rank 0's TP step against the single-GPU step, and the ratio."""
+    """Part 4's table: rank 0's TP step (overlap off and on) against the single-GPU step,
+    and the ratio; tp_rows {precision: {overlap: (GPU ms, host ms)}}."""
     from .layer import SIZES
     target = TP_TARGETS.get(n)
     print(f"\nTensor parallel TP={n} with sequence parallel, TransformerLayer {layer_size} "
           f"{SIZES[layer_size]} (the same global batch as one GPU); rank 0's GPU ms per step"
-          f"; issue 25's target: {'<= %.2fx' % target if target else 'none at this size'}")
-    print("| precision | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, (gpu, host) in tp_rows.items():
+          f"; issue 25's target: {'<= %.2fx' % target if target else 'none at this size'}; "
+          "overlap: the sequence-parallel collectives as rings overlapped with the GEMMs "
+          "(TECUPY_TP_OVERLAP)")
+    print("| precision | overlap | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, by_overlap in tp_rows.items():
         one = step_rows[name]["single"][0]
-        ratio = gpu / one
-        verdict = "-" if target is None else ("met" if ratio <= target else "missed")
-        print(f"| {name} | {one:.2f} | {gpu:.2f} | {host:.2f} | {ratio:.2f}x | {verdict} |")
+        for ring, (gpu, host) in by_overlap.items():
+            ratio = gpu / one
+            verdict = "-" if target is None else ("met" if ratio <= target else "missed")
+            print(f"| {name} | {'on' if ring else 'off'} | {one:.2f} | {gpu:.2f} | "
+                  f"{host:.2f} | {ratio:.2f}x | {verdict} |")
 
 
 def _torch_rank(rank, n, port, sizes_mib, queue):
