@@ -272,6 +272,7 @@ def _tp_rows(g, layer_size):
     from tecupy.distributed import overlap
     from .layer import SIZES, _rate, _recipe
     rows, default = {}, overlap.OVERLAP
+    g.barrier()  # (ranks as threads share the module: each reads it before any sets it)
     try:
         for name, recipe in (("HP", None), ("FP8", _recipe())):
             layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
