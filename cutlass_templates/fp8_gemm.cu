@@ -4,6 +4,8 @@
 //   D[M, N] = alpha * A[M, K] . B[N, K]^T  (+ bias[N])  (+ D when ACCUM),  alpha = *sa * *sb
 //   EPI 2: D = gelu(that), and aux = that (the value before gelu, for the backward).
 //   EPI 3: D = T(that) * gelu'(aux + bias) (gelu's backward, aux read; no bias on D).
+//   EPI 4, 5: D = T(T(that) + aux) (the residual add: aux of D's shape and type, read; 5 has
+//          the bias, 4 none), the two roundings of the GEMM then the add kernel.
 //   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
@@ -186,7 +188,8 @@ __device__ __forceinline__ float bias_at(const __half* p, int c) {
 // What the epilogue needs besides the fragment. EPI: 0 none, 1 + bias, 2 gelu(+ bias) with
 // the value before gelu stored in aux (backward needs it), 3 gelu's backward: D = that *
 // gelu'(aux + bias), aux the forward's value before gelu (Transformer Engine's DGELU
-// epilogue: the dgrad of fc2 leaves as fc1's dy, with no [M, ffn] array between them).
+// epilogue: the dgrad of fc2 leaves as fc1's dy, with no [M, ffn] array between them),
+// 4 the residual add (D = T(T(acc) + aux)), 5 the same with the bias (T(acc + bias)).
 template <class TOut>
 struct Epilogue {
     const bias_t<TOut>* bias;
@@ -237,6 +240,24 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
     }
 }
 
+// The aux pairs of one chunk of CH column groups of a thread's fragment rows, all loads
+// issued before any is used: x[j][h] = aux[r0 + 8h, c0 + 8j + {0, 1}] (0 past M or N),
+// c0 = the chunk's first column of this thread (EPI 3's and the residual's loads).
+template <int CH, class TOut>
+__device__ __forceinline__ void load_aux_chunk(float2 (&x)[CH][2], const Epilogue<TOut>& e,
+                                               int r0, int c0) {
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+        const int c = c0 + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+            x[j][h] = c < e.N && r < e.M ? load2(e.aux + (long long)r * e.N + c)
+                                         : make_float2(0.f, 0.f);
+        }
+    }
+}
+
 // EPI 3, gelu's backward: D = T(alpha acc) * gelu'(aux + bias), gelu' as act.cu's act_bwd
 // computes it for 16-bit results (the fast sigmoid, inlined: a few instructions), the
 // product rounded to T first as fc2's dgrad output was. The aux values of a chunk of 8
@@ -253,16 +274,7 @@ __device__ __forceinline__ void epilogue_dgelu(const float (&acc)[BN / 2],
 #pragma unroll
     for (int j0 = 0; j0 < BN / 8; j0 += CH) {
         float2 x[CH][2];
-#pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            const int c = col0 + 8 * (j0 + j) + 2 * (lane % 4);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = r0 + 8 * h;
-                x[j][h] = c < e.N && r < e.M ? load2(e.aux + (long long)r * e.N + c)
-                                             : make_float2(0.f, 0.f);
-            }
-        }
+        load_aux_chunk<CH>(x, e, r0, col0 + 8 * j0 + 2 * (lane % 4));
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
             const int c = col0 + 8 * (j0 + j) + 2 * (lane % 4);
@@ -281,9 +293,50 @@ __device__ __forceinline__ void epilogue_dgelu(const float (&acc)[BN / 2],
 }
 
 // 16-bit outputs without gelu's aux or accumulation leave through shared memory and TMA
-// stores, so the math warpgroups go back to their MMAs while the stores drain.
+// stores, so the math warpgroups go back to their MMAs while the stores drain; the
+// residual epilogues (4, 5: aux read, like EPI 3) too.
 template <class TOut, int EPI, bool ACCUM, int BN>
-constexpr bool kTmaStore = sizeof(TOut) == 2 && EPI < 2 && !ACCUM && BN % 64 == 0;
+constexpr bool kTmaStore =
+    sizeof(TOut) == 2 && (EPI < 2 || EPI >= 4) && !ACCUM && BN % 64 == 0;
+
+// EPI 4, 5, the residual add: the staged tile is T(T(alpha acc (+ bias)) + aux), aux the
+// residual [M, N] in D's type, loaded a chunk of 8 column groups ahead as EPI 3 loads it.
+// Two roundings, not one: the unfused path rounds the GEMM's output to T, then the add
+// kernel adds two T values in float and rounds again; so the fused result is that one bit
+// for bit (fused or not, a layer's outputs and gradients do not change). alpha acc + bias
+// is written as the plain epilogue writes it (so it contracts to the same FMA).
+// Staging layout as epilogue_tma's (below).
+template <int BN, class TOut, int EPI>
+__device__ __forceinline__ void residual_to_stage(const float (&acc)[BN / 2],
+                                                  const Epilogue<TOut>& e, uint8_t* stage,
+                                                  int row0, int col0) {
+    constexpr int CH = 8;
+    static_assert((BN / 8) % CH == 0, "BN a multiple of 64");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+#pragma unroll
+    for (int j0 = 0; j0 < BN / 8; j0 += CH) {
+        float2 x[CH][2];
+        load_aux_chunk<CH>(x, e, row0 + 16 * warp + lane / 4, col0 + 8 * j0 + 2 * (lane % 4));
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = 8 * (j0 + j) + 2 * (lane % 4);  // column in the tile
+            float b0 = 0.f, b1 = 0.f;
+            if (EPI == 5 && col0 + c < e.N) {
+                b0 = bias_at(e.bias, col0 + c);
+                b1 = bias_at(e.bias, col0 + c + 1);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * warp + lane / 4 + 8 * h, i = 4 * (j0 + j) + 2 * h;
+                const int unit = ((c % 64) / 8) ^ (r % 8);
+                uint8_t* p = stage + (c / 64) * 64 * 128 + r * 128 + unit * 16 + (c % 8) * 2;
+                store2(reinterpret_cast<TOut*>(p),
+                       round_to<TOut>(e.alpha * acc[i] + b0) + x[j][h].x,
+                       round_to<TOut>(e.alpha * acc[i + 1] + b1) + x[j][h].y);
+            }
+        }
+    }
+}
 
 // The staging buffer of one math warpgroup holds its 64 x BN tile as BN / 64 boxes of 64 rows
 // x 128 bytes, 128B-swizzled as the store descriptor expects (16-byte unit u of row r sits at
@@ -296,6 +349,9 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const E
     const int bar = 2 + threadIdx.x / 128;  // named barriers 3, 4: one per math warpgroup
     if (lt == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read it
     cutlass::arch::NamedBarrier::sync(128, bar);
+    if constexpr (EPI >= 4) {
+        residual_to_stage<BN, TOut, EPI>(acc, e, stage, row0, col0);
+    } else {
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int c = 8 * j + 2 * (lane % 4);  // column in the tile
@@ -312,6 +368,7 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const E
             store2(reinterpret_cast<TOut*>(p), e.alpha * acc[4 * j + 2 * h] + b0,
                    e.alpha * acc[4 * j + 2 * h + 1] + b1);
         }
+    }
     }
     cutlass::arch::fence_view_async_shared();  // make the stores visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(128, bar);
@@ -543,6 +600,7 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
                                      const float* sb_stage, const cute::TmaDescriptor* tma_d) {
     static_assert(SCALE == 0 || PROMOTE, "block scales apply at the promotions");
     constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
+    static_assert(EPI < 4 || tma_store, "the residual epilogues: 16-bit D, staged, no ACCUM");
     uint8_t* stage = staging + (threadIdx.x / 128 - 1) * 64 * BN * 2;
     e.alpha = SCALE ? 1.f : __ldg(scale_inv_a) * __ldg(scale_inv_b);
     e.out_scale = is_fp8<TOut> ? __ldg(scale_out) : 1.f;

@@ -296,3 +296,77 @@ def test_fp8_gemm_16bit_bias_sums_are_those_of_a_float32_bias(rng, out_dtype, sp
     want = asnp(d32).astype(out_dtype)
     np.testing.assert_array_equal(asnp(got).view(np.uint16), want.view(np.uint16))
     assert np.abs(want.astype(np.float32)).max() > 0
+
+
+# ---- the residual add in the epilogue (EPI 4, 5; issue 21) -------------------------------
+
+def _residual_case(rng, m, n, k, out_dtype, bias):
+    a, sa, b, sb = _operands(rng, m, n, k, E4M3, E4M3)
+    bvec = (rng.standard_normal(n) * 3).astype(out_dtype) if bias else None
+    r = (rng.standard_normal((m, n)) * 8).astype(out_dtype)
+    return _gpu(a, E4M3, sa, b, E4M3, sb, out_dtype, bvec), _gpu(r)[0]
+
+
+def _gemm_then_add(gargs, r):
+    """The unfused path: the GEMM's 16-bit output, then the add kernel."""
+    from tecupy.kernels.dropout import add_fwd
+    return add_fwd(backends.candidates("fp8_gemm", *gargs)[0].fn(*gargs), r)
+
+
+@needs_hopper
+@pytest.mark.parametrize("out_dtype", [np.float16, tecupy.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("mnk", [(200, 272, 4112), (37, 264, 48), (1000, 24, 256),
+                                 (129, 520, 272)], ids=str)
+def test_fp8_gemm_residual_epilogue_is_gemm_then_add(rng, out_dtype, bias, mnk):
+    """T(T(acc (+ bias)) + residual) in the epilogue: the bits of the GEMM then the add
+    kernel, with M, N, K tails, into poisoned memory; the residual is left as it was."""
+    gargs, r = _residual_case(rng, *mnk, out_dtype, bias)
+    impl = backends.candidates("fp8_gemm", *gargs, residual=r)[0]
+    assert impl.kind == "cutlass"
+    r_before = r.copy()
+    poison_gpu_pool()
+    got = impl.fn(*gargs, residual=r)
+    want = _gemm_then_add(gargs, r)
+    assert got.dtype == np.dtype(out_dtype) and got.shape == mnk[:2]
+    np.testing.assert_array_equal(asnp(got).view(np.uint16), asnp(want).view(np.uint16))
+    np.testing.assert_array_equal(asnp(r).view(np.uint16), asnp(r_before).view(np.uint16))
+    ref = backends.dispatch("fp8_gemm", *[asnp(x) if hasattr(x, "get") else x for x in gargs],
+                            residual=asnp(r))  # the reference: the same two roundings, close
+    _check(got, _want64(*[asnp(x) if hasattr(x, "get") else x for x in gargs[:6]],
+                        None if gargs[7] is None else asnp(gargs[7])) + asnp(r).astype(
+                            np.float64), ref, False, "residual")
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", [(256, 3, False, 1), (256, 3, False, 2),
+                                    (128, 6, False, 2)], ids=str)
+def test_fp8_gemm_residual_epilogue_tuned_configs(rng, tmp_path, monkeypatch, config):
+    """Every fast-accumulation candidate tile (what tecupy.gemm.tune may pick for a forward
+    GEMM) gives the bits of the GEMM then the add."""
+    from tecupy.kernels import fp8_gemm as K
+    monkeypatch.setattr(K, "_tune_file", lambda: tmp_path / "fp8_gemm_tuned.json")
+    monkeypatch.setattr(K, "_tuned_cache", {})
+    m, n, k = 300, 1024, 512
+    K.remember(m, n, k, "e4m3", "e4m3", False, config)
+    gargs, r = _residual_case(rng, m, n, k, tecupy.bfloat16, True)
+    poison_gpu_pool()
+    got = K.fp8_gemm(*gargs, residual=r)
+    want = _gemm_then_add(gargs, r)
+    np.testing.assert_array_equal(asnp(got).view(np.uint16), asnp(want).view(np.uint16))
+
+
+@needs_hopper
+def test_fp8_gemm_residual_declines_what_it_cannot_take(rng):
+    """A residual of another dtype, shape or layout, with gelu, split accumulation, an FP8
+    or float32 output: the kernel declines (the reference runs)."""
+    import cupy
+    gargs, r = _residual_case(rng, 64, 64, 64, tecupy.bfloat16, False)
+    assert backends.chosen("fp8_gemm", *gargs, residual=r) == "cutlass"
+    for bad in (r.astype(np.float16), r[:, :32], cupy.asfortranarray(r),
+                cupy.empty(64 * 64 + 1, r.dtype)[1:].reshape(64, 64)):
+        assert backends.chosen("fp8_gemm", *gargs, residual=bad) == "reference"
+    for kw in (dict(gelu=True), dict(split_accumulator=True)):
+        assert backends.chosen("fp8_gemm", *gargs, residual=r, **kw) == "reference"
+    g32 = gargs[:6] + [np.float32, None]
+    assert backends.chosen("fp8_gemm", *g32, residual=r.astype(np.float32)) == "reference"

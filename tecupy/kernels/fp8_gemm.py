@@ -53,7 +53,8 @@ _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
-    3 gelu's backward (D * gelu'(aux + bias), aux read). scale: 0 per-tensor scales, else
+    3 gelu's backward (D * gelu'(aux + bias), aux read), 4 the residual add (T(T(D) + aux),
+    aux read), 5 the same with the bias (T(T(D + bias) + aux)). scale: 0 per-tensor scales, else
     block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or 128x128 (2):
     fp8_block_gemm_tn, split accumulation, no cluster."""
     bn, stages, promote, cluster = config
@@ -84,6 +85,12 @@ def _names():
         for out in FP8TYPE.values():  # FP8 output: forward GEMMs, fast accumulation
             for epi in (0, 1):
                 yield kernel_name(*fmts, out, epi, False, CONFIGS[False])
+    # the residual add in the epilogue (4 none, 5 bias): forward GEMMs (E4M3 codes, fast
+    # accumulation) with a 16-bit output, as the layer's proj and fc2 run
+    for config, _ in DEFAULTS[False]:
+        for out in _OUT[1:]:
+            for epi in (4, 5):
+                yield kernel_name("e4m3", "e4m3", out, epi, False, config)
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
@@ -99,9 +106,10 @@ def smem_bytes(config, staging=True, scale=0):
 
 def tma_store(out_dtype, act, accumulate, bn):
     """Whether the kernel's epilogue stages D in shared memory for TMA stores (as the
-    template decides: 16-bit D, no gelu (aux), no accumulation, 64-column boxes)."""
-    return (np.dtype(out_dtype).itemsize == 2 and not act and not accumulate
-            and bn % 64 == 0)
+    template decides: 16-bit D, no gelu (aux) (the residual add is staged), no
+    accumulation, 64-column boxes)."""
+    return (np.dtype(out_dtype).itemsize == 2 and act in (None, "residual")
+            and not accumulate and bn % 64 == 0)
 
 
 _warned = []
@@ -109,7 +117,7 @@ _warned = []
 
 def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
               accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-              gelu=False, dgelu_aux=None):
+              gelu=False, dgelu_aux=None, residual=None):
     if not (is_cupy(a) and is_cupy(b) and (a_fmt.name, b_fmt.name) in _ATOM):
         return False
     if not hopper():
@@ -122,7 +130,10 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     if a.ndim != 2 or b.ndim != 2:
         return False
     if not _built_for(out_dtype, None if bias is None else bias.dtype, out is None,
-                      accumulate, split_accumulator, gelu, dgelu_aux is None):
+                      accumulate, split_accumulator, gelu, dgelu_aux is None,
+                      residual is None):
+        return False
+    if residual is not None and not _residual_ok(residual, out_dtype, a.shape[0], b.shape[0]):
         return False
     if dgelu_aux is not None and not (
             (out is None or out is dgelu_aux)  # (in place: each element read first)
@@ -137,13 +148,21 @@ def supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None
     return ok and _tma_ok(a) and _tma_ok(b) and (out is None or _tma_ok(out))
 
 
+def _residual_ok(r, out_dtype, m, n):
+    """The residual the epilogue reads as D's pairs: a contiguous CuPy [M, N] array of D's
+    (16-bit) dtype, 4-byte aligned; anything else runs on the reference."""
+    return (is_cupy(r) and r.dtype == out_dtype and r.shape == (m, n)
+            and r.flags.c_contiguous and r.data.ptr % 4 == 0)
+
+
 _built = {}  # _built_for's answers: supported() runs on every call
 
 
-def _built_for(out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu):
+def _built_for(out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu,
+               no_residual=True):
     """Whether a kernel is built for this output, bias dtype and epilogue (what does not
     depend on the arrays themselves), kept per combination."""
-    key = (out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu)
+    key = (out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu, no_residual)
     ok = _built.get(key)
     if ok is None:
         if isinstance(out_dtype, FP8Format):
@@ -157,6 +176,10 @@ def _built_for(out_dtype, bias_dtype, no_out, accumulate, split, gelu, no_dgelu)
         if bias_dtype is not None:  # the epilogue's bias type (bias_t) holds it exactly
             ok = ok and _bias_fits(bias_dtype, out_dtype)
         ok = ok and (not accumulate or (not no_out and np.dtype(out_dtype) == np.float32))
+        if not no_residual:  # built for forward GEMMs: a fresh 16-bit D, fast accumulation
+            ok = (ok and no_out and not (split or gelu or accumulate) and no_dgelu
+                  and not isinstance(out_dtype, FP8Format)
+                  and np.dtype(out_dtype).itemsize == 2)
         _built[key] = ok
     return ok
 
@@ -209,14 +232,16 @@ def tma_desc(t, box_rows):
 @backends.register("fp8_gemm", "cutlass", supports=supported)
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-             gelu=False, dgelu_aux=None):
+             gelu=False, dgelu_aux=None, residual=None):
     """dgelu_aux: [M, N] in out_dtype, the values gelu saw in the forward: D becomes
     T(D) * gelu'(dgelu_aux + bias) (bias None: 0), the epilogue of gelu's backward; out may
-    be dgelu_aux itself (written in place)."""
+    be dgelu_aux itself (written in place). residual: [M, N] in out_dtype: D becomes
+    T(T(D (+ bias)) + residual), the GEMM then the residual add, bit for bit."""
     _check_fp8_out(out_dtype, out_scale, amax_out)
     m, k = a.shape
     n = b.shape[0]
-    act = "dgelu" if dgelu_aux is not None else "gelu" if gelu else None
+    act = ("dgelu" if dgelu_aux is not None else "gelu" if gelu
+           else "residual" if residual is not None else None)
     # the configuration per shape (tuned, else the default), kept with the launch plan:
     # the table's version changes with every remember()
     key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
@@ -224,7 +249,7 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     plan = planned(_plans, key, _shape_plan, m, n, k, a_fmt, b_fmt, split_accumulator,
                    out_dtype, bias is None, accumulate, act)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
-                dgelu_aux)
+                residual if dgelu_aux is None else dgelu_aux)
 
 
 def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, act):
@@ -280,7 +305,8 @@ def _device():
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
-    M x N output, K deep; act: None, "gelu" (forward) or "dgelu" (gelu's backward); scale:
+    M x N output, K deep; act: None, "gelu" (forward), "dgelu" (gelu's backward) or
+    "residual" (the residual add); scale:
     kernel_name's (0 per tensor, 1 or 2 block scaling)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
@@ -289,7 +315,7 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     fp8_out, bias_of = isinstance(out_dtype, FP8Format), out_dtype
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
-    epi = {"gelu": 2, "dgelu": 3}.get(act, int(not no_bias))
+    epi = {"gelu": 2, "dgelu": 3, "residual": 4 + int(not no_bias)}.get(act, int(not no_bias))
     name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale)
     staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
     smem = smem_bytes(config, staged, scale)
@@ -312,7 +338,7 @@ def _kinds():
 
 
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
-         dgelu_aux=None):
+         aux_in=None):
     import cupy
     fn, grid, smem, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id, run = plan
     m, n = a.shape[0], b.shape[0]
@@ -330,8 +356,9 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
         bias = a_scale_inv
     out_scale = a_scale_inv if out_scale is None else out_scale
     amax_out = a_scale_inv if amax_out is None else amax_out
-    # gelu: the pre-gelu values come out here; dgelu: they are read; else out is a stand-in
-    aux = cupy.empty_like(out) if act == "gelu" else out if act is None else dgelu_aux
+    # gelu: the pre-gelu values come out here; dgelu: they are read, as the residual is;
+    # else out is a stand-in
+    aux = cupy.empty_like(out) if act == "gelu" else out if act is None else aux_in
     packed, arrays = _gemm_descs(plan_id, a, b, out, bn, staged)
     args = (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32, n32, k32)
     if CTYPES_LAUNCH:

@@ -10,7 +10,8 @@ from ..distributed.tensor_parallel import (column_parallel_linear, reduce_row_ou
                                            replicated_grad, row_parallel_linear, shard,
                                            shard_parts)
 from ..fp8_state import FP8State
-from ..ops import layernorm, layernorm_linear, layernorm_mlp, linear, normalize, rmsnorm
+from ..ops import (add, layernorm, layernorm_linear, layernorm_mlp, linear, normalize,
+                   rmsnorm)
 from ..ops.activation import ACTIVATIONS, GATED
 # (the single-device block's activation + fc2 step: under delayed scaling the activation
 # kernel writes fc2's FP8 input codes in its own pass; the TP block adds the collective)
@@ -113,14 +114,18 @@ class Linear(Module):
             self.weight = shard(self.weight, self.tp_group, 1)
             self.in_features //= self.tp_size
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """residual: None or an array added to the output (y's shape: in the FP8 GEMM's
+        epilogue, ops.linear's residual)."""
         _check.last_dim("Linear", "x", x, self.in_features, "in_features")
         if self.tp_group is None or self.parallel_mode is None:
-            return linear(x, self.weight, self.bias, fp8_state=self.fp8_state)
+            return linear(x, self.weight, self.bias, fp8_state=self.fp8_state,
+                          residual=residual)
         parallel = column_parallel_linear if self.parallel_mode == "column" else \
             row_parallel_linear
-        return parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state,
-                        sequence_parallel=self.sequence_parallel)
+        y = parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state,
+                     sequence_parallel=self.sequence_parallel)
+        return y if residual is None else add(y, residual)
 
 
 class _Norm(Module):
@@ -288,14 +293,22 @@ class LayerNormMLP(Module):
             self.add_parameter("fc1_bias", (fc1_out,), "zeros")
             self.add_parameter("fc2_bias", (hidden,), "zeros")
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """residual: None or an array added to the output (x itself for the pre-norm
+        residual connection: in FP8, in fc2's GEMM epilogue, ops.layernorm_mlp's)."""
         _check.last_dim("LayerNormMLP", "x", x, self.hidden_size, "hidden_size")
         if self.tp_group is not None:
-            return self._parallel_forward(x)
+            out = self._parallel_forward(x)
+            if residual is None:
+                return out
+            if self.return_layernorm_output:
+                return add(out[0], residual), out[1]
+            return add(out, residual)
         return layernorm_mlp(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                              self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
                              self.zero_centered_gamma, self.normalization, self.activation,
-                             self.return_layernorm_output, fp8_state=self.fp8_state)
+                             self.return_layernorm_output, fp8_state=self.fp8_state,
+                             residual=residual)
 
     def _parallel_forward(self, x):
         """The block composed from its ops around the collectives (the fused single-device

@@ -11,8 +11,9 @@ from ..fp8_params import weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
+from .elementwise import add
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, fp8_dy, fp8_gemm,
-                     fp8_grads, fp8_linear_backward, linear, linear_with)
+                     fp8_grads, fp8_linear_backward, linear, linear_with, residual_2d)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -91,11 +92,12 @@ def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
     return backends.dispatch("layernorm_bwd", d_ln, x2, *stats, ln_weight, zcg, dres)
 
 
-def _gemm_fp8(qx, weight, q, out_dtype, bias):
-    """qx @ weight.T (+ bias) with weight cast by q.weight -> (y, what its backward keeps:
-    [qx, the weight's column-wise copy]; qx row-wise, a producer's codes)."""
+def _gemm_fp8(qx, weight, q, out_dtype, bias, residual=None):
+    """qx @ weight.T (+ bias) (+ residual [M, N], residual_2d's) with weight cast by
+    q.weight -> (y, what its backward keeps: [qx, the weight's column-wise copy]; qx
+    row-wise, a producer's codes)."""
     qw = weight_fp8(q.weight, weight, True)
-    return fp8_gemm(qx, qw, out_dtype, bias), [qx, qw.columnwise()]
+    return fp8_gemm(qx, qw, out_dtype, bias, residual=residual), [qx, qw.columnwise()]
 
 
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
@@ -156,9 +158,12 @@ def _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_st
 
 def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                   eps=1e-5, zero_centered_gamma=False, normalization="LayerNorm",
-                  activation="gelu", return_layernorm_output=False, fp8_state=None):
-    """fc2(act(fc1(norm(x)))). fc1_weight [ffn, hidden] ([2*ffn, hidden] for the gated
-    swiglu/geglu), fc2_weight [hidden, ffn]."""
+                  activation="gelu", return_layernorm_output=False, fp8_state=None,
+                  residual=None):
+    """fc2(act(fc1(norm(x)))) (+ residual). fc1_weight [ffn, hidden] ([2*ffn, hidden] for
+    the gated swiglu/geglu), fc2_weight [hidden, ffn]. residual: None or an array that adds
+    to the output (x itself for a pre-norm block's residual connection); in FP8 the add runs
+    in fc2's GEMM epilogue where it can (linear.py's residual), with the same bits."""
     _check.choice("layernorm_mlp", "activation", activation, ACTIVATIONS)
     xp, eps, zcg, ret = _check_norm(
         "layernorm_mlp", x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization,
@@ -169,14 +174,15 @@ def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_b
     q1, q2 = _fused_mlp_quantizers(xp, fp8_state, activation, ret)
     if q1 is not None:
         return _mlp_fp8(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, eps,
-                        zcg, normalization == "RMSNorm", activation, q1, q2)
+                        zcg, normalization == "RMSNorm", activation, q1, q2, residual)
     if ret:
         ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
         h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0)
     else:
         h = _norm_then_linear(xp, x, ln_weight, ln_bias, fc1_weight, None, eps, zcg,
                               normalization, fp8_state, gemm=0)
-    y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state)
+    y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
+                         residual)
     return (y, ln_out) if ret else y
 
 
@@ -203,12 +209,15 @@ def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
     return (q1, q2) if q2.input.fused_ok else (None, None)
 
 
-def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q1, q2):
+def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q1, q2,
+             residual=None):
     """layernorm_mlp as one node, each cast in its producer's pass: the norm writes fc1's
     input codes, the activation (with fc1's bias) fc2's, and in the backward the
     activation's backward writes fc1's dy codes with their transposed copy and dbias
     (fp8.dact_cast): dh never exists in high precision (issue 21: one pass over [M, ffn]
-    less; issue 22: h dies as soon as that cast has read it)."""
+    less; issue 22: h dies as soon as that cast has read it). residual: added in fc2's
+    epilogue where it can (else by the add op after this node); x itself (the pre-norm
+    block's residual) gets its dy in the norm backward's pass, as the add op's would."""
     hidden, ffn = x.shape[-1], w1.shape[0]
     m = x.size // hidden
     check_fp8_dims("layernorm_mlp", m, ffn, hidden)
@@ -220,9 +229,12 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     qi = q2.input
     codes, _ = backends.dispatch(f"{activation}_fwd", h, b1, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)
-    y, saved2 = _gemm_fp8(qi.wrap(codes), w2, q2, x.dtype, b2)
+    qa = qi.wrap(codes)
+    r2 = residual_2d(residual, x, x.shape, qa)
+    y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2)
     kept = [h]
-    del h, codes
+    fused, own = r2 is not None, residual is x  # (own: dy is x's gradient too)
+    del h, codes, qa, r2
 
     def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
@@ -243,13 +255,16 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
         held = [qdh]
         del qdh
         d_ln, dw1 = fp8_grads(held, released(saved1), x.dtype)
+        if fused and own:  # the residual's dy joins x's other gradients in the norm's pass
+            partial = dy if partial is None else backends.dispatch("add_fwd", partial, dy)
         dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial)
         return (as_nd(dx, x.shape), dg, dbeta, dw1.astype(w1.dtype, copy=False), db1,
-                dw2.astype(w2.dtype, copy=False), db2)
+                dw2.astype(w2.dtype, copy=False), db2) + ((dy,) if fused and not own else ())
     y = as_nd(y, x.shape)
-    record(backward, (x, ln_weight, ln_bias, w1, b1, w2, b2), (y,),
+    inputs = (x, ln_weight, ln_bias, w1, b1, w2, b2)
+    record(backward, inputs + ((residual,) if fused and not own else ()), (y,),
            after_backward=q1.after_backward + q2.after_backward, once=q1.once, partial=0)
-    return y
+    return y if residual is None or fused else add(y, residual)
 
 
 # fc2's dgrad output [M, ffn] (the activation's output gradient) is made and cast in column
@@ -279,14 +294,15 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
     return qdh, db1, dw2, db2
 
 
-def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state):
-    """linear(act(h + fc1_bias)); where fc2's input quantizer lets a producer cast (delayed
-    scaling with a state), the activation writes its output straight to FP8 for fc2 and
-    this records one node for both."""
+def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
+                     residual=None):
+    """linear(act(h + fc1_bias)) (+ residual); where fc2's input quantizer lets a producer
+    cast (delayed scaling with a state), the activation writes its output straight to FP8
+    for fc2 and this records one node for both."""
     q = gemm_quantizers(fp8_state, 1, xp)
     if q is None or not q.input.fused_ok:
         a = apply_activation(h, activation, bias=fc1_bias)
-        return linear_with(a, fc2_weight, fc2_bias, q)
+        return linear_with(a, fc2_weight, fc2_bias, q, residual)
     check_activation(activation, h, fc1_bias)
     n, k = fc2_weight.shape
     m = h.size // h.shape[-1]
@@ -296,8 +312,11 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
                                  amax_out=qi.amax_out)  # (maxed into the amax history row)
     qa = qi.wrap(codes)
     qw = weight_fp8(q.weight, fc2_weight, True)
-    y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias), h.shape[:-1] + (n,))
+    r2 = residual_2d(residual, h, h.shape[:-1] + (n,), qa)
+    y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2), h.shape[:-1] + (n,))
     saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
+    fused = r2 is not None
+    del r2
 
     def backward(dy):
         da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), released(saved), fc2_bias,
@@ -306,7 +325,8 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
         # beside h and da (issue 22)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias,
                                     out=None if activation in GATED else da)
-        return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2
-    record(backward, (h, fc1_bias, fc2_weight, fc2_bias), (y,),
-           after_backward=q.after_backward, once=q.once)
-    return y
+        return (as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False), db2) + (
+            (dy,) if fused else ())
+    record(backward, (h, fc1_bias, fc2_weight, fc2_bias) + ((residual,) if fused else ()),
+           (y,), after_backward=q.after_backward, once=q.once)
+    return y if residual is None or fused else add(y, residual)

@@ -6,6 +6,12 @@ to the backward format (E5M2 under HYBRID), dgrad = dy8 @ w8 and wgrad = dy8.T @
 transposed FP8 copies, dbias = sum(dy) in high precision. The casts are the quantizers of
 the recipe in force (quantization.py): slots of the caller's FP8State under delayed
 scaling, each tensor's own amax with no state or under Float8CurrentScaling.
+
+residual: y = linear(x) + residual (the residual connection). In FP8 the add runs in the
+GEMM's epilogue where the GEMM op has one (RESIDUAL_GEMMS) and the residual has y's shape,
+dtype and array type, contiguous (issue 21: no add kernel, no [M, N] pass); the epilogue
+rounds as the GEMM then the add op do, so the result is the same bits. Its gradient is dy.
+Elsewhere (high precision, other GEMMs, broadcast residuals) the op runs linear, then add.
 """
 from .. import _array, _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
@@ -15,8 +21,13 @@ from ..inspect import ACTIVE_INSPECTOR
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
+from .elementwise import add
 
 FP8_ALIGN = 16
+# The residual add in the FP8 GEMM's epilogue (linear's and layernorm_mlp's residual); off:
+# the GEMM, then the add op (the same bits: the GPU tests and the bench compare the two)
+RESIDUAL_EPILOGUE = True
+RESIDUAL_GEMMS = frozenset({"fp8_gemm"})  # GEMM ops whose implementations take residual=
 
 
 def check_fp8_dims(op, m, n, k):
@@ -30,11 +41,15 @@ def check_fp8_dims(op, m, n, k):
             f"16-byte rows for wgrad's transposed FP8 copies); got M={m}, N={n}, K={k}")
 
 
-def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False, **epilogue):
+def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False, residual=None,
+             **epilogue):
     """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype. split_accumulator:
     accumulate in float32 rather than the tensor cores' faster, shorter accumulator
-    (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad). epilogue: the
-    GEMM op's epilogue options (dgelu_aux)."""
+    (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad). residual: [M, N]
+    added in the epilogue (residual_2d's). epilogue: the GEMM op's other epilogue options
+    (dgelu_aux)."""
+    if residual is not None:
+        epilogue["residual"] = residual
     return backends.dispatch(qa.gemm_op, qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
                              qb.scale_inv, out_dtype, bias,
                              split_accumulator=split_accumulator, **epilogue)
@@ -82,22 +97,41 @@ def check_fp8_state(op, fp8_state, gemm_index, num_gemms=1):
     _check.integer(op, "gemm_index", gemm_index, 0, fp8_state.num_gemms)
 
 
-def linear(x, weight, bias=None, fp8_state=None, gemm_index=0):
-    """y = x @ weight.T + bias. x [..., in], weight [out, in], bias [out] or None.
+def linear(x, weight, bias=None, fp8_state=None, gemm_index=0, residual=None):
+    """y = x @ weight.T + bias (+ residual). x [..., in], weight [out, in], bias [out] or
+    None, residual None or an array that adds to y (y's shape: in the FP8 GEMM's epilogue).
 
     Under fp8_autocast the GEMMs run in FP8 with scales from `fp8_state` (an FP8State;
     `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling."""
     xp = _check_args("linear", x, weight, bias)
     check_fp8_state("linear", fp8_state, gemm_index)
-    return linear_with(x, weight, bias, gemm_quantizers(fp8_state, gemm_index, xp))
+    return linear_with(x, weight, bias, gemm_quantizers(fp8_state, gemm_index, xp),
+                       residual)
 
 
-def linear_with(x, weight, bias, q):
+def linear_with(x, weight, bias, q, residual=None):
     """linear with its GEMM's quantizers `q` (quantization.GemmQuantizers), high precision
-    where q is None (FP8 off). Arguments checked by the caller."""
+    where q is None (FP8 off), + residual (None: none). Arguments checked by the caller."""
     if q is None:
-        return _linear_hp(x, weight, bias)
-    return _linear_fp8(x, weight, bias, q)
+        y = _linear_hp(x, weight, bias)
+        return y if residual is None else add(y, residual)
+    return _linear_fp8(x, weight, bias, q, residual)
+
+
+def fusable_residual(residual, like, shape):
+    """residual as [M, N] (N = shape[-1]) for an FP8 GEMM's epilogue, or None (none, or
+    the switch is off, or it is not of `shape`, of like's dtype and array type, contiguous:
+    linear then add)."""
+    if (residual is None or not RESIDUAL_EPILOGUE or type(residual) is not type(like)
+            or residual.dtype != like.dtype or residual.shape != shape
+            or not residual.flags.c_contiguous):
+        return None
+    return as_2d(residual, residual.size // shape[-1], shape[-1])
+
+
+def residual_2d(residual, like, shape, qa):
+    """fusable_residual, where the GEMM op of qa (A's FP8 codes) takes a residual."""
+    return fusable_residual(residual, like, shape) if qa.gemm_op in RESIDUAL_GEMMS else None
 
 
 def _dbias(dy2, bias):
@@ -122,36 +156,43 @@ def _linear_hp(x, weight, bias):
     return y
 
 
-def _linear_fp8(x, weight, bias, q):
+def _linear_fp8(x, weight, bias, q, residual=None):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("linear", m, n, k)
     tr = keeping()  # the backward needs the transposed FP8 copies (none in a checkpoint)
     x2 = as_2d(x, m, k)
-    key = _kept_key(x2, weight, bias, q) if tr and KEPT else None
-    got = None if key is None else _kept_forward(key, x2, weight, bias, q)
+    r2 = fusable_residual(residual, x, x.shape[:-1] + (n,))
+    key = _kept_key(x2, weight, bias, q, r2) if tr and KEPT else None
+    got = None if key is None else _kept_forward(key, x2, weight, bias, q, r2)
     if got is None:
         qx = q.input.quantize(x2, transpose=tr)
         qw = weight_fp8(q.weight, weight, tr)
-        y2 = fp8_gemm(qx, qw, x.dtype, bias)
+        wanted = r2 is not None  # (and the key says so)
+        r2 = r2 if r2 is None else residual_2d(residual, x, x.shape[:-1] + (n,), qx)
+        y2 = fp8_gemm(qx, qw, x.dtype, bias, residual=r2)
         if key is not None and key not in _kept:
             if len(_kept) > 1024:  # many shapes: start over rather than grow
                 _kept.clear()
-            _kept[key] = _kept_plan(x2, weight, bias, q, qx, qw)
+            _kept[key] = (_kept_plan(x2, weight, bias, q, qx, qw, r2)
+                          if r2 is not None or not wanted else False)
     else:
         qx, qw, y2 = got
+    fused = r2 is not None
+    del r2
     y = as_nd(y2, x.shape[:-1] + (n,))
     if not tr:
-        return y
+        return y if residual is None or fused else add(y, residual)
 
     x_shape, x_dtype = x.shape, x.dtype  # the backward keeps the FP8 codes, not x
     saved = [qx.columnwise(), qw.columnwise()]  # and of those, the column-wise copies
 
-    def backward(dy):
+    def backward(dy):  # (dy is the gradient of the residual the epilogue added)
         dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
-        return as_nd(dx, x_shape), dw, db
-    record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
-    return y
+        return (as_nd(dx, x_shape), dw, db) + ((dy,) if fused else ())
+    record(backward, (x, weight, bias) + ((residual,) if fused else ()), (y,),
+           after_backward=q.after_backward, once=q.once)
+    return y if residual is None or fused else add(y, residual)
 
 
 # ---- the kept plan of the common case (issue 21: host time per FP8 linear) ---------------
@@ -167,16 +208,18 @@ KEPT = True
 _kept = {}  # key -> (cast x, cast w or None: FP8 weight codes, GEMM fn, what keys hold)
 
 
-def _kept_key(x2, weight, bias, q):
-    """Everything the kept choices read, or None where the common case cannot apply."""
+def _kept_key(x2, weight, bias, q, r2):
+    """Everything the kept choices read, or None where the common case cannot apply. r2:
+    the residual (fusable_residual's: of y's shape, dtype, array type, contiguous) or None."""
     if not _array.is_cupy(x2) or ACTIVE_INSPECTOR.get() is not None:
         return None  # (NumPy: the reference runs; no device to ask)
     return (id(q.input), id(q.weight), type(x2), x2.shape, x2.dtype, type(weight),
             weight.shape, None if bias is None else (type(bias), bias.dtype),
-            backends.token(), _array.cupy.cuda.runtime.getDevice())
+            backends.token(), _array.cupy.cuda.runtime.getDevice(),
+            None if r2 is None else r2.data.ptr % 16)
 
 
-def _kept_forward(key, x2, weight, bias, q):
+def _kept_forward(key, x2, weight, bias, q, r2=None):
     """(qx, qw, y2) by the kept plan of `key`, or None: no plan (yet, or for good), or the
     plan failed (the general path then runs, with dispatch's fallback; a cast run again
     maxes the same amax again: no change)."""
@@ -187,8 +230,9 @@ def _kept_forward(key, x2, weight, bias, q):
     try:
         qx = cast_x(x2)
         qw = weight.fp8() if cast_w is None else cast_w(weight)
+        more = {} if r2 is None else {"residual": r2}  # (a plan with r2 has an op taking it)
         return qx, qw, gemm(qx.data, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
-                            x2.dtype, bias, split_accumulator=False)  # (fp8_gemm's call)
+                            x2.dtype, bias, split_accumulator=False, **more)  # (fp8_gemm's)
     except (TypeError, ValueError):
         raise
     except Exception:
@@ -196,16 +240,18 @@ def _kept_forward(key, x2, weight, bias, q):
         return None
 
 
-def _kept_plan(x2, weight, bias, q, qx, qw):
+def _kept_plan(x2, weight, bias, q, qx, qw, r2=None):
     """The plan of _kept_forward for inputs like these, from this call's (general path)
-    codes qx and qw, or False (not the common case)."""
+    codes qx and qw, or False (not the common case). r2: the residual the GEMM's epilogue
+    added (residual_2d's) or None."""
     cast = [(x2, q.input)] + ([] if isinstance(weight, FP8Weight) else [(weight, q.weight)])
     if not all(getattr(t, "fused_ok", False) for _, t in cast):
         return False
     casts = [bound_cast(a, t.scale, t.fmt, t.amax_out) for a, t in cast] + [None]
     # the GEMM chosen for codes as the casts make them (fresh: contiguous, aligned)
+    more = {} if r2 is None else {"residual": r2}
     impl = backends.choose(qx.gemm_op, qx.data, qx.fmt, qx.scale_inv, qw.data, qw.fmt,
-                           qw.scale_inv, x2.dtype, bias)
+                           qw.scale_inv, x2.dtype, bias, **more)
     if not all(casts[:len(cast)]) or impl is None or impl.failure is not None:
         return False
     return casts[0], casts[1], impl.fn, (q.input, q.weight)

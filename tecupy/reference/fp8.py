@@ -8,6 +8,7 @@ import numpy as np
 from .. import backends
 from .._array import xp_of
 from ..fp8 import FLT_MAX, FP8Format, scaled_max
+from .elementwise import add_fwd
 
 _decode_tables = {}
 
@@ -119,7 +120,7 @@ def fp8_dequantize(data, fmt, scale_inv, dtype):
 @backends.register("fp8_gemm", "reference")
 def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None, out=None,
              accumulate=False, split_accumulator=False, out_scale=None, amax_out=None,
-             gelu=False, dgelu_aux=None):
+             gelu=False, dgelu_aux=None, residual=None):
     """TN GEMM: a [M, K], b [N, K] (uint8, both K-major) -> a @ b.T [M, N].
 
     Products of the decoded codes are summed in float32, then multiplied by
@@ -131,18 +132,30 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     dgelu_aux ([M, N], the values gelu saw): gelu's backward, out_dtype(result) *
     gelu'(dgelu_aux + bias), bias then belonging to the activation, not to the result;
     written into `out` where given (which may be dgelu_aux).
+    residual ([M, N]): the residual add, out_dtype(out_dtype(result) + residual) summed in
+    float32 as the add op does (two roundings: the GEMM's output, then the add's).
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
     return gemm_epilogue(xp, acc.astype(np.float32, copy=False), out_dtype, bias, out,
-                         accumulate, out_scale, amax_out, gelu, dgelu_aux, "fp8_gemm")
+                         accumulate, out_scale, amax_out, gelu, dgelu_aux, "fp8_gemm",
+                         residual)
 
 
 def gemm_epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out, gelu,
-                  dgelu_aux, op):
+                  dgelu_aux, op, residual=None):
     """An FP8 GEMM's epilogue on its float32 result acc (fp8_gemm's, fp8_block_gemm's)."""
+    if residual is not None:
+        if gelu or accumulate or isinstance(out_dtype, FP8Format):
+            raise ValueError(f"{op}: a residual goes with a plain high-precision output")
+        d = gemm_epilogue(xp, acc, out_dtype, bias, None, False, None, None, False, None, op)
+        d = add_fwd(d, residual)  # the add op's arithmetic: the unfused path's bits
+        if out is None:
+            return d
+        out[...] = d
+        return out
     if dgelu_aux is not None:  # (out may be dgelu_aux: read before written)
         d = _dgelu(xp, acc.astype(out_dtype), dgelu_aux, bias).astype(out_dtype)
         if out is None:
