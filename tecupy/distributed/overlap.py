@@ -66,14 +66,16 @@ class _Side:
                 s = _side_streams[dev] = cupy.cuda.Stream(non_blocking=True)
             self.stream, self.main = s, cupy.cuda.get_current_stream()
 
-    def shift(self, x, out):
-        """x to rank + 1, rank - 1's into out, after the main stream's work so far; ->
-        the event the main stream waits for before it reads out (None on the host)."""
+    def shift(self, x, out, after_main=True):
+        """x to rank + 1, rank - 1's into out, after the main stream's work so far (or
+        only after the side stream's own, after_main False); -> the event the main stream
+        waits for before it reads out (None on the host)."""
         self.keep += (x, out)
         if self.stream is None:
             self.group.shift(x, out)
             return None
-        self.stream.wait_event(self.main.record())
+        if after_main:
+            self.stream.wait_event(self.main.record())
         with self.stream:
             self.group.shift(x, out)
             return self.stream.record()
@@ -96,7 +98,8 @@ def ring_gather(group, local, gemm):
     side = _Side(group)
     for j in range(n):
         c = (r - j) % n
-        event = side.shift(chunk[c], chunk[(c - 1) % n]) if j < n - 1 else None
+        # (after step 0 the exchanges need only each other: back to back on the side)
+        event = side.shift(chunk[c], chunk[(c - 1) % n], j == 0) if j < n - 1 else None
         gemm(c, chunk[c])
         side.wait(event)
     side.keep.clear()  # (the main stream has waited for every exchange)
