@@ -13,6 +13,7 @@ import tecupy
 from tecupy import distributed as dist
 from tecupy.distributed import overlap
 from tecupy.distributed.group import ProcessGroup
+from tecupy.ops.activation import GATED
 from tecupy.recipe import DelayedScaling
 
 
@@ -166,3 +167,51 @@ def test_overlap_runs_the_rings(monkeypatch):
     # backward: qkv, fc1 dgrad ring RS; proj's and fc2's dy all-gathers
     assert kinds == {"shift": 5, "all_gather": 2, "reduce_scatter": 1}, calls[True]
     assert not any(c[0] == "shift" for c in calls[False])
+
+
+def _act_row(tp, fp8, activation, ring):
+    """Every rank's (y, dh, dfc1_bias, dfc2_weight, dfc2_bias) of act_then_row_parallel
+    (two steps under FP8: the second with the first's scales)."""
+    from tecupy.distributed.tensor_parallel import act_then_row_parallel
+    gated = activation in GATED
+    ffn, n = 32 * (2 if gated else 1), 48
+
+    def body(g):
+        rng = np.random.default_rng(g.rank + 20)
+        h = rng.standard_normal((16, 2, ffn))
+        b1, w2 = rng.standard_normal(ffn) * 0.1, rng.standard_normal((n, 32)) * 0.2
+        b2, dy = rng.standard_normal(n) * 0.1, rng.standard_normal((16 // tp, 2, n))
+        if fp8:
+            h, b1, w2, b2, dy = (a.astype(np.float32) for a in (h, b1, w2, b2, dy))
+        state = tecupy.FP8State(num_gemms=2)
+        state.amax_group = g
+        recipe = DelayedScaling(amax_history_len=4, reduce_amax=True)
+        out = []
+        for _ in range(2 if fp8 else 1):
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+                y = act_then_row_parallel(np, h, b1, activation, w2, b2, g, state, True)
+            out.append([np.asarray(y)] + [np.asarray(a) for a in tape.gradient(
+                y, [h, b1, w2, b2], output_grad=dy)])
+        return out
+    old = overlap.OVERLAP
+    overlap.OVERLAP = ring
+    try:
+        return dist.run_threads(tp, body)
+    finally:
+        overlap.OVERLAP = old
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["f64", "fp8"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_act_then_row_parallel_ring_equals_the_collective(tp, fp8, activation):
+    """LayerNormMLP's activation + fc2 + reduce-scatter (tensor_parallel.act_then_row_
+    parallel): the ring (fc2's GEMM per travelling chunk; FP8: the activation writes fc2's
+    codes) against _act_then_linear + reduce_row_output, output and gradients."""
+    on, off = _act_row(tp, fp8, activation, True), _act_row(tp, fp8, activation, False)
+    for r in range(tp):
+        for s, (a_step, b_step) in enumerate(zip(on[r], off[r])):
+            for k, (a, b) in enumerate(zip(a_step, b_step)):
+                assert a.shape == b.shape and a.dtype == b.dtype, (r, s, k)
+                err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
+                assert err < (1e-5 if fp8 else 1e-13), (r, s, k, err)

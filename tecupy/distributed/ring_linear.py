@@ -4,6 +4,9 @@
                            (high precision; FP8's is in fp8_gather.py, on the codes)
     ring_row_linear        x [s, ..., in/tp] -> reduce_scatter(x @ w.T) [s/tp, ..., out]
                            (high precision or FP8; the bias is the caller's, after)
+    ring_act_row_linear    h -> reduce_scatter(act(h + b1) @ w2.T): LayerNormMLP's fc2
+                           (ops.blocks._act_then_linear with the ring: under delayed
+                           scaling the activation writes fc2's codes in its own pass)
 
 Each is one tape node that computes what linear() and the collective node beside it
 compute today, with the same kernels on row chunks: the forward bit for bit (module doc of
@@ -15,6 +18,8 @@ amax over the full sequence: gathering codes would change the numerics).
 from .. import backends
 from .._array import xp_of
 from ..fp8_params import hp, weight_fp8
+from ..ops.activation import GATED, activation as apply_activation, check_activation
+from ..ops.blocks import released
 from ..ops.linear import (_check_args, _dbias, as_2d, as_nd, check_fp8_dims, fp8_gemm,
                           fp8_linear_backward)
 from ..quantization import gemm_quantizers
@@ -119,6 +124,42 @@ def ring_row_linear(x, weight, group, fp8_state=None, gemm_index=0):
         dx, dw, _ = fp8_linear_backward(dy2, saved, None, q.grad_output, x_dtype)
         return as_nd(dx, x_shape), dw
     record(backward, (x, weight), (y,), after_backward=q.after_backward, once=q.once)
+    return y
+
+
+def ring_act_row_linear(xp, h, fc1_bias, activation, fc2_weight, group, fp8_state):
+    """ops.blocks._act_then_linear (fc2 of the state's GEMM 1, no fc2 bias) with its output
+    reduce-scattered along axis 0 by ring_reduce_scatter: each step's fc2 GEMM on the row
+    chunk of the activation codes that travels next. Backward: dy all-gathered, then
+    _act_then_linear's backward."""
+    q = gemm_quantizers(fp8_state, 1, xp)
+    if q is None or not q.input.fused_ok:
+        a = apply_activation(h, activation, bias=fc1_bias)
+        return ring_row_linear(a, fc2_weight, group, fp8_state, 1)
+    check_activation(activation, h, fc1_bias)
+    size = group.size
+    n, k = fc2_weight.shape
+    m = h.size // h.shape[-1]
+    m_local = m // size
+    check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
+    h2, qi = as_2d(h, m, h.shape[-1]), q.input
+    codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
+                                 amax_out=qi.amax_out)  # (maxed into the amax history row)
+    qa = qi.wrap(codes)
+    qw = weight_fp8(q.weight, fc2_weight, True)
+    y = ring_reduce_scatter(group, lambda c: fp8_gemm(
+        qa.rows(c * m_local, (c + 1) * m_local), qw, h.dtype))
+    y = y.reshape((h.shape[0] // size,) + h.shape[1:-1] + (n,))
+    saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
+
+    def backward(dy):
+        dy2 = as_2d(group.all_gather(dy, 0), m, n)
+        da, dw, _ = fp8_linear_backward(dy2, released(saved), None, q.grad_output, h.dtype)
+        dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias,
+                                    out=None if activation in GATED else da)
+        return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False)
+    record(backward, (h, fc1_bias, fc2_weight), (y,), after_backward=q.after_backward,
+           once=q.once)
     return y
 
 

@@ -22,8 +22,9 @@ bias) get their gradients all-reduced (replicated_grad).
 Comm-GEMM overlap (overlap.py; TECUPY_TP_OVERLAP, default on): under sequence parallel the
 column GEMM's all-gather and dgrad reduce-scatter, and the row GEMM's reduce-scatter
 (row_parallel_linear), are rings whose chunks' GEMMs run while the chunks travel.
-reduce_row_output (a GEMM computed elsewhere: LayerNormMLP's fused activation + fc2) has
-no GEMM to overlap with and stays a plain reduce-scatter.
+reduce_row_output (a GEMM computed elsewhere) has no GEMM to overlap with and stays a plain
+reduce-scatter; act_then_row_parallel is LayerNormMLP's activation + fc2 + reduction with
+the ring.
 """
 from .._array import xp_of
 from ..ops import add, linear
@@ -31,7 +32,7 @@ from ..tape import record
 from . import overlap
 from .fp8_gather import gather_sequence_linear
 from .group import ProcessGroup
-from .ring_linear import ring_row_linear, row_ring_ok
+from .ring_linear import ring_act_row_linear, ring_row_linear, row_ring_ok
 
 SEQUENCE_AXIS = 0  # sequence parallel splits [s, b, h] activations along s (TE: sbhd)
 
@@ -173,6 +174,24 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_stat
         return y if bias is None else add(y, bias)
     return reduce_row_output(linear(x, weight, None, fp8_state, gemm_index), bias, group,
                              sequence_parallel)
+
+
+def act_then_row_parallel(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, group,
+                          fp8_state=None, sequence_parallel=False):
+    """LayerNormMLP's second half under tensor parallel: fc2(act(h + fc1_bias)) with fc2
+    row parallel (GEMM 1 of fp8_state), summed over the group (reduce_row_output: the bias
+    added once, after). Under sequence parallel with the comm-GEMM overlap the
+    reduce-scatter is a ring whose steps' fc2 GEMMs run while the sums travel
+    (ring_linear.ring_act_row_linear); else ops.blocks._act_then_linear and the
+    collective."""
+    _check_group("act_then_row_parallel", group)
+    if sequence_parallel and row_ring_ok(h, group) and overlap.enabled(group, h):
+        y = ring_act_row_linear(xp, h, fc1_bias, activation, fc2_weight, group, fp8_state)
+        bias = replicated_grad(fc2_bias, group)
+        return y if bias is None else add(y, bias)
+    from ..ops.blocks import _act_then_linear
+    y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, None, fp8_state)
+    return reduce_row_output(y, fc2_bias, group, sequence_parallel)
 
 
 def reduce_row_output(y, bias, group, sequence_parallel=False):
