@@ -26,7 +26,8 @@ ring's indices and sums. A group without shift() (the fake NCCL of the tests), o
 OVERLAP off, runs the plain collectives.
 
 Switch: TECUPY_TP_OVERLAP=0 at import, or overlap.OVERLAP = False at run time (the
-bench's A/B). Default on.
+bench's A/B). Default on. TECUPY_TP_OVERLAP_DY=0 / OVERLAP_DY = False keeps the row GEMMs'
+backward on the plain all-gather of dy (ring_linear.py) with the rest overlapped.
 
 The side stream must not free what the main stream reuses: every array a step sends or
 receives stays referenced until the main stream has waited for the last exchange.
@@ -36,6 +37,9 @@ import os
 from .._array import is_cupy, xp_of
 
 OVERLAP = os.environ.get("TECUPY_TP_OVERLAP", "1").strip() not in ("", "0")
+# the row GEMMs' backward: dy gathered by a ring with dgrad's chunks (ring_linear.py); only
+# where OVERLAP put the row GEMM on its ring path
+OVERLAP_DY = os.environ.get("TECUPY_TP_OVERLAP_DY", "1").strip() not in ("", "0")
 _side_streams = {}  # device id -> the non-blocking side stream of the exchanges
 
 

@@ -11,36 +11,45 @@
 Each is one tape node that computes what linear() and the collective node beside it
 compute today, with the same kernels on row chunks: the forward bit for bit (module doc of
 overlap.py), the backward's ring reduce-scatter in the ring's order of sums. The row
-linear's backward all-gathers dy (as reduce_scatter_sequence's backward does) and runs
-linear's backward on it: not overlapped (under FP8 dy is cast as one tensor, with its
-amax over the full sequence: gathering codes would change the numerics).
+linears' backward gathers dy (reduce_scatter_sequence's backward) by ring_gather with
+dgrad's rows of each chunk computed as it arrives (overlap.OVERLAP_DY): in high precision,
+and in FP8 where dy's scale is known before its data (delayed scaling: each chunk is cast
+with the slot's scale as it arrives, its amax maxed in: the codes and amax of one cast of
+the whole; the bf16 dy travels, as today, not codes, which would need the amax of the
+whole sequence first); wgrad then reads the gathered codes' transpose. Current and block
+scaling gather dy first, as today. Under an FP8Inspector the chunks' casts are seen one
+by one.
 """
+import numpy as np
+
 from .. import backends
 from .._array import xp_of
+from ..fp8 import FP8Tensor
 from ..fp8_params import hp, weight_fp8
 from ..ops.activation import GATED, activation as apply_activation, check_activation
 from ..ops.blocks import released
 from ..ops.linear import (_check_args, _dbias, as_2d, as_nd, check_fp8_dims, fp8_gemm,
                           fp8_linear_backward)
 from ..quantization import gemm_quantizers
-from ..tape import keeping, record
+from ..tape import keeping, record, retaining
+from . import overlap
 from .overlap import ring_gather, ring_reduce_scatter
 
 
-def gemm_rows(a, w, bias, out):
-    """out[...] = a @ w.T + bias, as backends' "gemm" computes it: cuBLAS writes straight
-    into `out` (a row slice of a larger output) where that is the implementation chosen,
-    else the chosen one's result is copied in."""
+def gemm_rows(a, w, bias, out, trans_b=True):
+    """out[...] = a @ w.T + bias (a @ w with trans_b False), as backends' "gemm" computes
+    it: cuBLAS writes straight into `out` (a row slice of a larger output) where that is
+    the implementation chosen, else the chosen one's result is copied in."""
     from ..kernels import gemm as cublas
-    impl = backends.choose("gemm", a, w, out.dtype, bias)
+    impl = backends.choose("gemm", a, w, out.dtype, bias, trans_b=trans_b)
     if (impl is None or impl.fn is not cublas.gemm or getattr(impl, "failure", None)
             is not None or not out.flags.c_contiguous or a.shape[1] == 0):
-        out[...] = backends.dispatch("gemm", a, w, out.dtype, bias)
+        out[...] = backends.dispatch("gemm", a, w, out.dtype, bias, trans_b=trans_b)
         return out
     import cupy
     m, k = a.shape
-    n = w.shape[0]
-    op_b, ld_b, b = cublas._operand(w, transposed=False)
+    n = w.shape[0] if trans_b else w.shape[1]
+    op_b, ld_b, b = cublas._operand(w, transposed=not trans_b)
     op_a, ld_a, a = cublas._operand(a, transposed=True)
     dt = cublas.CUDA_DTYPE[a.dtype]
     cublas._check(cublas._cublas().cublasGemmEx(
@@ -103,8 +112,14 @@ def ring_row_linear(x, weight, group, fp8_state=None, gemm_index=0):
             "gemm", x2[c * m_local:(c + 1) * m_local], w, x_dtype, None)).reshape(shape)
 
         def backward(dy):
-            dy2 = group.all_gather(dy, 0).reshape(-1, n)
-            dx = backends.dispatch("gemm", dy2, w, x_dtype, None, trans_b=False)
+            if overlap.OVERLAP_DY:  # dgrad's row chunks as dy's chunks arrive
+                dx = xp.empty((m, k), x_dtype)
+                dy2 = ring_gather(group, xp.ascontiguousarray(dy.reshape(m_local, n)),
+                                  lambda c, ch: gemm_rows(ch, w, None, dx[
+                                      c * m_local:(c + 1) * m_local], trans_b=False))
+            else:
+                dy2 = group.all_gather(dy, 0).reshape(-1, n)
+                dx = backends.dispatch("gemm", dy2, w, x_dtype, None, trans_b=False)
             dw = backends.dispatch("gemm", dy2.T, x2, weight.dtype, None, trans_b=False)
             return dx.reshape(x_shape), dw
         record(backward, (x, weight), (y,))
@@ -120,8 +135,7 @@ def ring_row_linear(x, weight, group, fp8_state=None, gemm_index=0):
     saved = [qx.columnwise(), qw.columnwise()]  # (qx itself dies with this call)
 
     def backward(dy):
-        dy2 = as_2d(group.all_gather(dy, 0), m, n)
-        dx, dw, _ = fp8_linear_backward(dy2, saved, None, q.grad_output, x_dtype)
+        dx, dw = _row_backward(group, dy, m, n, saved, q.grad_output, x_dtype)
         return as_nd(dx, x_shape), dw
     record(backward, (x, weight), (y,), after_backward=q.after_backward, once=q.once)
     return y
@@ -153,14 +167,44 @@ def ring_act_row_linear(xp, h, fc1_bias, activation, fc2_weight, group, fp8_stat
     saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
 
     def backward(dy):
-        dy2 = as_2d(group.all_gather(dy, 0), m, n)
-        da, dw, _ = fp8_linear_backward(dy2, released(saved), None, q.grad_output, h.dtype)
+        da, dw = _row_backward(group, dy, m, n, released(saved), q.grad_output, h.dtype)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias,
                                     out=None if activation in GATED else da)
         return as_nd(dh, h.shape), db1, dw.astype(fc2_weight.dtype, copy=False)
     record(backward, (h, fc1_bias, fc2_weight), (y,), after_backward=q.after_backward,
            once=q.once)
     return y
+
+
+def _row_backward(group, dy, m, n, saved, q_dy, x_dtype):
+    """The FP8 row GEMM's backward from this rank's dy chunk [m / size, ..., n] -> (dx [m,
+    K], dw): fp8_linear_backward of the all-gathered dy; with overlap.OVERLAP_DY and a
+    quantizer that casts with a known scale (delayed scaling), a ring instead: each dy
+    chunk cast as it arrives (the same codes and amax as one cast of the whole: the cast
+    is elementwise with the slot's scale, the amax a max) and its dgrad rows computed while
+    the next travels; then wgrad from the gathered codes' transpose."""
+    if not (overlap.OVERLAP_DY and q_dy.fused_ok):
+        dx, dw, _ = fp8_linear_backward(as_2d(group.all_gather(dy, 0), m, n), saved, None,
+                                        q_dy, x_dtype)
+        return dx, dw
+    qx_t, qw_t = saved
+    if not retaining():
+        saved.clear()
+    xp, m_local = xp_of(dy), m // group.size
+    codes = xp.empty((m, n), np.uint8)
+    dx = xp.empty((m, qw_t.shape[0]), x_dtype)
+    inv = []
+
+    def step(c, chunk):
+        rows = slice(c * m_local, (c + 1) * m_local)
+        qc = q_dy.quantize(chunk)
+        codes[rows] = qc.data
+        inv.append(qc.scale_inv)
+        fp8_gemm(qc, qw_t, x_dtype, split_accumulator=True, out=dx[rows])
+    ring_gather(group, xp.ascontiguousarray(dy.reshape(m_local, n)), step)
+    qdy = FP8Tensor.made(codes, q_dy.fmt, inv[0])
+    dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
+    return dx, dw
 
 
 def row_ring_ok(x, group):
