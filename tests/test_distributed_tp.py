@@ -443,3 +443,32 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
     assert got[0] == {"HP": {False: (1.0, 0.5), True: (2.0, 0.5)},
                       "FP8": {False: (1.0, 0.5), True: (2.0, 0.5)}}
     assert seen.count(False) == seen.count(True) == 4 and overlap.OVERLAP
+
+
+def test_bench_tp_rows_keep_the_plain_rows_when_the_overlap_raises(monkeypatch, capsys):
+    """An overlapped step that raises (on every rank) leaves its rows out with the reason;
+    the plain rows come back and the table says so."""
+    import cupy
+
+    from tecupy.bench import distributed as bench
+    from tecupy.bench import layer as bench_layer
+    from tecupy.distributed import overlap
+
+    def rate(step, xp):
+        if overlap.OVERLAP:
+            raise RuntimeError("no send")
+        return (1.0, 0.5)
+    real_build = bench.tp_build
+    monkeypatch.setattr(bench, "tp_build",
+                        lambda shape, g, device: real_build((32, 64, 4, 8, 2), g, "cpu"))
+    monkeypatch.setattr(bench_layer, "_rate", rate)
+    monkeypatch.setattr(cupy, "get_default_memory_pool",
+                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+    got = dist.run_threads(2, bench._tp_rows, "small")[0]
+    assert got == {"HP": {False: (1.0, 0.5)}, "FP8": {False: (1.0, 0.5)},
+                   "error": "HP with the overlap: RuntimeError: no send"}
+    bench.print_tp(got, {"HP": {"single": (2.0, 1.0)}, "FP8": {"single": (2.0, 1.0)}}, 2,
+                   "full")
+    out = capsys.readouterr().out
+    assert "| FP8 | off | 2.00 | 1.00 | 0.50 | 0.50x | met |" in out
+    assert "overlap rows left out: HP with the overlap: RuntimeError: no send" in out

@@ -266,7 +266,9 @@ def _tp_rows(g, layer_size):
     """Part 4 on this rank: {precision: {overlap: (GPU ms, host ms)}} of the TP=size+SP
     step with the comm-GEMM overlap off (False: NCCL all-gather / reduce-scatter) and on
     (True: overlap.py's rings), one layer each precision, timed in that order (every rank
-    runs it: its collectives need them all)."""
+    runs it: its collectives need them all). Should the overlapped step raise (on every
+    rank alike: a Python error before the ranks' calls differ), its rows are left out,
+    "error" says why, and the plain rows still come back."""
     import cupy
 
     from tecupy.distributed import overlap
@@ -278,9 +280,16 @@ def _tp_rows(g, layer_size):
             layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
             rows[name] = {}
             for ring in OVERLAPS:
+                if ring and "error" in rows:
+                    continue
                 overlap.OVERLAP = ring
                 g.barrier()
-                rows[name][ring] = _rate(tp_step(layer, x, dy, recipe), cupy)
+                try:
+                    rows[name][ring] = _rate(tp_step(layer, x, dy, recipe), cupy)
+                except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+                    if not ring:
+                        raise
+                    rows["error"] = f"{name} with the overlap: {type(e).__name__}: {e}"
                 g.barrier()
             del layer, x, dy
             cupy.get_default_memory_pool().free_all_blocks()
@@ -306,12 +315,16 @@ def print_tp(tp_rows, step_rows, n, layer_size):
     print("| precision | overlap | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_overlap in tp_rows.items():
+        if name == "error":
+            continue
         one = step_rows[name]["single"][0]
         for ring, (gpu, host) in by_overlap.items():
             ratio = gpu / one
             verdict = "-" if target is None else ("met" if ratio <= target else "missed")
             print(f"| {name} | {'on' if ring else 'off'} | {one:.2f} | {gpu:.2f} | "
                   f"{host:.2f} | {ratio:.2f}x | {verdict} |")
+    if "error" in tp_rows:
+        print(f"overlap rows left out: {tp_rows['error']}")
 
 
 def _torch_rank(rank, n, port, sizes_mib, queue):
