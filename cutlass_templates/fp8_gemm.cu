@@ -5,7 +5,9 @@
 //   EPI 2: D = gelu(that), and aux = that (the value before gelu, for the backward).
 //   EPI 3: D = T(that) * gelu'(aux + bias) (gelu's backward, aux read; no bias on D).
 //   EPI 4, 5: D = T(T(that) + aux) (the residual add: aux of D's shape and type, read; 5 has
-//          the bias, 4 none), the two roundings of the GEMM then the add kernel.
+//          the bias, 4 none), the two roundings of the GEMM then the add kernel; the producer
+//          prefetches each tile's aux rows into L2 during its mainloop. EPI 6, 7: 4, 5 without
+//          the prefetch (to time it).
 //   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
@@ -189,7 +191,8 @@ __device__ __forceinline__ float bias_at(const __half* p, int c) {
 // the value before gelu stored in aux (backward needs it), 3 gelu's backward: D = that *
 // gelu'(aux + bias), aux the forward's value before gelu (Transformer Engine's DGELU
 // epilogue: the dgrad of fc2 leaves as fc1's dy, with no [M, ffn] array between them),
-// 4 the residual add (D = T(T(acc) + aux)), 5 the same with the bias (T(acc + bias)).
+// 4 the residual add (D = T(T(acc) + aux)), 5 the same with the bias (T(acc + bias)); 6, 7
+// as 4, 5 without the L2 prefetch of aux.
 template <class TOut>
 struct Epilogue {
     const bias_t<TOut>* bias;
@@ -321,7 +324,7 @@ __device__ __forceinline__ void residual_to_stage(const float (&acc)[BN / 2],
         for (int j = 0; j < CH; ++j) {
             const int c = 8 * (j0 + j) + 2 * (lane % 4);  // column in the tile
             float b0 = 0.f, b1 = 0.f;
-            if (EPI == 5 && col0 + c < e.N) {
+            if (EPI % 2 == 1 && col0 + c < e.N) {
                 b0 = bias_at(e.bias, col0 + c);
                 b1 = bias_at(e.bias, col0 + c + 1);
             }
@@ -394,12 +397,31 @@ __device__ __forceinline__ bool next_tile(int& u, int num_m, int num_n, int& mb,
 // lands in every CTA's stage s and counts on every CTA's full[s]); each CTA loads its own B.
 // Block scaling with 1x128 B (SCALE 1): the tile's BN column factors of each k-block come
 // with its stage, by a bulk copy (16-byte aligned: N % 8 == 0; clipped at N).
-template <int BN, int STAGES, int CLUSTER, int SCALE>
+// PF (the residual epilogues): a 16-bit [M, N] array pf the epilogue will read; after each
+// k-block's loads the producer asks L2 for its share of the tile's rows of pf (BM / nk rows
+// per k-block, min(BN, N - col0) columns each: 16-byte multiples as N % 8 == 0), so they
+// arrive during the tile's mainloop and the epilogue's loads hit L2. A hint: skipped where
+// pf is not 16-byte aligned.
+template <bool PF>
+__device__ __forceinline__ void prefetch_rows(const uint8_t* pf, int M, int N, int BNc, int mb,
+                                              int nb, int kb, int nk) {
+    if constexpr (PF) {
+        if (reinterpret_cast<uintptr_t>(pf) % 16) return;
+        const int lo = kb * BM / nk, hi = (kb + 1) * BM / nk, c0 = nb * BNc;
+        const int bytes = min(BNc, N - c0) * 2;
+        for (int r = mb * BM + lo; r < min(mb * BM + hi, M); ++r)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(
+                             pf + (size_t(r) * N + c0) * 2), "r"(bytes) : "memory");
+    }
+}
+
+template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          const cute::TmaDescriptor* tb, uint8_t* sa,
                                          uint8_t* sb, uint64_t* full, uint64_t* empty,
                                          int num_m, int num_n, int nk, const float* scale_b,
-                                         float* sb_stage, int N) {
+                                         float* sb_stage, int N, const uint8_t* pf = nullptr,
+                                         int M = 0) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
@@ -420,6 +442,7 @@ __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                 cute::SM90_TMA_LOAD_MULTICAST_2D::copy(ta, &full[s], (1 << CLUSTER) - 1, hint,
                                                        sa + s * BM * BK, kb * BK, mb * BM);
             cute::SM90_TMA_LOAD_2D::copy(tb, &full[s], hint, sb + s * BN * BK, kb * BK, nb * BN);
+            prefetch_rows<PF>(pf, M, N, BN, mb, nb, kb, nk);
             if (++s == STAGES) { s = 0; phase ^= 1; }
         }
     }
@@ -673,9 +696,9 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)
-            producer<BN, STAGES, CLUSTER, SCALE>(&tma_a, &tma_b, sa, sb, full, empty,
-                                                 (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
-                                                 scale_inv_b, sb_stage, N);
+            producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5>(
+                &tma_a, &tma_b, sa, sb, full, empty, (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
+                scale_inv_b, sb_stage, N, reinterpret_cast<const uint8_t*>(aux), M);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
         math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE>(

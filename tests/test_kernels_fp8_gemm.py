@@ -318,9 +318,14 @@ def _gemm_then_add(gargs, r):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("mnk", [(200, 272, 4112), (37, 264, 48), (1000, 24, 256),
                                  (129, 520, 272)], ids=str)
-def test_fp8_gemm_residual_epilogue_is_gemm_then_add(rng, out_dtype, bias, mnk):
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "noprefetch"])
+def test_fp8_gemm_residual_epilogue_is_gemm_then_add(rng, monkeypatch, out_dtype, bias, mnk,
+                                                     prefetch):
     """T(T(acc (+ bias)) + residual) in the epilogue: the bits of the GEMM then the add
-    kernel, with M, N, K tails, into poisoned memory; the residual is left as it was."""
+    kernel, with M, N, K tails, into poisoned memory; the residual is left as it was. With
+    and without the L2 prefetch of the residual (EPI 4, 5 and 6, 7)."""
+    from tecupy.kernels import fp8_gemm as K
+    monkeypatch.setattr(K, "RESIDUAL_PREFETCH", prefetch)
     gargs, r = _residual_case(rng, *mnk, out_dtype, bias)
     impl = backends.candidates("fp8_gemm", *gargs, residual=r)[0]
     assert impl.kind == "cutlass"

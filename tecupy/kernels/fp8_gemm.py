@@ -54,9 +54,10 @@ _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
     3 gelu's backward (D * gelu'(aux + bias), aux read), 4 the residual add (T(T(D) + aux),
-    aux read), 5 the same with the bias (T(T(D + bias) + aux)). scale: 0 per-tensor scales, else
-    block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or 128x128 (2):
-    fp8_block_gemm_tn, split accumulation, no cluster."""
+    aux read; its rows prefetched into L2 during the tile's mainloop), 5 the same with the
+    bias (T(T(D + bias) + aux)), 6 and 7: 4 and 5 without the prefetch. scale: 0 per-tensor
+    scales, else block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or
+    128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
@@ -108,8 +109,14 @@ def tma_store(out_dtype, act, accumulate, bn):
     """Whether the kernel's epilogue stages D in shared memory for TMA stores (as the
     template decides: 16-bit D, no gelu (aux) (the residual add is staged), no
     accumulation, 64-column boxes)."""
-    return (np.dtype(out_dtype).itemsize == 2 and act in (None, "residual")
+    return (np.dtype(out_dtype).itemsize == 2 and act in (None, *_RESIDUAL_EPI)
             and not accumulate and bn % 64 == 0)
+
+
+# the residual epilogue's act names -> EPI without a bias (+ 1 with one); RESIDUAL_PREFETCH
+# picks (the L2 prefetch of the residual's rows by the producer, or none: to time it)
+_RESIDUAL_EPI = {"residual": 4, "residual, no prefetch": 6}
+RESIDUAL_PREFETCH = True
 
 
 _warned = []
@@ -240,8 +247,8 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     _check_fp8_out(out_dtype, out_scale, amax_out)
     m, k = a.shape
     n = b.shape[0]
-    act = ("dgelu" if dgelu_aux is not None else "gelu" if gelu
-           else "residual" if residual is not None else None)
+    act = ("dgelu" if dgelu_aux is not None else "gelu" if gelu else None if residual is None
+           else "residual" if RESIDUAL_PREFETCH else "residual, no prefetch")
     # the configuration per shape (tuned, else the default), kept with the launch plan:
     # the table's version changes with every remember()
     key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
@@ -306,7 +313,7 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
     M x N output, K deep; act: None, "gelu" (forward), "dgelu" (gelu's backward) or
-    "residual" (the residual add); scale:
+    "residual" (the residual add; "residual, no prefetch": without the L2 prefetch); scale:
     kernel_name's (0 per tensor, 1 or 2 block scaling)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
@@ -315,7 +322,7 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     fp8_out, bias_of = isinstance(out_dtype, FP8Format), out_dtype
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
-    epi = {"gelu": 2, "dgelu": 3, "residual": 4 + int(not no_bias)}.get(act, int(not no_bias))
+    epi = {"gelu": 2, "dgelu": 3}.get(act, _RESIDUAL_EPI.get(act, 0) + int(not no_bias))
     name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale)
     staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
     smem = smem_bytes(config, staged, scale)
