@@ -6,16 +6,13 @@ width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
 from ..distributed.group import ProcessGroup
-from ..distributed.tensor_parallel import (column_parallel_linear, reduce_row_output,
+from ..distributed.tensor_parallel import (act_then_row_parallel, column_parallel_linear,
                                            replicated_grad, row_parallel_linear, shard,
                                            shard_parts)
 from ..fp8_state import FP8State
 from ..ops import (add, layernorm, layernorm_linear, layernorm_mlp, linear, normalize,
                    rmsnorm)
 from ..ops.activation import ACTIVATIONS, GATED
-# (the single-device block's activation + fc2 step: under delayed scaling the activation
-# kernel writes fc2's FP8 input codes in its own pass; the TP block adds the collective)
-from ..ops.blocks import _act_then_linear as act_then_linear
 from ..ops.normalization import NORMALIZATIONS
 from .module import Module
 
@@ -317,7 +314,8 @@ class LayerNormMLP(Module):
         ln_out = parallel_norm(self, x)
         h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
                                    gemm_index=0, sequence_parallel=sp)
-        y = act_then_linear(self.xp, h, self.fc1_bias, self.activation, self.fc2_weight,
-                            None, st)  # fc2 row parallel: this rank's partial sum
-        y = reduce_row_output(y, self.fc2_bias, g, sp)
+        # act + fc2 row parallel, summed over the group (under sequence parallel a ring
+        # reduce-scatter whose fc2 GEMMs run while the partial sums travel)
+        y = act_then_row_parallel(self.xp, h, self.fc1_bias, self.activation,
+                                  self.fc2_weight, self.fc2_bias, g, st, sp)
         return (y, ln_out) if self.return_layernorm_output else y
