@@ -166,15 +166,16 @@ def test_overlap_runs_the_rings(monkeypatch):
     for ring in (True, False):
         monkeypatch.setattr(overlap, "OVERLAP", ring)
         dist.run_threads(2, body)
-    # forward: qkv, fc1 gathers, proj ring RS (1 step each at 2 ranks), fc2's plain RS;
-    # backward: qkv, fc1 dgrad ring RS, proj's dy ring gather; fc2's dy all-gather
-    assert kinds(calls[True]) == {"shift": 6, "all_gather": 1, "reduce_scatter": 1}
+    # forward: qkv, fc1 gathers, proj and fc2 ring RS (1 step each at 2 ranks); backward:
+    # qkv, fc1 dgrad ring RS, proj's and fc2's dy ring gathers
+    assert kinds(calls[True]) == {"shift": 8, "all_gather": 0, "reduce_scatter": 0}
     assert not any(c[0] == "shift" for c in calls[False])
     monkeypatch.setattr(overlap, "OVERLAP", True)
     monkeypatch.setattr(overlap, "OVERLAP_DY", False)
     calls[True].clear()
     dist.run_threads(2, body)
-    assert kinds(calls[True]) == {"shift": 5, "all_gather": 2, "reduce_scatter": 1}
+    # without the dy rings: proj's and fc2's dy all-gathered plainly
+    assert kinds(calls[True]) == {"shift": 6, "all_gather": 2, "reduce_scatter": 0}
 
 
 def _act_row(tp, fp8, activation, ring):
