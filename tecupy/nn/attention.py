@@ -161,10 +161,13 @@ class MultiheadAttention(Module):
         self.proj = Linear(self.heads * d, self.hidden_size, bias, **kw(), **tp,
                            parallel_mode="row" if self.tp_group else None)
 
-    def forward(self, hidden_states, attn_mask_type=None, seqlens=None, rotary_pos_emb=None):
+    def forward(self, hidden_states, attn_mask_type=None, seqlens=None, rotary_pos_emb=None,
+                residual=None):
         """hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd); seqlens [b] for
         padding masks; rotary_pos_emb: RotaryPositionEmbedding's freqs [>= s, 1, 1, d2] (or
-        a pair for q and k), applied to q and k after the QKV projection, as TE does."""
+        a pair for q and k), applied to q and k after the QKV projection, as TE does.
+        residual: None or an array added to the output (in proj's FP8 GEMM epilogue where
+        it can be: nn.Linear's residual)."""
         op = "MultiheadAttention"
         check_hidden_states(op, hidden_states, self.hidden_size)
         mask = call_mask(op, "attn_mask_type", attn_mask_type, self.core_attention.mask,
@@ -177,7 +180,7 @@ class MultiheadAttention(Module):
                                            self.core_attention.qkv_format)
         q, k, v = split(qkv, [h, g, g], axis=2)
         ctx = self.core_attention(q, k, v, mask, seqlens, seqlens)
-        return self.proj(ctx)
+        return self.proj(ctx, residual=residual)
 
 
 def check_hidden_states(op, x, hidden_size):

@@ -88,6 +88,15 @@ class TransformerLayer(Module):
         check_hidden_states(op, hidden_states, self.hidden_size)
         mask = call_mask(op, "self_attn_mask_type", self_attn_mask_type,
                          self.self_attention.core_attention.mask, seqlens)
-        attn = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb)
-        h = self._dropout_add(attn, hidden_states)
-        return self._dropout_add(self.layernorm_mlp(h), h)
+        if self.training and self.hidden_dropout > 0:
+            attn = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb)
+            h = self._dropout_add(attn, hidden_states)
+            return self._dropout_add(self.layernorm_mlp(h), h)
+        # no dropout between the GEMMs and the residual adds: proj's and fc2's FP8 GEMMs add
+        # them in their epilogues (the same bits as the add: ops/linear.py's residual); the
+        # seeds are drawn as _dropout_add draws them, so later masks do not change
+        self.next_seed()
+        h = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb,
+                                residual=hidden_states)
+        self.next_seed()
+        return self.layernorm_mlp(h, residual=h)
