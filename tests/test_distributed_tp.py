@@ -427,7 +427,7 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
     from tecupy.bench import distributed as bench
     from tecupy.bench import layer as bench_layer
     from tecupy.distributed import overlap
-    seen = []
+    seen, before = [], overlap.OVERLAP
 
     def rate(step, xp):
         seen.append(overlap.OVERLAP)
@@ -442,7 +442,8 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
     got = dist.run_threads(2, bench._tp_rows, "small")
     assert got[0] == {"HP": {False: (1.0, 0.5), True: (2.0, 0.5)},
                       "FP8": {False: (1.0, 0.5), True: (2.0, 0.5)}}
-    assert seen.count(False) == seen.count(True) == 4 and overlap.OVERLAP
+    assert seen.count(False) == seen.count(True) == 4
+    assert overlap.OVERLAP is before  # (restored)
 
 
 def test_bench_tp_rows_keep_the_plain_rows_when_the_overlap_raises(monkeypatch, capsys):

@@ -25,9 +25,13 @@ On a ThreadGroup (CPU, no streams) the same steps run one after another, so CI c
 ring's indices and sums. A group without shift() (the fake NCCL of the tests), or
 OVERLAP off, runs the plain collectives.
 
-Switch: TECUPY_TP_OVERLAP=0 at import, or overlap.OVERLAP = False at run time (the
-bench's A/B). Default on. TECUPY_TP_OVERLAP_DY=0 / OVERLAP_DY = False keeps the row GEMMs'
-backward on the plain all-gather of dy (ring_linear.py) with the rest overlapped.
+Switch: TECUPY_TP_OVERLAP=1 at import, or overlap.OVERLAP = True at run time (the
+bench's A/B). Default off: on 4 H100s it made the quickstart layer's step slower, not
+faster (TP=2 FP8 7.61 -> 7.89 ms, TP=4 FP8 6.38 -> 9.85, HP 6.16 -> 8.02; PERFLOG.md,
+session 16): NCCL's send/recv kernels only run around the persistent FP8 GEMM, which holds
+every SM, and each ring step adds a launch and an event wait. TECUPY_TP_OVERLAP_DY=0 /
+OVERLAP_DY = False keeps the row GEMMs' backward on the plain all-gather of dy
+(ring_linear.py) with the rest overlapped.
 
 The side stream must not free what the main stream reuses: every array a step sends or
 receives stays referenced until the main stream has waited for the last exchange.
@@ -36,7 +40,7 @@ import os
 
 from .._array import is_cupy, xp_of
 
-OVERLAP = os.environ.get("TECUPY_TP_OVERLAP", "1").strip() not in ("", "0")
+OVERLAP = os.environ.get("TECUPY_TP_OVERLAP", "0").strip() not in ("", "0")
 # the row GEMMs' backward: dy gathered by a ring with dgrad's chunks (ring_linear.py); only
 # where OVERLAP put the row GEMM on its ring path
 OVERLAP_DY = os.environ.get("TECUPY_TP_OVERLAP_DY", "1").strip() not in ("", "0")
