@@ -265,37 +265,45 @@ def tp_step(layer, x, dy, recipe):
 def _tp_rows(g, layer_size):
     """Part 4 on this rank: {precision: {overlap: (GPU ms, host ms)}} of the TP=size+SP
     step with the comm-GEMM overlap off (False: NCCL all-gather / reduce-scatter) and on
-    (True: overlap.py's rings), one layer each precision, timed in that order (every rank
-    runs it: its collectives need them all). Should the overlapped step raise (on every
-    rank alike: a Python error before the ranks' calls differ), its rows are left out,
-    "error" says why, and the plain rows still come back."""
-    import cupy
-
+    (True: overlap.py's rings), a layer each, every precision's plain row first (a ring's
+    run once made the plain rows after it slower on 4 GPUs: PERFLOG.md, session 16); every
+    rank runs it (its collectives need them all). Should the overlapped step raise (on
+    every rank alike: a Python error before the ranks' calls differ), its rows are left
+    out, "error" says why, and the plain rows still come back."""
     from tecupy.distributed import overlap
-    from .layer import SIZES, _rate, _recipe
+    from .layer import _recipe
     rows, default = {}, overlap.OVERLAP
     g.barrier()  # (ranks as threads share the module: each reads it before any sets it)
     try:
-        for name, recipe in (("HP", None), ("FP8", _recipe())):
-            layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
-            rows[name] = {}
-            for ring in OVERLAPS:
+        for ring in OVERLAPS:
+            for name, recipe in (("HP", None), ("FP8", _recipe())):
                 if ring and "error" in rows:
                     continue
                 overlap.OVERLAP = ring
                 g.barrier()
                 try:
-                    rows[name][ring] = _rate(tp_step(layer, x, dy, recipe), cupy)
+                    rows.setdefault(name, {})[ring] = _tp_rate(g, layer_size, recipe)
                 except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
                     if not ring:
                         raise
                     rows["error"] = f"{name} with the overlap: {type(e).__name__}: {e}"
                 g.barrier()
-            del layer, x, dy
-            cupy.get_default_memory_pool().free_all_blocks()
     finally:
         overlap.OVERLAP = default
     return rows
+
+
+def _tp_rate(g, layer_size, recipe):
+    """(GPU ms, host ms) of the TP step of a fresh layer under recipe; its memory freed."""
+    import cupy
+
+    from .layer import SIZES, _rate
+    layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
+    try:
+        return _rate(tp_step(layer, x, dy, recipe), cupy)
+    finally:
+        del layer, x, dy
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 OVERLAPS = (False, True)  # part 4's rows: the comm-GEMM overlap off, on
