@@ -28,7 +28,7 @@ the sum of squares from outside) and FP8 weights (quantized_model_init).
 """
 from .._array import xp_of
 from ..fp8_params import FP8Weight
-from ..optim.optimizer import Optimizer
+from ..optim.optimizer import Optimizer, grads_by_name
 from .data_parallel import GradientReducer, ShardedGradients
 
 OP = "ZeroOptimizer"
@@ -85,12 +85,7 @@ class ZeroOptimizer:
         backward, in the buckets' order)."""
         op = f"{OP}.step"
         if isinstance(grads, dict) and self._keyed:
-            missing = [k for k in self.names if k not in grads]
-            extra = [k for k in grads if k not in self.names]
-            if missing or extra:
-                raise ValueError(f"{op}: grads must have the parameters' names; missing "
-                                 f"{missing}, unexpected {extra}")
-            grads = [grads[k] for k in self.names]
+            grads = grads_by_name(op, self.names, grads)
         elif isinstance(grads, dict):  # tape.gradient(loss, module) for module.parameters()
             grads = list(grads.values())
         elif not isinstance(grads, (list, tuple)):

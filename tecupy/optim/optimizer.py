@@ -179,12 +179,7 @@ class Optimizer:
         if isinstance(grads, dict) and not self._keyed:  # tape.gradient(loss, module) for
             grads = list(grads.values())                 # params=module.parameters()
         elif isinstance(grads, dict):
-            missing = [k for k in self.names if k not in grads]
-            extra = [k for k in grads if k not in self.names]
-            if missing or extra:
-                raise ValueError(f"{op}: grads must have the parameters' names; missing "
-                                 f"{missing}, unexpected {extra}")
-            grads = [grads[k] for k in self.names]
+            grads = grads_by_name(op, self.names, grads)
         elif not isinstance(grads, (list, tuple)):
             _check.fail(op, "grads", "a list of arrays, or a dict by parameter name", grads,
                         TypeError)
@@ -294,6 +289,16 @@ class Optimizer:
 
     def _moments_dtype(self):
         return np.dtype(np.float32)
+
+
+def grads_by_name(op, names, grads):
+    """The dict `grads` as a list in the order of `names`, which must be its keys exactly."""
+    missing = [k for k in names if k not in grads]
+    extra = [k for k in grads if k not in names]
+    if missing or extra:
+        raise ValueError(f"{op}: grads must have the parameters' names; missing "
+                         f"{missing}, unexpected {extra}")
+    return [grads[k] for k in names]
 
 
 def _try(key, check, value):
