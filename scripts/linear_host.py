@@ -5,12 +5,14 @@
   (b) one Tape and fp8_autocast held over --held calls (the per-Linear cost inside a
       training step, which pays the exit's update once per step);
   (c), (d) the same with the weight as FP8 codes (quantized_model_init: no weight cast);
+  (e) as (b), with is_first_microbatch=False: the weight's FP8 codes kept by one True call
+      at the start of the held autocast (TE's weight caching: no weight cast per call);
 and where (a) goes: cProfile's top functions by own time over --calls calls.
 
     python scripts/linear_host.py [--top 30] [--calls 300] [--parts] [--ab]
     python scripts/linear_host.py --fake      # no GPU: CuPy faked, the Python only
 
---ab: (a)-(d) again with the FP8 linear's kept plan off (ops/linear.py KEPT, every call
+--ab: (a)-(e) again with the FP8 linear's kept plan off (ops/linear.py KEPT, every call
 dispatched), then on, in the same run: the plan's gain on this machine. --parts on a GPU also
 times CuPy's own primitives the forward pays (an allocation, a view carved from one, a
 launch), the numbers that decide whether carving scale_inv out of the transposed codes'
@@ -87,13 +89,23 @@ def rounds(fn, calls, sync, n=5, held=None):
     return best
 
 
-def held_context(recipe):
-    """(b): one Tape and fp8_autocast around a round of calls (the exit's update in it)."""
+def held_context(recipe, enter=None):
+    """(b): one Tape and fp8_autocast around a round of calls (the exit's update in it);
+    enter: called first inside them (e: the is_first_microbatch=True call)."""
     @contextlib.contextmanager
     def ctx():
         with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=recipe):
+            if enter is not None:
+                enter()
             yield
     return ctx
+
+
+def held_microbatches(lin, x, recipe, a, sync):
+    """(e): us per is_first_microbatch=False call, held as (b), after one True call."""
+    return rounds(lambda: lin(x, is_first_microbatch=False), a.held, sync,
+                  n=3 * a.calls // a.held,
+                  held=held_context(recipe, lambda: lin(x, is_first_microbatch=True)))
 
 
 def parts(lin, x, rounds_=40, calls=100):
@@ -128,7 +140,7 @@ def parts(lin, x, rounds_=40, calls=100):
 
 
 def ab(lin, lin8, x, r, a, sync):
-    """(a)-(d) with ops/linear.py's kept plan off, on, and on with scale_inv carved out of the
+    """(a)-(e) with ops/linear.py's kept plan off, on, and on with scale_inv carved out of the
     transposed codes' allocation (kernels/cast.py CARVE_SCALE_INV), twice, in one process."""
     import importlib
     from tecupy.kernels import cast
@@ -142,6 +154,7 @@ def ab(lin, lin8, x, r, a, sync):
         report(f"  {tag}: (c)", rounds(per_call(lin8, x, r), a.calls, sync))
         report(f"  {tag}: (d)", rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
                                        held=held_context(r)))
+        report(f"  {tag}: (e)", held_microbatches(lin, x, r, a, sync))
     ops_linear.KEPT, cast.CARVE_SCALE_INV = True, False
 
 
@@ -215,6 +228,8 @@ def main():
         report(f"(d) as (b), the weight as FP8 codes, held over {a.held} calls",
                rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
                       held=held_context(r)))
+        report(f"(e) as (b), is_first_microbatch=False (the FP8 weight kept by one True "
+               f"call), held over {a.held} calls", held_microbatches(lin, x, r, a, sync))
         if not a.fake:  # the GEMM's two launch paths, same run (fp8_gemm.CTYPES_LAUNCH)
             from tecupy.kernels import fp8_gemm
             fp8_gemm.CTYPES_LAUNCH = False

@@ -19,6 +19,10 @@ Casts follow the recipe the weight was made under, as TE's quantizers do:
 The optimizer owns the float32 master copy: after each step it casts the master into the
 weight's codes, in place (the arrays keep their addresses: a captured CUDA graph reads them).
 Outside fp8_autocast an op dequantizes the weight (a high-precision GEMM on its FP8 value).
+
+Also here, for high-precision weights: is_first_microbatch (TE's weight caching across the
+microbatches of a minibatch: FIRST_MICROBATCH_DOC, microbatch_weights). The modules pass the
+kept FP8Tensor to their ops as `qweight`, which weight_fp8 returns in place of a cast.
 """
 import contextvars
 
@@ -26,8 +30,10 @@ import numpy as np
 
 from . import _check
 from ._array import xp_of
+from .autocast import active_recipe
 from .fp8 import FP8Tensor, cast, current_scale, dequantize
 from .fp8 import amax as tensor_amax
+from .quantization import gemm_quantizers
 from .recipe import DelayedScaling, Float8CurrentScaling
 
 # (enabled, recipe, preserve_high_precision_init_val) of the innermost quantized_model_init
@@ -156,9 +162,24 @@ def hp(weight, dtype=None):
     return weight
 
 
-def weight_fp8(quantizer, weight, transpose):
-    """The FP8Tensor a GEMM reads for `weight`: its codes where it is an FP8Weight, else
-    its cast by `quantizer` (with the transposed copy where `transpose`)."""
+def check_qweight(op, name, qweight, weight):
+    """qweight is None or an FP8Tensor of weight's shape [out, in]."""
+    if qweight is None or (isinstance(qweight, FP8Tensor) and weight is not None
+                           and tuple(qweight.shape) == tuple(weight.shape)):
+        return
+    shape = None if weight is None else tuple(weight.shape)
+    _check.fail(op, name, f"None or an FP8Tensor of the weight's shape {shape} (the "
+                "weight's FP8 codes kept by its module)", qweight,
+                ValueError if isinstance(qweight, FP8Tensor) else TypeError)
+
+
+def weight_fp8(quantizer, weight, transpose, qweight=None):
+    """The FP8Tensor a GEMM reads for `weight`: `qweight` where given (the weight's FP8
+    codes its module kept from an earlier microbatch: nn.Linear's is_first_microbatch; no
+    cast, no amax), its codes where it is an FP8Weight, else its cast by `quantizer` (with
+    the transposed copy where `transpose`)."""
+    if qweight is not None:
+        return qweight
     if isinstance(weight, FP8Weight):
         if getattr(quantizer, "block_dim", None) is not None:
             raise TypeError(
@@ -168,3 +189,111 @@ def weight_fp8(quantizer, weight, transpose):
                 "run it under the recipe it was made with")
         return weight.fp8()
     return quantizer.quantize(weight, transpose=transpose)
+
+
+# ---- is_first_microbatch: FP8 weights kept across the microbatches of a minibatch --------
+# Transformer Engine (module/linear.py, forward: cache_name = "weight" unless
+# is_first_microbatch is None; update_ws = is_first_microbatch is None or
+# is_first_microbatch; module/base.py, quantize_weight: a kept workspace is re-cast only
+# where update_workspace, else returned as is). Under delayed scaling a skipped cast records
+# no amax for the weight: its history row 0 stays 0 and the update at fp8_autocast exit
+# leaves that slot's history and scale alone (common/recipe/delayed_scaling.cu: no roll when
+# the newest amax is 0, the old scale kept when the amax is 0); the kept codes carry their
+# own scale_inv (the one they were cast with), so the GEMM stays consistent whatever the
+# state's scale became since. Unlike TE, False with nothing (valid) kept is an error here,
+# not a silent cast: the caller's microbatch bookkeeping is wrong.
+FIRST_MICROBATCH_DOC = """is_first_microbatch: None (default), True or False, Transformer
+        Engine's: within a minibatch split into microbatches the weights do not change, so
+        under fp8_autocast True casts the weight(s) as None does and keeps the FP8 tensors
+        the GEMMs read (codes, transposed codes, scale_inv) on the module, and False reuses
+        them: no cast (no launch, no allocation, no amax of the weight: under delayed
+        scaling its amax history and scale stay as they are, as in TE). Gradients still go
+        to the high-precision weight. The kept tensors live until the next True or None
+        call (None drops them; a byte per weight element, twice). Outside fp8_autocast, for
+        FP8 weights (quantized_model_init: already codes) and under tensor parallel it
+        changes nothing. False with nothing kept, or kept under another recipe or format,
+        or after the weight was replaced or reshaped, is a ValueError: call with True. An
+        in-place change of the weights (an optimizer step, load_state_dict) starts a new
+        minibatch: call with True then (False would read the codes of the old values)."""
+
+
+def check_first_microbatch(op, value):
+    """is_first_microbatch as None or a bool (TypeError otherwise: 0/1 and "yes" would be
+    taken for truth values)."""
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    _check.fail(op, "is_first_microbatch", "None, True or False", value, TypeError)
+
+
+def microbatch_weights(module, op, is_first_microbatch, *weights):
+    """The ops' qweight arguments for `weights`, (parameter name, GEMM index of
+    module.fp8_state) pairs: a tuple of FP8Tensor or None per weight, or None for all (the
+    op casts: today's path). FIRST_MICROBATCH_DOC says what each value does; the kept
+    tensors are module._fp8_workspaces[name] = (FP8Tensor, the weight, its signature, the
+    recipe object, the weight's shape): a False call under the same recipe object reads
+    them in a few comparisons (issue 21: host time per Linear)."""
+    if is_first_microbatch is None:
+        if module.__dict__.get("_fp8_workspaces"):
+            module._fp8_workspaces = {}  # (None: TE's path without a cache; freed here)
+        return None
+    flag = check_first_microbatch(op, is_first_microbatch)
+    recipe = active_recipe()
+    if recipe is None:
+        return None
+    kept = module.__dict__.setdefault("_fp8_workspaces", {})
+    out = []
+    for name, gemm in weights:
+        w = getattr(module, name)
+        e = None if flag else kept.get(name)
+        if e is not None and e[3] is recipe and e[1] is w and e[4] == w.shape:
+            out.append(e[0])  # (the common False call)
+        else:
+            out.append(_microbatch_weight(module, op, flag, recipe, kept, name, gemm, w))
+    return tuple(out)
+
+
+def _microbatch_weight(module, op, flag, recipe, kept, name, gemm, w):
+    """One weight's qweight of microbatch_weights, the general way: None for an FP8Weight;
+    True: cast now (the recipe's weight quantizer) and kept; False: the kept one, checked."""
+    if isinstance(w, FP8Weight):  # already the codes the GEMMs read
+        return None
+    q = gemm_quantizers(module.fp8_state, gemm, xp_of(w)).weight
+    sig = (type(recipe).__name__, q.fmt.name.upper(), getattr(q, "block_dim", None),
+           tuple(w.shape), w.dtype)
+    if flag:
+        t = weight_fp8(q, w, True)
+    else:
+        t = _reused(op, name, kept.get(name), w, sig)
+    kept[name] = (t, w, sig, recipe, w.shape)
+    return t
+
+
+def _reused(op, name, entry, w, sig):
+    """The kept FP8Tensor of weight `name` for is_first_microbatch=False, or a ValueError
+    naming what is wrong and what to do."""
+    head = (f"{op}: is_first_microbatch=False reuses the FP8 weight {name!r} kept by the "
+            "last is_first_microbatch=True call under fp8_autocast")
+    todo = "; call with is_first_microbatch=True (the first microbatch of the minibatch)"
+    if entry is None:
+        raise ValueError(head + ", but none is kept (never made, or dropped by a call with "
+                         "is_first_microbatch=None)" + todo)
+    t, kept_w, kept_sig = entry[:3]
+    if kept_w is not w:
+        raise ValueError(head + f", but the module's {name!r} is another array now "
+                         "(replaced by an assignment since)" + todo)
+    if kept_sig[3:] != sig[3:]:
+        raise ValueError(head + f", cast from shape {kept_sig[3]} {kept_sig[4]}; the weight "
+                         f"is {sig[3]} {sig[4]} now" + todo)
+    if kept_sig[:3] != sig[:3]:
+        raise ValueError(head + f", cast under {kept_sig[0]} ({kept_sig[1]}"
+                         f"{_blocks(kept_sig[2])}); the recipe in force is {sig[0]} "
+                         f"({sig[1]}{_blocks(sig[2])})" + todo)
+    return t
+
+
+def _blocks(block_dim):
+    return "" if block_dim is None else (", 1x128 blocks" if block_dim == 1 else
+                                         ", 128x128 blocks")
+

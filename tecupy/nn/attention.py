@@ -5,6 +5,7 @@ making parameters; forwards check the inputs' shapes against the module's sizes.
 """
 from .. import _check
 from ..distributed.tensor_parallel import rank_seed
+from ..fp8_params import check_first_microbatch
 from ..ops import apply_rotary_pos_emb_qkv, dot_product_attention, reshape, split
 from ..ops.attention import QKV_FORMATS, parse_mask
 from .layers import LayerNormLinear, Linear, check_norm_options, check_tp_options
@@ -162,17 +163,21 @@ class MultiheadAttention(Module):
                            parallel_mode="row" if self.tp_group else None)
 
     def forward(self, hidden_states, attn_mask_type=None, seqlens=None, rotary_pos_emb=None,
-                residual=None):
+                residual=None, is_first_microbatch=None):
         """hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd); seqlens [b] for
         padding masks; rotary_pos_emb: RotaryPositionEmbedding's freqs [>= s, 1, 1, d2] (or
         a pair for q and k), applied to q and k after the QKV projection, as TE does.
         residual: None or an array added to the output (in proj's FP8 GEMM epilogue where
-        it can be: nn.Linear's residual)."""
+        it can be: nn.Linear's residual). is_first_microbatch: None, True or False, passed
+        to the QKV and output projections (nn.Linear's: FP8 weights kept across
+        microbatches)."""
         op = "MultiheadAttention"
         check_hidden_states(op, hidden_states, self.hidden_size)
+        is_first_microbatch = check_first_microbatch(op, is_first_microbatch)
         mask = call_mask(op, "attn_mask_type", attn_mask_type, self.core_attention.mask,
                          seqlens)
-        qkv = (self.layernorm_qkv if self.input_layernorm else self.qkv)(hidden_states)
+        qkv = (self.layernorm_qkv if self.input_layernorm else self.qkv)(
+            hidden_states, is_first_microbatch)
         h, g = self.local_heads, self.local_groups  # (all of them without tensor parallel)
         qkv = reshape(qkv, qkv.shape[:2] + (h + 2 * g, self.kv_channels))
         if rotary_pos_emb is not None:  # one kernel, packed in and out (ops/rope.py)
@@ -180,7 +185,7 @@ class MultiheadAttention(Module):
                                            self.core_attention.qkv_format)
         q, k, v = split(qkv, [h, g, g], axis=2)
         ctx = self.core_attention(q, k, v, mask, seqlens, seqlens)
-        return self.proj(ctx, residual=residual)
+        return self.proj(ctx, is_first_microbatch, residual=residual)
 
 
 def check_hidden_states(op, x, hidden_size):

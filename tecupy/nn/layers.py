@@ -9,6 +9,7 @@ from ..distributed.group import ProcessGroup
 from ..distributed.tensor_parallel import (act_then_row_parallel, column_parallel_linear,
                                            replicated_grad, row_parallel_linear, shard,
                                            shard_parts)
+from ..fp8_params import FIRST_MICROBATCH_DOC, check_first_microbatch, microbatch_weights
 from ..fp8_state import FP8State
 from ..ops import (add, layernorm, layernorm_linear, layernorm_mlp, linear, normalize,
                    rmsnorm)
@@ -111,13 +112,15 @@ class Linear(Module):
             self.weight = shard(self.weight, self.tp_group, 1)
             self.in_features //= self.tp_size
 
-    def forward(self, x, residual=None):
+    def forward(self, x, is_first_microbatch=None, residual=None):
         """residual: None or an array added to the output (y's shape: in the FP8 GEMM's
-        epilogue, ops.linear's residual)."""
+        epilogue, ops.linear's residual). {first}"""
         _check.last_dim("Linear", "x", x, self.in_features, "in_features")
         if self.tp_group is None or self.parallel_mode is None:
+            qw = microbatch_weights(self, "Linear", is_first_microbatch, ("weight", 0))
             return linear(x, self.weight, self.bias, fp8_state=self.fp8_state,
-                          residual=residual)
+                          residual=residual, qweight=None if qw is None else qw[0])
+        check_first_microbatch("Linear", is_first_microbatch)  # (TP: changes nothing)
         parallel = column_parallel_linear if self.parallel_mode == "column" else \
             row_parallel_linear
         y = parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state,
@@ -211,13 +214,18 @@ class LayerNormLinear(Module):
             self.out_features //= tp_size
         self.quantize_weights(("weight", 0))
 
-    def forward(self, x):
-        _check.last_dim("LayerNormLinear", "x", x, self.in_features, "in_features")
+    def forward(self, x, is_first_microbatch=None):
+        """{first}"""
+        op = "LayerNormLinear"
+        _check.last_dim(op, "x", x, self.in_features, "in_features")
         if self.tp_group is None or self.parallel_mode is None:
+            qw = microbatch_weights(self, op, is_first_microbatch, ("weight", 0))
             return layernorm_linear(x, self.layer_norm_weight, self.layer_norm_bias,
                                     self.weight, self.bias, self.eps, self.zero_centered_gamma,
                                     self.normalization, self.return_layernorm_output,
-                                    fp8_state=self.fp8_state)
+                                    fp8_state=self.fp8_state,
+                                    qweight=None if qw is None else qw[0])
+        check_first_microbatch(op, is_first_microbatch)  # (TP: changes nothing)
         ln_out = parallel_norm(self, x)
         y = column_parallel_linear(ln_out, self.weight, self.bias, self.tp_group,
                                    fp8_state=self.fp8_state,
@@ -290,22 +298,26 @@ class LayerNormMLP(Module):
             self.add_parameter("fc1_bias", (fc1_out,), "zeros")
             self.add_parameter("fc2_bias", (hidden,), "zeros")
 
-    def forward(self, x, residual=None):
+    def forward(self, x, is_first_microbatch=None, residual=None):
         """residual: None or an array added to the output (x itself for the pre-norm
-        residual connection: in FP8, in fc2's GEMM epilogue, ops.layernorm_mlp's)."""
+        residual connection: in FP8, in fc2's GEMM epilogue, ops.layernorm_mlp's).
+        {first} (fc1's and fc2's weights.)"""
         _check.last_dim("LayerNormMLP", "x", x, self.hidden_size, "hidden_size")
         if self.tp_group is not None:
+            check_first_microbatch("LayerNormMLP", is_first_microbatch)  # (changes nothing)
             out = self._parallel_forward(x)
             if residual is None:
                 return out
             if self.return_layernorm_output:
                 return add(out[0], residual), out[1]
             return add(out, residual)
+        qw = microbatch_weights(self, "LayerNormMLP", is_first_microbatch,
+                                ("fc1_weight", 0), ("fc2_weight", 1)) or (None, None)
         return layernorm_mlp(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                              self.fc1_bias, self.fc2_weight, self.fc2_bias, self.eps,
                              self.zero_centered_gamma, self.normalization, self.activation,
                              self.return_layernorm_output, fp8_state=self.fp8_state,
-                             residual=residual)
+                             residual=residual, fc1_qweight=qw[0], fc2_qweight=qw[1])
 
     def _parallel_forward(self, x):
         """The block composed from its ops around the collectives (the fused single-device
@@ -319,3 +331,8 @@ class LayerNormMLP(Module):
         y = act_then_row_parallel(self.xp, h, self.fc1_bias, self.activation,
                                   self.fc2_weight, self.fc2_bias, g, st, sp)
         return (y, ln_out) if self.return_layernorm_output else y
+
+
+for _cls in (Linear, LayerNormLinear, LayerNormMLP):  # (one text for the three forwards)
+    _cls.forward.__doc__ = _cls.forward.__doc__.replace("{first}", FIRST_MICROBATCH_DOC)
+del _cls

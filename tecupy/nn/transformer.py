@@ -13,6 +13,7 @@ are reproducible from the seed and the rank, but not those of the single device.
 """
 from .. import _check
 from ..distributed.tensor_parallel import rank_seed
+from ..fp8_params import check_first_microbatch
 from ..ops import dropout
 from ..ops.activation import ACTIVATIONS
 from .attention import (MultiheadAttention, call_mask, check_core_options, check_heads,
@@ -81,22 +82,26 @@ class TransformerLayer(Module):
                        residual=residual)
 
     def forward(self, hidden_states, self_attn_mask_type=None, seqlens=None,
-                rotary_pos_emb=None):
+                rotary_pos_emb=None, is_first_microbatch=None):
         """hidden_states [s, b, hidden] ('sbhd') or [b, s, hidden] ('bshd'); rotary_pos_emb:
-        RoPE freqs for the self-attention's q and k (MultiheadAttention.forward)."""
+        RoPE freqs for the self-attention's q and k (MultiheadAttention.forward);
+        is_first_microbatch: None, True or False, passed to every GEMM's module (nn.Linear's:
+        FP8 weights kept across the microbatches of a minibatch)."""
         op = "TransformerLayer"
+        first = check_first_microbatch(op, is_first_microbatch)
         check_hidden_states(op, hidden_states, self.hidden_size)
         mask = call_mask(op, "self_attn_mask_type", self_attn_mask_type,
                          self.self_attention.core_attention.mask, seqlens)
         if self.training and self.hidden_dropout > 0:
-            attn = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb)
+            attn = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb,
+                                       is_first_microbatch=first)
             h = self._dropout_add(attn, hidden_states)
-            return self._dropout_add(self.layernorm_mlp(h), h)
+            return self._dropout_add(self.layernorm_mlp(h, first), h)
         # no dropout between the GEMMs and the residual adds: proj's and fc2's FP8 GEMMs add
         # them in their epilogues (the same bits as the add: ops/linear.py's residual); the
         # seeds are drawn as _dropout_add draws them, so later masks do not change
         self.next_seed()
         h = self.self_attention(hidden_states, mask, seqlens, rotary_pos_emb,
-                                residual=hidden_states)
+                                residual=hidden_states, is_first_microbatch=first)
         self.next_seed()
-        return self.layernorm_mlp(h, residual=h)
+        return self.layernorm_mlp(h, first, residual=h)

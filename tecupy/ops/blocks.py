@@ -7,7 +7,7 @@ two (fc1, fc2) for layernorm_mlp.
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..fp8 import dact_cast_chunked
-from ..fp8_params import weight_fp8
+from ..fp8_params import check_qweight, weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
@@ -42,16 +42,17 @@ def _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma, normalizati
 
 
 def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
-                      normalization, fp8_state, gemm=0):
+                      normalization, fp8_state, gemm=0, qweight=None):
     """linear(norm(x)); where the input's quantizer lets a producer cast (delayed scaling
     with a state), the norm writes its output straight to FP8 (one pass, no high-precision
-    copy) and this records one node for both. (Arguments checked by the caller.)"""
+    copy) and this records one node for both. qweight: linear's (the weight's kept FP8
+    codes, or None). (Arguments checked by the caller.)"""
     q = gemm_quantizers(fp8_state, gemm, xp)
     if q is None or not q.input.fused_ok:  # high precision, or a cast that needs the amax
         ln_out = normalize(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization)
-        return linear_with(ln_out, weight, bias, q)
+        return linear_with(ln_out, weight, bias, q, None, qweight)
     return _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zero_centered_gamma,
-                            normalization == "RMSNorm", q)
+                            normalization == "RMSNorm", q, qweight)
 
 
 def released(saved):
@@ -92,21 +93,21 @@ def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
     return backends.dispatch("layernorm_bwd", d_ln, x2, *stats, ln_weight, zcg, dres)
 
 
-def _gemm_fp8(qx, weight, q, out_dtype, bias, residual=None):
+def _gemm_fp8(qx, weight, q, out_dtype, bias, residual=None, qweight=None):
     """qx @ weight.T (+ bias) (+ residual [M, N], residual_2d's) with weight cast by
-    q.weight -> (y, what its backward keeps: [qx, the weight's column-wise copy]; qx
-    row-wise, a producer's codes)."""
-    qw = weight_fp8(q.weight, weight, True)
+    q.weight (or its kept codes qweight, where given) -> (y, what its backward keeps: [qx,
+    the weight's column-wise copy]; qx row-wise, a producer's codes)."""
+    qw = weight_fp8(q.weight, weight, True, qweight)
     return fp8_gemm(qx, qw, out_dtype, bias, residual=residual), [qx, qw.columnwise()]
 
 
-def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
+def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q, qweight=None):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("layernorm_linear", m, n, k)
     x2 = as_2d(x, m, k)
     qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q.input)
-    y, saved = _gemm_fp8(qx, weight, q, x.dtype, bias)
+    y, saved = _gemm_fp8(qx, weight, q, x.dtype, bias, None, qweight)
     y = as_nd(y, x.shape[:-1] + (n,))
     del qx
 
@@ -122,9 +123,10 @@ def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q):
 
 def layernorm_linear(x, ln_weight, ln_bias, weight, bias=None, eps=1e-5,
                      zero_centered_gamma=False, normalization="LayerNorm",
-                     return_layernorm_output=False, fp8_state=None):
+                     return_layernorm_output=False, fp8_state=None, qweight=None):
     """linear(norm(x), weight, bias); norm is LayerNorm or RMSNorm (ln_bias None). Under
-    FP8 delayed scaling with `fp8_state`, the norm casts its output to FP8 in its own pass."""
+    FP8 delayed scaling with `fp8_state`, the norm casts its output to FP8 in its own pass.
+    qweight: None or weight's kept FP8Tensor, read instead of casting weight (linear's)."""
     op = "layernorm_linear"
     xp, eps, zcg, ret = _check_norm(op, x, ln_weight, ln_bias, eps, zero_centered_gamma,
                                     normalization, return_layernorm_output, weight=weight,
@@ -132,11 +134,12 @@ def layernorm_linear(x, ln_weight, ln_bias, weight, bias=None, eps=1e-5,
     check_shape(op, "weight", weight, (None, x.shape[-1]))
     check_shape(op, "bias", bias, (weight.shape[0],))
     check_fp8_state(op, fp8_state, 0)
+    check_qweight(op, "qweight", qweight, weight)
     if not ret:
         return _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zcg,
-                                 normalization, fp8_state)
+                                 normalization, fp8_state, 0, qweight)
     ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
-    return linear(ln_out, weight, bias, fp8_state=fp8_state), ln_out
+    return linear(ln_out, weight, bias, fp8_state=fp8_state, qweight=qweight), ln_out
 
 
 def _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_state):
@@ -159,30 +162,35 @@ def _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_st
 def layernorm_mlp(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                   eps=1e-5, zero_centered_gamma=False, normalization="LayerNorm",
                   activation="gelu", return_layernorm_output=False, fp8_state=None,
-                  residual=None):
+                  residual=None, fc1_qweight=None, fc2_qweight=None):
     """fc2(act(fc1(norm(x)))) (+ residual). fc1_weight [ffn, hidden] ([2*ffn, hidden] for
     the gated swiglu/geglu), fc2_weight [hidden, ffn]. residual: None or an array that adds
     to the output (x itself for a pre-norm block's residual connection); in FP8 the add runs
-    in fc2's GEMM epilogue where it can (linear.py's residual), with the same bits."""
+    in fc2's GEMM epilogue where it can (linear.py's residual), with the same bits.
+    fc1_qweight, fc2_qweight: None or the weights' kept FP8Tensors (linear's qweight)."""
     _check.choice("layernorm_mlp", "activation", activation, ACTIVATIONS)
     xp, eps, zcg, ret = _check_norm(
         "layernorm_mlp", x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization,
         return_layernorm_output, fc1_weight=fc1_weight, fc1_bias=fc1_bias,
         fc2_weight=fc2_weight, fc2_bias=fc2_bias)
     _check_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, fp8_state)
+    check_qweight("layernorm_mlp", "fc1_qweight", fc1_qweight, fc1_weight)
+    check_qweight("layernorm_mlp", "fc2_qweight", fc2_qweight, fc2_weight)
+    qws = (fc1_qweight, fc2_qweight)
     # fc1's bias is added inside the activation's pass, not by the GEMM
     q1, q2 = _fused_mlp_quantizers(xp, fp8_state, activation, ret)
     if q1 is not None:
         return _mlp_fp8(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, eps,
-                        zcg, normalization == "RMSNorm", activation, q1, q2, residual)
+                        zcg, normalization == "RMSNorm", activation, q1, q2, residual, qws)
     if ret:
         ln_out = normalize(x, ln_weight, ln_bias, eps, zcg, normalization)
-        h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0)
+        h = linear(ln_out, fc1_weight, None, fp8_state=fp8_state, gemm_index=0,
+                   qweight=fc1_qweight)
     else:
         h = _norm_then_linear(xp, x, ln_weight, ln_bias, fc1_weight, None, eps, zcg,
-                              normalization, fp8_state, gemm=0)
+                              normalization, fp8_state, 0, fc1_qweight)
     y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
-                         residual)
+                         residual, fc2_qweight)
     return (y, ln_out) if ret else y
 
 
@@ -210,7 +218,7 @@ def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
 
 
 def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q1, q2,
-             residual=None):
+             residual=None, qws=(None, None)):
     """layernorm_mlp as one node, each cast in its producer's pass: the norm writes fc1's
     input codes, the activation (with fc1's bias) fc2's, and in the backward the
     activation's backward writes fc1's dy codes with their transposed copy and dbias
@@ -224,14 +232,14 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     check_fp8_dims("layernorm_mlp (fc2)", m, hidden, ffn)
     x2 = as_2d(x, m, hidden)
     qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q1.input)
-    h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None)
+    h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None, None, qws[0])
     del qx
     qi = q2.input
     codes, _ = backends.dispatch(f"{activation}_fwd", h, b1, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)
     qa = qi.wrap(codes)
     r2 = residual_2d(residual, x, x.shape, qa)
-    y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2)
+    y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2, qws[1])
     kept = [h]
     fused, own = r2 is not None, residual is x  # (own: dy is x's gradient too)
     del h, codes, qa, r2
@@ -295,14 +303,14 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
-                     residual=None):
+                     residual=None, qweight=None):
     """linear(act(h + fc1_bias)) (+ residual); where fc2's input quantizer lets a producer
     cast (delayed scaling with a state), the activation writes its output straight to FP8
     for fc2 and this records one node for both."""
     q = gemm_quantizers(fp8_state, 1, xp)
     if q is None or not q.input.fused_ok:
         a = apply_activation(h, activation, bias=fc1_bias)
-        return linear_with(a, fc2_weight, fc2_bias, q, residual)
+        return linear_with(a, fc2_weight, fc2_bias, q, residual, qweight)
     check_activation(activation, h, fc1_bias)
     n, k = fc2_weight.shape
     m = h.size // h.shape[-1]
@@ -311,7 +319,7 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)  # (maxed into the amax history row)
     qa = qi.wrap(codes)
-    qw = weight_fp8(q.weight, fc2_weight, True)
+    qw = weight_fp8(q.weight, fc2_weight, True, qweight)
     r2 = residual_2d(residual, h, h.shape[:-1] + (n,), qa)
     y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2), h.shape[:-1] + (n,))
     saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only

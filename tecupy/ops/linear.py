@@ -16,7 +16,7 @@ Elsewhere (high precision, other GEMMs, broadcast residuals) the op runs linear,
 from .. import _array, _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
 from ..fp8 import bound_cast
-from ..fp8_params import FP8Weight, hp, weight_fp8
+from ..fp8_params import FP8Weight, check_qweight, hp, weight_fp8
 from ..inspect import ACTIVE_INSPECTOR
 from ..fp8_state import FP8State
 from ..quantization import gemm_quantizers
@@ -97,25 +97,31 @@ def check_fp8_state(op, fp8_state, gemm_index, num_gemms=1):
     _check.integer(op, "gemm_index", gemm_index, 0, fp8_state.num_gemms)
 
 
-def linear(x, weight, bias=None, fp8_state=None, gemm_index=0, residual=None):
+def linear(x, weight, bias=None, fp8_state=None, gemm_index=0, residual=None,
+           qweight=None):
     """y = x @ weight.T + bias (+ residual). x [..., in], weight [out, in], bias [out] or
     None, residual None or an array that adds to y (y's shape: in the FP8 GEMM's epilogue).
 
     Under fp8_autocast the GEMMs run in FP8 with scales from `fp8_state` (an FP8State;
-    `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling."""
+    `gemm_index` picks its GEMM) or, when none is given, per-tensor current scaling.
+    qweight: None, or the FP8Tensor of `weight` made earlier (with its transposed copy) that
+    the GEMMs read instead of casting weight (nn.Linear's is_first_microbatch=False: no cast,
+    no amax of the weight); the gradient still goes to `weight`. Ignored outside FP8."""
     xp = _check_args("linear", x, weight, bias)
     check_fp8_state("linear", fp8_state, gemm_index)
+    check_qweight("linear", "qweight", qweight, weight)
     return linear_with(x, weight, bias, gemm_quantizers(fp8_state, gemm_index, xp),
-                       residual)
+                       residual, qweight)
 
 
-def linear_with(x, weight, bias, q, residual=None):
+def linear_with(x, weight, bias, q, residual=None, qweight=None):
     """linear with its GEMM's quantizers `q` (quantization.GemmQuantizers), high precision
-    where q is None (FP8 off), + residual (None: none). Arguments checked by the caller."""
+    where q is None (FP8 off), + residual (None: none); qweight: linear's. Arguments checked
+    by the caller."""
     if q is None:
         y = _linear_hp(x, weight, bias)
         return y if residual is None else add(y, residual)
-    return _linear_fp8(x, weight, bias, q, residual)
+    return _linear_fp8(x, weight, bias, q, residual, qweight)
 
 
 def fusable_residual(residual, like, shape):
@@ -156,25 +162,25 @@ def _linear_hp(x, weight, bias):
     return y
 
 
-def _linear_fp8(x, weight, bias, q, residual=None):
+def _linear_fp8(x, weight, bias, q, residual=None, qweight=None):
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("linear", m, n, k)
     tr = keeping()  # the backward needs the transposed FP8 copies (none in a checkpoint)
     x2 = as_2d(x, m, k)
     r2 = fusable_residual(residual, x, x.shape[:-1] + (n,))
-    key = _kept_key(x2, weight, bias, q, r2) if tr and KEPT else None
-    got = None if key is None else _kept_forward(key, x2, weight, bias, q, r2)
+    key = _kept_key(x2, weight, bias, q, r2, qweight) if tr and KEPT else None
+    got = None if key is None else _kept_forward(key, x2, weight, bias, q, r2, qweight)
     if got is None:
         qx = q.input.quantize(x2, transpose=tr)
-        qw = weight_fp8(q.weight, weight, tr)
+        qw = weight_fp8(q.weight, weight, tr, qweight)
         wanted = r2 is not None  # (and the key says so)
         r2 = r2 if r2 is None else residual_2d(residual, x, x.shape[:-1] + (n,), qx)
         y2 = fp8_gemm(qx, qw, x.dtype, bias, residual=r2)
         if key is not None and key not in _kept:
             if len(_kept) > 1024:  # many shapes: start over rather than grow
                 _kept.clear()
-            _kept[key] = (_kept_plan(x2, weight, bias, q, qx, qw, r2)
+            _kept[key] = (_kept_plan(x2, weight, bias, q, qx, qw, r2, qweight)
                           if r2 is not None or not wanted else False)
     else:
         qx, qw, y2 = got
@@ -204,22 +210,26 @@ def _linear_fp8(x, weight, bias, q, residual=None):
 # quantizers, the device, backends.token()): the same kernels, arguments and allocations
 # as the general path, without dispatch, supports() and the wrappers' checks per call.
 # KEPT off: the general path always (A/B, tests).
+# A given qweight (a module's kept FP8 weight, is_first_microbatch=False) is keyed apart: its
+# plan casts x only and reads the given codes (no weight cast, no amax of the weight).
 KEPT = True
-_kept = {}  # key -> (cast x, cast w or None: FP8 weight codes, GEMM fn, what keys hold)
+_kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn, holds)
 
 
-def _kept_key(x2, weight, bias, q, r2):
+def _kept_key(x2, weight, bias, q, r2, qweight=None):
     """Everything the kept choices read, or None where the common case cannot apply. r2:
-    the residual (fusable_residual's: of y's shape, dtype, array type, contiguous) or None."""
+    the residual (fusable_residual's: of y's shape, dtype, array type, contiguous) or None;
+    qweight: linear's (given or not: a plan without the weight's cast)."""
     if not _array.is_cupy(x2) or ACTIVE_INSPECTOR.get() is not None:
         return None  # (NumPy: the reference runs; no device to ask)
     return (id(q.input), id(q.weight), type(x2), x2.shape, x2.dtype, type(weight),
             weight.shape, None if bias is None else (type(bias), bias.dtype),
             backends.token(), _array.cupy.cuda.runtime.getDevice(),
-            None if r2 is None else r2.data.ptr % 16)
+            None if r2 is None else r2.data.ptr % 16,
+            None if qweight is None else type(qweight))
 
 
-def _kept_forward(key, x2, weight, bias, q, r2=None):
+def _kept_forward(key, x2, weight, bias, q, r2=None, qweight=None):
     """(qx, qw, y2) by the kept plan of `key`, or None: no plan (yet, or for good), or the
     plan failed (the general path then runs, with dispatch's fallback; a cast run again
     maxes the same amax again: no change)."""
@@ -229,7 +239,8 @@ def _kept_forward(key, x2, weight, bias, q, r2=None):
     cast_x, cast_w, gemm, _ = plan
     try:
         qx = cast_x(x2)
-        qw = weight.fp8() if cast_w is None else cast_w(weight)
+        qw = (qweight if qweight is not None else weight.fp8() if cast_w is None
+              else cast_w(weight))
         more = {} if r2 is None else {"residual": r2}  # (a plan with r2 has an op taking it)
         return qx, qw, gemm(qx.data, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
                             x2.dtype, bias, split_accumulator=False, **more)  # (fp8_gemm's)
@@ -240,11 +251,12 @@ def _kept_forward(key, x2, weight, bias, q, r2=None):
         return None
 
 
-def _kept_plan(x2, weight, bias, q, qx, qw, r2=None):
+def _kept_plan(x2, weight, bias, q, qx, qw, r2=None, qweight=None):
     """The plan of _kept_forward for inputs like these, from this call's (general path)
     codes qx and qw, or False (not the common case). r2: the residual the GEMM's epilogue
-    added (residual_2d's) or None."""
-    cast = [(x2, q.input)] + ([] if isinstance(weight, FP8Weight) else [(weight, q.weight)])
+    added (residual_2d's) or None; qweight given: no weight cast in the plan."""
+    no_cast = qweight is not None or isinstance(weight, FP8Weight)
+    cast = [(x2, q.input)] + ([] if no_cast else [(weight, q.weight)])
     if not all(getattr(t, "fused_ok", False) for _, t in cast):
         return False
     casts = [bound_cast(a, t.scale, t.fmt, t.amax_out) for a, t in cast] + [None]
