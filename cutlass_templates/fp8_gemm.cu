@@ -415,13 +415,16 @@ __device__ __forceinline__ void prefetch_rows(const uint8_t* pf, int M, int N, i
     }
 }
 
-template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false>
+// AF (fp8_block_gemm_pipe_tn): the tile's BM A factors of each k-block (scale_a [nk, M],
+// M % 4 == 0: 16-byte rows) come with the stage into sa_stage, by a bulk copy clipped at M.
+template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false, bool AF = false>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          const cute::TmaDescriptor* tb, uint8_t* sa,
                                          uint8_t* sb, uint64_t* full, uint64_t* empty,
                                          int num_m, int num_n, int nk, const float* scale_b,
                                          float* sb_stage, int N, const uint8_t* pf = nullptr,
-                                         int M = 0) {
+                                         int M = 0, const float* scale_a = nullptr,
+                                         float* sa_stage = nullptr) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     int s = 0, phase = 0, mb, nb;
     for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
@@ -432,6 +435,11 @@ __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                 Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + bytes);
                 cute::SM90_BULK_COPY_G2S::copy(scale_b + size_t(kb) * N + nb * BN, &full[s],
                                                sb_stage + s * BN, bytes);
+            } else if constexpr (AF) {
+                const int bytes = min(BM, M - mb * BM) * int(sizeof(float));
+                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + bytes);
+                cute::SM90_BULK_COPY_G2S::copy(scale_a + size_t(kb) * M + mb * BM, &full[s],
+                                               sa_stage + s * BM, bytes);
             } else {
                 Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
             }
@@ -613,14 +621,74 @@ __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
     }
 }
 
+// Block scaling with 128x128 B, every factor from shared memory (fp8_block_gemm_pipe_tn,
+// kernels/fp8_gemm.py's BLOCK_PIPELINE; 1x128 B keeps fp8_block_gemm_tn). mainloop_split
+// loads k-block kb + 1's factors from global memory during kb, and ptxas makes kb's wgmma
+// wait (WARPGROUP.DEPBAR) also wait for them: B's are the same for every thread, kept in
+// uniform registers, and their copy (R2UR) sits just before the wait; A's copy (f = next)
+// too, or a scoreboard shared with them (SASS of fp8_block_gemm_tn<192, 4, ..., 2>; loading
+// two k-blocks ahead, or unrolling by 2 into alternating factor sets, moved the wait, not
+// the dependence). So an L2 round trip issued beside the k-block's first wgmma bounds the
+// k-block from below. Here no global load is left in the loop, as in DeepGEMM's sm90
+// kernel: the producer copies the tile's 128 A factors of each k-block into its stage
+// (sa_stage, by a bulk copy counted on full[s]: M % 4 == 0), and each math warpgroup
+// copies the tile's B factors, every k-block's, into its own table (BN / 64 x nk floats)
+// once per tile, between two syncs of its 128 threads (named barriers 5, 6: its warps are
+// done with the last tile's table; the new one is written). A k-block reads its factors by
+// LDS once its stage is full, before the wgmma. Two alternating fragments with wait<1> (a
+// promotion overlapping the next wgmma of the same warpgroup) make ptxas serialize every
+// wgmma (C7514, NVRTC 13.0): not used.
+template <int BN, int STAGES, int CLUSTER, class MMA>
+__device__ __forceinline__ void mainloop_table(uint64_t da, uint64_t db,
+                                               uint64_t* full, uint64_t* empty, int nk,
+                                               int& s, int& phase, float (&acc)[BN / 2],
+                                               const BlockScales& bs, const float* sa_stage) {
+    constexpr int NB = BN / 64;
+    float* tb = const_cast<float*>(sa_stage) + STAGES * BM + (threadIdx.x / 128 - 1) * NB * nk;
+    const int bar = 4 + threadIdx.x / 128, last = (bs.N - 1) / 128;
+    cutlass::arch::NamedBarrier::sync(128, bar);
+    for (int i0 = threadIdx.x % 128; i0 < NB * nk; i0 += 4 * 128) {
+        float v[4];  // four loads in flight, then their stores
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + 128 * u, c = i / nk, kb = i - c * nk;
+            v[u] = i < NB * nk
+                       ? __ldg(bs.b + size_t(min((bs.col0 + 64 * c) / 128, last)) * bs.nk + kb)
+                       : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (i0 + 128 * u < NB * nk) tb[i0 + 128 * u] = v[u];
+    }
+    cutlass::arch::NamedBarrier::sync(128, bar);
+    const int r = bs.r0 % BM;  // this thread's first row in the tile (and r + 8)
+    float part[mma_n<MMA>() / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < nk; ++kb) {
+        Barrier::wait(&full[s], phase);
+        Factors<BN, 2> f;  // (rows past M: stale words past the copy; never stored)
+        f.a[0] = sa_stage[s * BM + r];
+        f.a[1] = sa_stage[s * BM + r + 8];
+#pragma unroll
+        for (int c = 0; c < NB; ++c) f.b[c] = tb[c * nk + kb];
+        split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
+                                part, f);
+        release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
+        promote<BN / mma_n<MMA>() - 1>(acc, part, f);
+        advance(s, phase, STAGES);
+    }
+}
+
 // The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
-          bool PROMOTE, int SCALE>
+          bool PROMOTE, int SCALE, bool PIPE = false>
 __device__ __forceinline__ void math(const float* scale_inv_a, const float* scale_inv_b,
                                      const float* scale_out, float* amax_out, Epilogue<TOut> e,
                                      int nk, const uint8_t* sa, const uint8_t* sb,
                                      uint64_t* full, uint64_t* empty, uint8_t* staging,
-                                     const float* sb_stage, const cute::TmaDescriptor* tma_d) {
+                                     const float* sb_stage, const cute::TmaDescriptor* tma_d,
+                                     const float* sa_stage = nullptr) {
     static_assert(SCALE == 0 || PROMOTE, "block scales apply at the promotions");
     constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
     static_assert(EPI < 4 || tma_store, "the residual epilogues: 16-bit D, staged, no ACCUM");
@@ -636,7 +704,10 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
         float acc[BN / 2];
         const BlockScales bs{scale_inv_a, scale_inv_b, sb_stage, M, N, nk, mb * BM + r0,
                              nb * BN};
-        if constexpr (PROMOTE)
+        if constexpr (PIPE && SCALE == 2)
+            mainloop_table<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s, phase, acc,
+                                                     bs, sa_stage);
+        else if constexpr (PROMOTE)
             mainloop_split<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s,
                                                             phase, acc, bs);
         else
@@ -655,7 +726,7 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
 
 // The kernel body; the entries below differ only in their cluster attribute.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
-          bool PROMOTE, int SCALE>
+          bool PROMOTE, int SCALE, bool PIPE = false>
 __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scale_inv_b,
                                      const bias_t<TOut>* bias, const float* scale_out,
                                      float* amax_out,
@@ -664,7 +735,9 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
                                      const cute::TmaDescriptor& tma_b,
                                      const cute::TmaDescriptor& tma_d) {
     // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging],
-    // [SCALE 1: STAGES x BN float B factors], barriers
+    // [SCALE 1: STAGES x BN float B factors], barriers, [PIPE: STAGES x BM float A
+    // factors (sa_stage), then the math warpgroups' tables of B factors, 2 x BN / 64 x nk
+    // floats]
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
@@ -674,6 +747,7 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     float* sb_stage = reinterpret_cast<float*>(staging + kStaging);
     uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStaging + kFactors);
     uint64_t* empty = full + STAGES;
+    float* sa_stage = reinterpret_cast<float*>(empty + STAGES);  // 16-byte aligned
     const int nk = (K + BK - 1) / BK;
     if (threadIdx.x == 0) {
         cute::prefetch_tma_descriptor(&tma_a);
@@ -696,14 +770,15 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)
-            producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5>(
+            producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5, PIPE>(
                 &tma_a, &tma_b, sa, sb, full, empty, (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
-                scale_inv_b, sb_stage, N, reinterpret_cast<const uint8_t*>(aux), M);
+                scale_inv_b, sb_stage, N, reinterpret_cast<const uint8_t*>(aux), M,
+                scale_inv_a, sa_stage);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
-        math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE>(
+        math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE, PIPE>(
             scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
-            sa, sb, full, empty, staging, sb_stage, &tma_d);
+            sa, sb, full, empty, staging, sb_stage, &tma_d, sa_stage);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();
@@ -738,6 +813,14 @@ template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, int SC
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_tn(TC_GEMM_PARAMS) {
     static_assert(SCALE == 1 || SCALE == 2, "SCALE: 1 (1x128 B) or 2 (128x128 B)");
     gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE>(TC_GEMM_ARGS);
+}
+
+// The same with 128x128 B's factors in shared memory (mainloop_table; kernels/fp8_gemm.py's
+// BLOCK_PIPELINE).
+template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, int SCALE>
+__global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_pipe_tn(TC_GEMM_PARAMS) {
+    static_assert(SCALE == 2, "SCALE 2 (128x128 B) only: 1x128 B keeps fp8_block_gemm_tn");
+    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE, true>(TC_GEMM_ARGS);
 }
 
 }  // namespace tc

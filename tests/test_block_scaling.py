@@ -543,3 +543,37 @@ def test_block_gemm_on_numpy_runs_the_reference(rng):
     b = backends.dispatch("block_quantize", _random(rng, (72, 256)), E4M3, 2, True, 0.0, False)
     assert backends.chosen("fp8_block_gemm", a[0], E4M3, a[1], b[0], E4M3, b[1],
                            np.float32) == "reference"
+
+
+def test_block_pipeline_switch_names_and_shared_memory():
+    """The pipelined block GEMM (fp8_block_gemm_pipe_tn, fp8_gemm.BLOCK_PIPELINE) is off
+    unless TECUPY_BLOCK_PIPELINE=1; its kernels are declared beside fp8_block_gemm_tn's for
+    128x128 B (so python -m tecupy.build compiles them), with the same tiles; its shared
+    memory adds a stage's A factors and two B-factor tables to the kernel's (CPU: names and
+    sizes only)."""
+    import os
+    import subprocess
+    import sys
+    from tecupy import loader
+    from tecupy.kernels import block_scaling as B
+    from tecupy.kernels import fp8_gemm as G
+    if os.environ.get("TECUPY_BLOCK_PIPELINE", "0") != "1":
+        assert G.BLOCK_PIPELINE is False
+    code = "from tecupy.kernels import fp8_gemm as G; print(G.BLOCK_PIPELINE)"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env={**os.environ, "TECUPY_BLOCK_PIPELINE": "1"}, check=True)
+    assert on.stdout.strip() == "True"
+    names = list(B._pipe_names())
+    declared = loader.declared().get(G.FILE, ())
+    assert names and all(n in declared for n in names)
+    assert all(n.startswith("tc::fp8_block_gemm_pipe_tn<") and n.endswith(", 2>")
+               for n in names)
+    plain = {n.replace("fp8_block_gemm_tn<", "fp8_block_gemm_pipe_tn<")
+             for n in B._gemm_names() if n.endswith(", 2>")}
+    assert plain == set(names)  # the same GEMMs, the same tiles
+    with pytest.raises(AssertionError):
+        G.kernel_name("e4m3", "e4m3", "float", 0, False, (192, 4, True, 1), 1, True)
+    config = (192, 4, True, 1)
+    assert (G.smem_bytes(config, True, 2, 4096) - G.smem_bytes(config, True, 2)
+            == 4 * 128 * 4 + 2 * 3 * 32 * 4)
+    assert G.smem_bytes(config, True, 2, 65536) <= G.SMEM_MAX  # K of 64 Ki: 512 k-blocks

@@ -4,7 +4,10 @@ dequantized block operands: B in 1x128 blocks (wgrad's operands) and 128x128 (th
 A in 1x128 (and 128x128, spread by the wrapper), M and N that are not multiples of the
 tiles, a K tail past the last 128, bias, every output dtype, both tile configurations,
 gelu's backward epilogue, accumulation into float32, and Linear under Float8BlockScaling
-running through it. Every kernel call runs under TECUPY_STRICT=1 on a poisoned pool."""
+running through it; the main cases and both tiles also with fp8_gemm.BLOCK_PIPELINE on (the
+pipelined kernel, fp8_block_gemm_pipe_tn, for 128x128 B where M % 4 == 0; the others fall
+back to fp8_block_gemm_tn). Every kernel call runs under TECUPY_STRICT=1 on a poisoned
+pool."""
 import numpy as np
 import pytest
 
@@ -94,7 +97,23 @@ def _run_case(monkeypatch, rng, m, n, k, fa, fb, dim_a, dim_b, out_dtype, bias, 
     _check(got, want, ref_lp, f"{(m, n, k)} B {dim_b}")
 
 
+def _pipeline(monkeypatch, on):
+    """fp8_gemm.BLOCK_PIPELINE set for this test (the plans' key holds it)."""
+    from tecupy.kernels import fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "BLOCK_PIPELINE", on)
+
+
+def _pipelined(m, n, k, dim_b):
+    """Whether the last plan made for this shape and B's blocks is the pipelined kernel."""
+    from tecupy.kernels import block_scaling
+    got = [pipe for key, (_, pipe) in block_scaling._gemm_plans.items()
+           if key[:3] == (m, n, k) and key[5] == dim_b]
+    assert got, "no plan made"
+    return got[-1]
+
+
 @needs_hopper
+@pytest.mark.parametrize("pipe", [False, True], ids=["table_off", "table_on"])
 @pytest.mark.parametrize("fa,fb", PAIRS, ids=lambda f: f.name)
 @pytest.mark.parametrize("out_dtype", OUTS, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -102,22 +121,53 @@ def _run_case(monkeypatch, rng, m, n, k, fa, fb, dim_a, dim_b, out_dtype, bias, 
 @pytest.mark.parametrize("mnk,p2", [((200, 272, 1024), True), ((131, 392, 384), False),
                                     ((16, 32, 128), True), ((520, 1288, 1040), False)],
                          ids=str)
-def test_block_gemm(monkeypatch, rng, fa, fb, out_dtype, bias, dim_b, mnk, p2):
+def test_block_gemm(monkeypatch, rng, pipe, fa, fb, out_dtype, bias, dim_b, mnk, p2):
     """M odd or past the tile, N not a multiple of 128 (the tile's last 128x128 block of B
-    partly past N), K = 1040: a K block of 16; p2 False: scales that are not powers of 2."""
+    partly past N), K = 1040: a K block of 16; p2 False: scales that are not powers of 2.
+    pipe: fp8_gemm.BLOCK_PIPELINE; it runs the pipelined kernel for 128x128 B with M % 4 ==
+    0 (M = 131 falls back to the other)."""
+    _pipeline(monkeypatch, pipe)
     _run_case(monkeypatch, rng, *mnk, fa, fb, 1, dim_b, out_dtype, bias, p2)
+    assert _pipelined(*mnk, dim_b) == (pipe and dim_b == 2 and mnk[0] % 4 == 0)
 
 
 @needs_hopper
+@pytest.mark.parametrize("pipe", [False, True], ids=["table_off", "table_on"])
 @pytest.mark.parametrize("config", [(192, 4, True, 1), (256, 3, True, 1)], ids=str)
 @pytest.mark.parametrize("dim_b", [1, 2], ids=["B1x128", "B128x128"])
-def test_block_gemm_each_tile(monkeypatch, rng, config, dim_b):
+def test_block_gemm_each_tile(monkeypatch, rng, pipe, config, dim_b):
     """Both split configurations, forced: 192-wide tiles start 64 columns into a 128x128
-    block of B every other tile; many tiles per CTA (M x N of 333 x 776, K 2048)."""
+    block of B every other tile; many tiles per CTA (M x N of 332 x 776, K 2048: the
+    pipelined kernel's per-tile B tables are rewritten between tiles, its A factors clipped
+    at M in the last row block)."""
     from tecupy.kernels import block_scaling, fp8_gemm
     monkeypatch.setattr(fp8_gemm, "default_config", lambda m, n, split, sms=None: config)
     monkeypatch.setattr(block_scaling, "_gemm_plans", {})
-    _run_case(monkeypatch, rng, 333, 776, 2048, E4M3, E4M3, 1, dim_b, tecupy.bfloat16, True)
+    _pipeline(monkeypatch, pipe)
+    _run_case(monkeypatch, rng, 332, 776, 2048, E4M3, E4M3, 1, dim_b, tecupy.bfloat16, True)
+    assert _pipelined(332, 776, 2048, dim_b) == (pipe and dim_b == 2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("pipe", [False, True], ids=["table_off", "table_on"])
+def test_block_gemm_dgelu_and_many_k_blocks(monkeypatch, rng, pipe):
+    """The pipelined kernel under gelu's backward epilogue (bit for bit the other kernel's:
+    the same factors, sums and order), and K = 9088 (71 k-blocks: a B-factor table of 213
+    entries at BN 192, more than its warpgroup's 128 threads load at once)."""
+    m, n, k = 264, 520, 768
+    a, sa = _quantized(rng, (m, k), E4M3, 1)
+    b, sb = _quantized(rng, (n, k), E4M3, 2)
+    aux = rng.standard_normal((m, n)).astype(tecupy.bfloat16)
+    bvec = rng.standard_normal(n).astype(tecupy.bfloat16)
+    args = _gpu(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, bvec)
+    _pipeline(monkeypatch, pipe)
+    got = asnp(_strict_kernel(monkeypatch, args, dgelu_aux=_gpu(aux)[0])).astype(np.float32)
+    _pipeline(monkeypatch, False)
+    want = asnp(_strict_kernel(monkeypatch, args, dgelu_aux=_gpu(aux)[0])).astype(np.float32)
+    np.testing.assert_array_equal(got, want)  # same sums in the same order: bit for bit
+    _pipeline(monkeypatch, pipe)
+    _run_case(monkeypatch, rng, 256, 1024, 9088, E4M3, E4M3, 1, 2, np.float32, False)
+    assert _pipelined(256, 1024, 9088, 2) == pipe
 
 
 @needs_hopper

@@ -13,7 +13,9 @@ magnitude.
 operand) against our per-tensor FP8 GEMM with the split accumulator (the same accumulation:
 the ratio is what the block factors cost), and against torch._scaled_mm with blockwise scales
 (cuBLASLt, CUDA >= 12.9 on sm_90) where this torch has it, on the six shapes and DeepGEMM's
-M=4096, N=7168, K=16384.
+M=4096, N=7168, K=16384. With 128x128 B, the pipelined block kernel (kernels/fp8_gemm.py's
+BLOCK_PIPELINE: every factor from shared memory) is timed in the same run, interleaved with
+the default one: its TF/s, its ratio to per-tensor split and to the default block kernel.
 """
 import numpy as np
 
@@ -149,44 +151,70 @@ def _per_tensor_tflops(m, n, k):
 
 
 def _block_row(m, n, k, dim_b, notes):
-    """(first call ms, ours TF/s, torch's TF/s or NaN) of the block GEMM, B in dim_b's
-    blocks; why torch was skipped goes into `notes`."""
+    """(first call ms, ours TF/s, torch's TF/s or NaN, the pipelined kernel's TF/s or NaN)
+    of the block GEMM, B in dim_b's blocks; why torch was skipped goes into `notes`. The
+    pipelined kernel (fp8_gemm.BLOCK_PIPELINE on; 128x128 B only) is timed between the
+    default's timings, and its output checked equal to the default's."""
     from tecupy import bfloat16
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
+    from tecupy.kernels import fp8_gemm as G
     (a, sa), (b, sb) = _block_operands(m, n, k, dim_b)
+    was = G.BLOCK_PIPELINE
 
-    def ours():
-        return B.fp8_block_gemm(a, E4M3, sa, b, E4M3, sb, bfloat16)
-    _, first = first_call(ours)
+    def ours(pipe=False):
+        G.BLOCK_PIPELINE = pipe
+        try:
+            return B.fp8_block_gemm(a, E4M3, sa, b, E4M3, sb, bfloat16)
+        finally:
+            G.BLOCK_PIPELINE = was
+    y, first = first_call(ours)
+    piped = None
+    if dim_b == 2:
+        def piped():
+            return ours(True)
+        import cupy
+        same = bool(cupy.array_equal(piped(), y))
+        if not same:
+            notes.add(f"pipelined block kernel differs from the default at {m}x{n}x{k}")
     peer, why = _torch_block_peer(a, sa, b, sb, dim_b)
     if why:
         notes.add(why)
-    ms, pms = [], []
+    ms, pms, qms = [], [], []
     for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
         ms.append(gpu_time_ms(ours, [()], calls=30))
+        if piped is not None:
+            qms.append(gpu_time_ms(piped, [()], calls=30))
         if peer is not None:
             pms.append(torch_time_ms(peer, calls=30))
     flop = 2 * m * n * k
-    return first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else float("nan")
+    nan = float("nan")
+    return (first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else nan,
+            flop / min(qms) / 1e9 if qms else nan)
 
 
 def run_block(args):
     print(f"GPU: {gpu_name()}")
     print(f"{'shape':6s} {'M':>6s} {'N':>6s} {'K':>6s} {'B':7s} {'first s':>8s} "
-          f"{'block TF/s':>10s} {'tensor':>7s} {'ratio':>6s} {'torch':>7s} {'ratio':>6s}")
-    ratios, notes = {1: [], 2: []}, set()
+          f"{'block TF/s':>10s} {'tensor':>7s} {'ratio':>6s} {'torch':>7s} {'ratio':>6s} "
+          f"{'pipe TF/s':>9s} {'ratio':>6s} {'/block':>6s}")
+    ratios, notes, piped = {1: [], 2: []}, set(), []
     for label, m, n, k in BLOCK_SHAPES:
         ttf = _per_tensor_tflops(m, n, k)
         for dim_b in (2, 1):
-            first, tf, ptf = _block_row(m, n, k, dim_b, notes)
+            first, tf, ptf, qtf = _block_row(m, n, k, dim_b, notes)
             ratios[dim_b].append(tf / ttf)
+            if dim_b == 2:
+                piped.append(qtf / ttf)
             blocks = "128x128" if dim_b == 2 else "1x128"
             print(f"{label:6s} {m:6d} {n:6d} {k:6d} {blocks:7s} {first / 1e3:8.2f} {tf:10.0f} "
-                  f"{ttf:7.0f} {tf / ttf:6.2f} {ptf:7.0f} {tf / ptf:6.2f}")
+                  f"{ttf:7.0f} {tf / ttf:6.2f} {ptf:7.0f} {tf / ptf:6.2f} {qtf:9.0f} "
+                  f"{qtf / ttf:6.2f} {qtf / tf:6.2f}")
     for dim_b, r in ratios.items():
         print(f"geomean block / per-tensor split (B {'128x128' if dim_b == 2 else '1x128'}): "
               f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
+    print(f"geomean pipelined block / per-tensor split (B 128x128): "
+          f"{np.exp(np.mean(np.log(piped))):.3f}, min {min(piped):.3f}")
     for why in sorted(notes):
         print(f"torch peer skipped: {why}")
 

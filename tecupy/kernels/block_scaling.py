@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
+from ..fp8 import FP8Format
 from ..reference.block_scaling import BLOCK, block_dim_of, value_for_inf
 from . import fp8_gemm as G
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool
@@ -74,7 +75,19 @@ def _gemm_names():
                 yield G.kernel_name(*pair, out, 3, False, config, 2)
 
 
-loader.declare(G.FILE, list(_gemm_names()), archs=("sm_90a",), options=G.OPTIONS)
+def _pipe_names():
+    """The pipelined kernels (fp8_gemm.BLOCK_PIPELINE) of the same 128x128-B GEMMs."""
+    for pair in (("e4m3", "e4m3"), ("e5m2", "e4m3")):
+        for config, _ in G.DEFAULTS[True]:
+            for out in G._OUT:
+                for epi in (0, 1):
+                    yield G.kernel_name(*pair, out, epi, False, config, 2, True)
+            for out in G._OUT[1:]:
+                yield G.kernel_name(*pair, out, 3, False, config, 2, True)
+
+
+loader.declare(G.FILE, list(_gemm_names()) + list(_pipe_names()), archs=("sm_90a",),
+               options=G.OPTIONS)
 
 
 def _gemm_supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
@@ -117,19 +130,30 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     dim_b = block_dim_of(b.shape, b_scale_inv.shape, "fp8_block_gemm (b)")
     act = None if dgelu_aux is None else "dgelu"
     key = (m, n, k, a_fmt.name, b_fmt.name, dim_b, out_dtype, bias is None, accumulate, act,
-           G._device())
-    plan = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b, out_dtype,
-                   bias is None, accumulate, act)
-    return G._run(plan, a, _a_factors(a.shape, a_scale_inv), b,
-                  cupy.ascontiguousarray(b_scale_inv), bias, out, None, None, dgelu_aux)
+           G._device(), G.BLOCK_PIPELINE)
+    plan, pipe = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b,
+                         out_dtype, bias is None, accumulate, act)
+    sa = _a_factors(a.shape, a_scale_inv)
+    if pipe and sa.data.ptr % 16:  # its rows go by bulk copies: 16-byte aligned
+        sa = sa.copy()
+    return G._run(plan, a, sa, b, cupy.ascontiguousarray(b_scale_inv), bias, out, None,
+                  None, dgelu_aux)
 
 
 def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
-    """The per-tensor split GEMM's default tile for this shape (the block factors cost a
-    multiply per promoted element, the same for every tile), as a block-scaled kernel."""
+    """(launch plan, pipelined?): the per-tensor split GEMM's default tile for this shape
+    (the block factors cost a multiply per promoted element, the same for every tile), as a
+    block-scaled kernel; the pipelined one (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is
+    on and it takes the call: B in 128x128 blocks, M % 4 == 0 (A's factor rows go by 16-byte
+    bulk copies), and its B-factor tables (K / 128 x BN / 64 floats for each math
+    warpgroup) fit in shared memory."""
     config = G.default_config(m, n, True)
+    staged = not isinstance(out_dtype, FP8Format) and G.tma_store(out_dtype, act, accumulate,
+                                                                  config[0])
+    pipe = (G.BLOCK_PIPELINE and dim_b == 2 and m % 4 == 0
+            and G.smem_bytes(config, staged, dim_b, k) <= G.SMEM_MAX)
     return G._plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k,
-                   scale=dim_b)
+                   scale=dim_b, pipe=pipe), pipe
 
 
 def _a_factors(shape, scale_inv):

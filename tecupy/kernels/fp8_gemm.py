@@ -49,21 +49,29 @@ _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
 _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
+# Block scaling with 128x128 B (kernels/block_scaling.py): fp8_block_gemm_pipe_tn, every
+# block factor from shared memory (no global load in the mainloop: the A factors come with
+# each stage, B's in a per-tile table), instead of fp8_block_gemm_tn. Off by default until
+# it has been measured on a GPU (PERFLOG.md); TECUPY_BLOCK_PIPELINE=1 turns it on.
+BLOCK_PIPELINE = os.environ.get("TECUPY_BLOCK_PIPELINE", "0") == "1"
 
 
-def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0):
+def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
     3 gelu's backward (D * gelu'(aux + bias), aux read), 4 the residual add (T(T(D) + aux),
     aux read; its rows prefetched into L2 during the tile's mainloop), 5 the same with the
     bias (T(T(D + bias) + aux)), 6 and 7: 4 and 5 without the prefetch. scale: 0 per-tensor
     scales, else block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or
-    128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster."""
+    128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster; pipe (scale 2 only):
+    fp8_block_gemm_pipe_tn, its factors from shared memory (BLOCK_PIPELINE)."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
     if scale:
         assert promote and cluster == 1, "block scaling: split accumulation, no cluster"
-        return (f"tc::fp8_block_gemm_tn<{bn}, {stages}, {atom}, {out}, {int(epi)}, "
+        assert not pipe or scale == 2, "the pipelined block kernel takes 128x128 B only"
+        entry = "fp8_block_gemm_pipe_tn" if pipe else "fp8_block_gemm_tn"
+        return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, "
                 f"{cbool(accumulate)}, {scale}>")
     entry = "fp8_gemm_tn" if cluster == 1 else f"fp8_gemm_tn_cluster{cluster}"
     return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, {cbool(accumulate)}, "
@@ -97,12 +105,15 @@ def _names():
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 
 
-def smem_bytes(config, staging=True, scale=0):
+def smem_bytes(config, staging=True, scale=0, pipe_k=None):
     """Stages of A and B tiles, the output staging buffer of 16-bit outputs, [block scaling
-    with 1x128 B (scale 1): BN float factors per stage], barriers."""
+    with 1x128 B (scale 1): BN float factors per stage], barriers, [the pipelined block
+    kernel for K = pipe_k: BM float A factors per stage, then two tables of BN / 64 float B
+    factors per k-block]."""
     bn, stages = config[:2]
+    pipe = 0 if pipe_k is None else stages * BM * 4 + 2 * (bn // 64) * -(-pipe_k // BK) * 4
     return (stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0)
-            + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8)
+            + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8 + pipe)
 
 
 def tma_store(out_dtype, act, accumulate, bn):
@@ -309,12 +320,13 @@ def _device():
     return cupy.cuda.runtime.getDevice()
 
 
-def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0):
+def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0,
+          pipe=False):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
     M x N output, K deep; act: None, "gelu" (forward), "dgelu" (gelu's backward) or
-    "residual" (the residual add; "residual, no prefetch": without the L2 prefetch); scale:
-    kernel_name's (0 per tensor, 1 or 2 block scaling)."""
+    "residual" (the residual add; "residual, no prefetch": without the L2 prefetch); scale,
+    pipe: kernel_name's (0 per tensor, 1 or 2 block scaling; the pipelined block kernel)."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -323,9 +335,9 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
     epi = {"gelu": 2, "dgelu": 3}.get(act, _RESIDUAL_EPI.get(act, 0) + int(not no_bias))
-    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale)
+    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale, pipe)
     staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
-    smem = smem_bytes(config, staged, scale)
+    smem = smem_bytes(config, staged, scale, k if pipe else None)
     if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
     fn = loader.function(FILE, name)
