@@ -392,7 +392,7 @@ def test_bench_tp_step_on_threads(capsys):
     chunks, and tp_step's gradients are those of the single step (float32; the replicated
     norm weights whole, fc2's columns); the table's ratio is TP step / single-GPU step."""
     from tecupy.__main__ import build
-    from tecupy.bench.distributed import print_tp, tp_build, tp_step
+    from tecupy.bench.distributed_tp import print_tp, tp_build, tp_step
     shape = (32, 64, 4, 8, 2)  # hidden, ffn, heads, seq, batch
     layer, x, dy = build(shape, "cpu")
     want = tp_step(layer, x, dy, None)()
@@ -424,7 +424,7 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
     OVERLAP restored after."""
     import cupy
 
-    from tecupy.bench import distributed as bench
+    from tecupy.bench import distributed_tp as bench
     from tecupy.bench import layer as bench_layer
     from tecupy.distributed import overlap
     seen, before = [], overlap.OVERLAP
@@ -451,7 +451,7 @@ def test_bench_tp_rows_keep_the_plain_rows_when_the_overlap_raises(monkeypatch, 
     the plain rows come back and the table says so."""
     import cupy
 
-    from tecupy.bench import distributed as bench
+    from tecupy.bench import distributed_tp as bench
     from tecupy.bench import layer as bench_layer
     from tecupy.distributed import overlap
 
