@@ -1,5 +1,8 @@
 """Shared fixtures: `xp` runs a test on NumPy and (marked gpu) on CuPy; GPU cases skip
 cleanly where CuPy sees no CUDA device; `aot` tests run only when selected."""
+import contextlib
+import importlib
+
 import numpy as np
 import pytest
 
@@ -39,6 +42,43 @@ def rng():
 def asnp(a):
     from tecupy._array import to_numpy
     return to_numpy(a)
+
+
+def bf16_array(xp, rng, *shape, scale=1.0):
+    """Standard normal values times scale, as a bfloat16 array of xp."""
+    from tecupy import bfloat16
+    return xp.asarray((rng.standard_normal(shape) * scale).astype(bfloat16))
+
+
+def same_bits(a, b, what):
+    """a and b have the same dtype, shape and bytes."""
+    a, b = np.ascontiguousarray(asnp(a)), np.ascontiguousarray(asnp(b))
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=what)
+
+
+@contextlib.contextmanager
+def count_dispatches(ops, kwarg=None):
+    """{op: calls of backends.dispatch} inside; with kwarg, calls[kwarg] counts the calls
+    given that keyword (not None). The FP8 linear's kept plan is off inside: it calls its
+    kernels past dispatch after its first call (its own bits: test_launch_kept_plan.py)."""
+    from tecupy import backends
+    linear_op = importlib.import_module("tecupy.ops.linear")
+    calls = {op: 0 for op in ops}
+    real, kept = backends.dispatch, linear_op.KEPT
+    linear_op.KEPT = False
+
+    def dispatch(op, *args, **kwargs):
+        if op in calls:
+            calls[op] += 1
+        if kwarg is not None and kwargs.get(kwarg) is not None:
+            calls[kwarg] = calls.get(kwarg, 0) + 1
+        return real(op, *args, **kwargs)
+    backends.dispatch = dispatch
+    try:
+        yield calls
+    finally:
+        backends.dispatch, linear_op.KEPT = real, kept
 
 
 def poison_gpu_pool(nbytes=1 << 26):

@@ -16,17 +16,16 @@ TE's semantics, read in NVIDIA/TransformerEngine at d0067d0d (transformer_engine
       microbatches, and the kept codes keep the scale_inv they were cast with.
 Unlike TE (which then casts silently), False with nothing valid kept is an error here.
 """
-import contextlib
 import importlib
 
 import numpy as np
 import pytest
 
 import tecupy
-from tecupy import backends, nn
+from tecupy import nn
 from tecupy.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
-from conftest import asnp
+from conftest import bf16_array, count_dispatches, same_bits
 
 linear_op = importlib.import_module("tecupy.ops.linear")
 HIDDEN, OUT, FFN, M = 32, 48, 64, 32  # FP8 GEMM dims: multiples of 16
@@ -47,34 +46,6 @@ def _make(kind, xp, seed=0):
 
 WEIGHTS = {"Linear": [("weight", 0)], "LayerNormLinear": [("weight", 0)],
            "LayerNormMLP": [("fc1_weight", 0), ("fc2_weight", 1)]}
-
-
-def _arr(xp, rng, *shape, scale=1.0):
-    return xp.asarray((rng.standard_normal(shape) * scale).astype(tecupy.bfloat16))
-
-
-def _same(a, b, what):
-    a, b = np.ascontiguousarray(asnp(a)), np.ascontiguousarray(asnp(b))
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=what)
-
-
-@contextlib.contextmanager
-def _count_ops(ops):
-    """{op: calls of backends.dispatch} inside (the kept plan off: every call dispatched)."""
-    calls = {op: 0 for op in ops}
-    real, kept = backends.dispatch, linear_op.KEPT
-    linear_op.KEPT = False
-
-    def dispatch(op, *args, **kwargs):
-        if op in calls:
-            calls[op] += 1
-        return real(op, *args, **kwargs)
-    backends.dispatch = dispatch
-    try:
-        yield calls
-    finally:
-        backends.dispatch, linear_op.KEPT = real, kept
 
 
 def _step(mod, x, dy, recipe, first):
@@ -117,7 +88,7 @@ def test_microbatches_bit_identical(xp, rng, kind, recipe):
     for k, first in enumerate([True, False, False, "change", True]):
         if first == "change":  # in place: the same arrays, new values
             for name, _ in WEIGHTS[kind]:
-                w = _arr(xp, rng, *getattr(a, name).shape, scale=0.3)
+                w = bf16_array(xp, rng, *getattr(a, name).shape, scale=0.3)
                 getattr(a, name)[...] = w
                 getattr(b, name)[...] = w
             continue
@@ -129,25 +100,25 @@ def test_microbatches_bit_identical(xp, rng, kind, recipe):
             b.fp8_state.fwd.scale[slots] = kept_scale
             before = a.fp8_state.fwd.amax_history.copy()
             scale_before = a.fp8_state.fwd.scale.copy()
-        x = _arr(xp, rng, M, HIDDEN)
-        dy = _arr(xp, rng, M, HIDDEN if kind == "LayerNormMLP" else OUT)
+        x = bf16_array(xp, rng, M, HIDDEN)
+        dy = bf16_array(xp, rng, M, HIDDEN if kind == "LayerNormMLP" else OUT)
         ya, ga = _step(a, x, dy, r, first)
         yb, gb = _step(b, x, dy, r, None)
-        _same(ya, yb, f"y, microbatch {k}")
+        same_bits(ya, yb, f"y, microbatch {k}")
         for i, (p, q) in enumerate(zip(ga, gb)):
-            _same(p, q, f"gradient {i}, microbatch {k}")
+            same_bits(p, q, f"gradient {i}, microbatch {k}")
         if first is False and delayed:
             fwd = a.fp8_state.fwd
-            _same(fwd.amax_history[:, slots], before[:, slots], "weight amax history")
-            _same(fwd.scale[slots], scale_before[slots], "weight scale")
+            same_bits(fwd.amax_history[:, slots], before[:, slots], "weight amax history")
+            same_bits(fwd.scale[slots], scale_before[slots], "weight scale")
         if a.fp8_state.fwd is not None and recipe == "delayed":
             others = [i for i in range(a.fp8_state.fwd.scale.size) if i not in slots]
             for m, n in zip(_metas(a.fp8_state), _metas(b.fp8_state)):
                 cols = others if m is a.fp8_state.fwd else slice(None)
-                _same(m.amax_history[:, cols], n.amax_history[:, cols], "other histories")
-                _same(m.scale[cols], n.scale[cols], "other scales")
+                same_bits(m.amax_history[:, cols], n.amax_history[:, cols], "other histories")
+                same_bits(m.scale[cols], n.scale[cols], "other scales")
             if first:
-                _same(a.fp8_state.fwd.amax_history, b.fp8_state.fwd.amax_history, "histories")
+                same_bits(a.fp8_state.fwd.amax_history, b.fp8_state.fwd.amax_history, "histories")
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
@@ -156,10 +127,10 @@ def test_false_dispatches_no_weight_cast(xp, rng, kind):
     weight; the kept tensors are the module's until a None call drops them."""
     r = DelayedScaling(amax_history_len=4)
     mod = _make(kind, xp)
-    x = _arr(xp, rng, M, HIDDEN)
+    x = bf16_array(xp, rng, M, HIDDEN)
     counts = {}
     for first in (None, True, False, False):
-        with _count_ops(CASTS) as calls, tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+        with count_dispatches(CASTS) as calls, tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
             mod(x, is_first_microbatch=first)
         counts.setdefault(first, []).append(sum(calls.values()))
     n = len(WEIGHTS[kind])
@@ -178,16 +149,16 @@ def test_none_unchanged(xp, rng):
     lin = _make("Linear", xp)
     st = tecupy.FP8State()
     for _ in range(3):
-        x, dy = _arr(xp, rng, M, HIDDEN), _arr(xp, rng, M, OUT)
+        x, dy = bf16_array(xp, rng, M, HIDDEN), bf16_array(xp, rng, M, OUT)
         y, g = _step(lin, x, dy, r, None)
         with tecupy.Tape() as tape:
             with tecupy.fp8_autocast(fp8_recipe=r):
                 want = tecupy.linear(x, lin.weight, lin.bias, fp8_state=st)
             gw = tape.gradient(want, [x, lin.weight, lin.bias], output_grad=dy)
-        _same(y, want, "y")
+        same_bits(y, want, "y")
         for p, q in zip(g, gw):
-            _same(p, q, "gradient")
-    _same(lin.fp8_state.fwd.amax_history, st.fwd.amax_history, "history")
+            same_bits(p, q, "gradient")
+    same_bits(lin.fp8_state.fwd.amax_history, st.fwd.amax_history, "history")
 
 
 def _fails(mod, x, recipe, first, exc, *words):
@@ -199,7 +170,7 @@ def _fails(mod, x, recipe, first, exc, *words):
 
 
 def test_errors(rng):
-    x = _arr(np, rng, M, HIDDEN)
+    x = bf16_array(np, rng, M, HIDDEN)
     d = DelayedScaling(amax_history_len=4)
     for kind in WEIGHTS:
         mod = _make(kind, np)
@@ -226,7 +197,7 @@ def test_errors(rng):
 def test_changes_nothing_outside_fp8_and_for_fp8_weights(rng):
     """Outside fp8_autocast and for FP8 weights (already codes) True and False change
     nothing: no error with nothing kept, the None path's bits."""
-    x, dy = _arr(np, rng, M, HIDDEN), _arr(np, rng, M, OUT)
+    x, dy = bf16_array(np, rng, M, HIDDEN), bf16_array(np, rng, M, OUT)
     lin = _make("Linear", np)
     for first in (False, True, None):
         with tecupy.Tape() as tape:
@@ -235,9 +206,9 @@ def test_changes_nothing_outside_fp8_and_for_fp8_weights(rng):
         if first is False:
             want = (y, g)
         else:
-            _same(y, want[0], "y")
+            same_bits(y, want[0], "y")
             for p, q in zip(g, want[1]):
-                _same(p, q, "gradient")
+                same_bits(p, q, "gradient")
     assert not lin.__dict__.get("_fp8_workspaces")
     r = DelayedScaling(amax_history_len=4)
     outs = []
@@ -247,7 +218,7 @@ def test_changes_nothing_outside_fp8_and_for_fp8_weights(rng):
         with tecupy.fp8_autocast(fp8_recipe=r):
             outs.append(lin8(x, is_first_microbatch=first))
     for y in outs[1:]:
-        _same(y, outs[0], "FP8 weights")
+        same_bits(y, outs[0], "FP8 weights")
 
 
 def test_transformer_layer_passes_it_through(xp, rng):
@@ -262,17 +233,17 @@ def test_transformer_layer_passes_it_through(xp, rng):
     a, b = layer(), layer()
     r = Float8CurrentScaling()
     for first in (True, False):
-        x, dy = _arr(xp, rng, 16, 2, HIDDEN), _arr(xp, rng, 16, 2, HIDDEN)
+        x, dy = bf16_array(xp, rng, 16, 2, HIDDEN), bf16_array(xp, rng, 16, 2, HIDDEN)
         counts, outs = [], []
         for mod, f in ((a, first), (b, None)):
-            with _count_ops(CASTS) as calls, tecupy.Tape() as tape:
+            with count_dispatches(CASTS) as calls, tecupy.Tape() as tape:
                 with tecupy.fp8_autocast(fp8_recipe=r):
                     y = mod(x, is_first_microbatch=f)
                 g = tape.gradient(y, [x] + mod.parameters(), output_grad=dy)
             counts.append(sum(calls.values()))
             outs.append([y] + g)
         for i, (p, q) in enumerate(zip(*outs)):
-            _same(p, q, f"output {i}")
+            same_bits(p, q, f"output {i}")
         assert counts[0] == counts[1] - (4 if first is False else 0), counts
     kept = [n for n, m in a.named_modules() if m.__dict__.get("_fp8_workspaces")]
     assert kept == ["self_attention.layernorm_qkv.", "self_attention.proj.",

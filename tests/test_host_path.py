@@ -1,6 +1,7 @@
 """The lean eager path (issue 21), no GPU needed: what one FP8 linear dispatches, the
 common-case checks agreeing with the full ones, and the CUDA wrappers' launch plans (the
 kernel lookups faked, so the plan logic runs on a machine without a GPU)."""
+import contextlib
 import ctypes
 import importlib
 import struct
@@ -641,10 +642,12 @@ def _linear_host():
     return mod
 
 
-def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
-    """The launches of the last of `steps` training forwards of an FP8 nn.Linear and one
-    with FP8 weights (faked CuPy): per launch the kernel, grid, block, shared bytes and the
-    packed arguments, each address named by its first appearance in the step."""
+@contextlib.contextmanager
+def fake_launches(monkeypatch, kept, carve=False):
+    """Faked CuPy (scripts/linear_host.py's FakeCupy) with fresh launch plans, the FP8
+    linear's kept plan on or off, and every Launcher launch recorded: yields (host module,
+    the fake cupy, the list of launches: kernel, grid, block, shared bytes, packed
+    arguments). Every allocation gets a new address, so an address names one array."""
     host = _linear_host()
     for module in (cast_kernels, gemm_kernels, scaling_kernels):
         monkeypatch.setattr(module, "_plans", {})
@@ -666,15 +669,30 @@ def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
                          ctypes.string_at(first, sizes[params])))
         return 0
     monkeypatch.setattr(launch_mod, "_launch_state", launch_state)
-    r = DelayedScaling(amax_history_len=4)
 
-    class NoReuse(dict):  # every allocation a new address: an address names one array
+    class NoReuse(dict):
         def get(self, key, default=None):
             return None
     monkeypatch.setattr(host.FakeArray, "_free", NoReuse())
     with host.FakeCupy():
         import cupy
         launch_mod._cupy[2] = launch_ex
+        yield host, cupy, launched
+
+
+def numbered(launched):
+    """The recorded launches with each address replaced by its order of first appearance."""
+    names = {}
+    return [(f, grid, block, shared, [names.setdefault(w, len(names)) if w >= 1 << 32 else w
+                                      for w in struct.unpack(f"<{len(raw) // 8}Q", raw)])
+            for f, grid, block, shared, raw in launched]
+
+
+def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
+    """The launches of the last of `steps` training forwards of an FP8 nn.Linear and one
+    with FP8 weights (faked CuPy), addresses numbered."""
+    r = DelayedScaling(amax_history_len=4)
+    with fake_launches(monkeypatch, kept, carve) as (host, cupy, launched):
         lin, x = host.make(cupy, True)
         lin8 = host.make_fp8_weights(cupy, True, r)
         for _ in range(steps):
@@ -682,10 +700,7 @@ def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
             with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
                 ys = [lin(x), lin8(x)]
             assert [(y.shape, y.dtype) for y in ys] == [((64, 128), tecupy.bfloat16)] * 2
-    names = {}
-    return [(f, grid, block, shared, [names.setdefault(w, len(names)) if w >= 1 << 32 else w
-                                      for w in struct.unpack(f"<{len(raw) // 8}Q", raw)])
-            for f, grid, block, shared, raw in launched]
+    return numbered(launched)
 
 
 def test_kept_plan_launches_what_the_general_path_launches(monkeypatch):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import tecupy
-from tecupy import backends, nn
+from tecupy import nn
 from tecupy.recipe import DelayedScaling, Float8CurrentScaling
 
-from conftest import asnp
+from conftest import bf16_array, count_dispatches, same_bits
 
 linear_op = importlib.import_module("tecupy.ops.linear")
 RECIPES = {"hp": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
@@ -26,44 +26,12 @@ def _autocast(recipe):
     return tecupy.fp8_autocast(fp8_recipe=RECIPES[recipe]())
 
 
-def _arr(xp, rng, *shape, scale=1.0):
-    return xp.asarray((rng.standard_normal(shape) * scale).astype(tecupy.bfloat16))
-
-
-def _same(a, b, what):
-    a, b = asnp(a), asnp(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=what)
-
-
-@contextlib.contextmanager
-def _count_ops(ops):
-    """{op: calls of backends.dispatch} inside, and the epilogue's residual arguments."""
-    calls = {op: 0 for op in ops}
-    real, kept = backends.dispatch, linear_op.KEPT
-    # (the FP8 linear's kept plan calls the GEMM past dispatch after its first call: off,
-    # so that every call is counted; its own bits are test_launch_kept_plan.py's)
-    linear_op.KEPT = False
-
-    def dispatch(op, *args, **kwargs):
-        if op in calls:
-            calls[op] += 1
-        if kwargs.get("residual") is not None:
-            calls["residual"] = calls.get("residual", 0) + 1
-        return real(op, *args, **kwargs)
-    backends.dispatch = dispatch
-    try:
-        yield calls
-    finally:
-        backends.dispatch, linear_op.KEPT = real, kept
-
-
 def _steps(fn, arrays, recipe, dy, steps=2):
     """Run fn(*arrays, state) forward and backward `steps` times under `recipe` -> outputs
     and gradients of every step, and the add/residual calls of the forwards."""
     state = tecupy.FP8State(num_gemms=2)
     got = []
-    with _count_ops(("add_fwd",)) as calls:
+    with count_dispatches(("add_fwd",), "residual") as calls:
         for _ in range(steps):
             with tecupy.Tape() as tape:
                 with _autocast(recipe):
@@ -76,18 +44,18 @@ def _steps(fn, arrays, recipe, dy, steps=2):
 
 def _compare(fused, plain):
     for step, ((yf, gf), (yp, gp)) in enumerate(zip(fused, plain)):
-        _same(yf, yp, f"step {step}: y")
+        same_bits(yf, yp, f"step {step}: y")
         for i, (a, b) in enumerate(zip(gf, gp)):
-            _same(a, b, f"step {step}: gradient {i}")
+            same_bits(a, b, f"step {step}: gradient {i}")
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_linear_residual_is_linear_then_add(xp, rng, recipe, bias):
-    x, w, r = _arr(xp, rng, 2, M // 2, K), _arr(xp, rng, N, K, scale=0.2), _arr(xp, rng, 2,
-                                                                                M // 2, N)
-    b = _arr(xp, rng, N) if bias else None
-    dy = _arr(xp, rng, 2, M // 2, N)
+    x, w = bf16_array(xp, rng, 2, M // 2, K), bf16_array(xp, rng, N, K, scale=0.2)
+    r = bf16_array(xp, rng, 2, M // 2, N)
+    b = bf16_array(xp, rng, N) if bias else None
+    dy = bf16_array(xp, rng, 2, M // 2, N)
 
     def fused(x, w, r, b, st):
         return tecupy.linear(x, w, b, fp8_state=st, residual=r)
@@ -110,11 +78,11 @@ def test_layernorm_mlp_residual_is_mlp_then_add(xp, rng, recipe, bias, own):
     """residual x (the pre-norm block's: its dy joins x's gradient in the norm's pass) or
     another array; delayed scaling runs the one-node block, current scaling the composed
     one (fc2 as act_then_linear's node)."""
-    x, g, beta = _arr(xp, rng, M, K), _arr(xp, rng, K), _arr(xp, rng, K)
-    w1, w2 = _arr(xp, rng, FFN, K, scale=0.2), _arr(xp, rng, K, FFN, scale=0.2)
-    b1, b2 = (_arr(xp, rng, FFN), _arr(xp, rng, K)) if bias else (None, None)
-    r = x if own else _arr(xp, rng, M, K)
-    dy = _arr(xp, rng, M, K)
+    x, g, beta = bf16_array(xp, rng, M, K), bf16_array(xp, rng, K), bf16_array(xp, rng, K)
+    w1, w2 = bf16_array(xp, rng, FFN, K, scale=0.2), bf16_array(xp, rng, K, FFN, scale=0.2)
+    b1, b2 = (bf16_array(xp, rng, FFN), bf16_array(xp, rng, K)) if bias else (None, None)
+    r = x if own else bf16_array(xp, rng, M, K)
+    dy = bf16_array(xp, rng, M, K)
 
     def mlp(x, st, residual):
         return tecupy.layernorm_mlp(x, g, beta, w1, b1, w2, b2, fp8_state=st,
@@ -141,25 +109,26 @@ def test_layernorm_mlp_residual_is_mlp_then_add(xp, rng, recipe, bias, own):
 
 def test_switch_off_runs_linear_then_add(rng, monkeypatch):
     monkeypatch.setattr(linear_op, "RESIDUAL_EPILOGUE", False)
-    x, w, r = _arr(np, rng, M, K), _arr(np, rng, N, K, scale=0.2), _arr(np, rng, M, N)
-    with _count_ops(("add_fwd",)) as calls, _autocast("delayed"):
+    x, w = bf16_array(np, rng, M, K), bf16_array(np, rng, N, K, scale=0.2)
+    r = bf16_array(np, rng, M, N)
+    with count_dispatches(("add_fwd",), "residual") as calls, _autocast("delayed"):
         y = tecupy.linear(x, w, fp8_state=tecupy.FP8State(), residual=r)
     assert calls["add_fwd"] == 1 and "residual" not in calls
     monkeypatch.setattr(linear_op, "RESIDUAL_EPILOGUE", True)
     with _autocast("delayed"):
-        _same(tecupy.linear(x, w, fp8_state=tecupy.FP8State(), residual=r), y, "y")
+        same_bits(tecupy.linear(x, w, fp8_state=tecupy.FP8State(), residual=r), y, "y")
 
 
 def test_other_residuals_are_added_after(rng):
     """A broadcast or non-contiguous residual: linear, then the add op."""
-    x, w = _arr(np, rng, M, K), _arr(np, rng, N, K, scale=0.2)
-    for r in (_arr(np, rng, N), _arr(np, rng, N, M).T):
-        with _count_ops(("add_fwd",)) as calls, _autocast("delayed"):
+    x, w = bf16_array(np, rng, M, K), bf16_array(np, rng, N, K, scale=0.2)
+    for r in (bf16_array(np, rng, N), bf16_array(np, rng, N, M).T):
+        with count_dispatches(("add_fwd",), "residual") as calls, _autocast("delayed"):
             y = tecupy.linear(x, w, fp8_state=tecupy.FP8State(), residual=r)
         with _autocast("delayed"):
             want = tecupy.add(tecupy.linear(x, w, fp8_state=tecupy.FP8State()), r)
         assert calls["add_fwd"] == 1 and "residual" not in calls
-        _same(y, want, "y")
+        same_bits(y, want, "y")
 
 
 def test_reference_gemm_residual_rounds_twice(rng):
@@ -176,7 +145,7 @@ def test_reference_gemm_residual_rounds_twice(rng):
         r = (rng.standard_normal((M, N)) * 100).astype(out)
         got = fp8_gemm(a, E4M3, one, b, E4M3, one, out, bias, residual=r)
         want = add_fwd(fp8_gemm(a, E4M3, one, b, E4M3, one, out, bias), r)
-        _same(got, want, str(out))
+        same_bits(got, want, str(out))
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -185,7 +154,7 @@ def test_modules_take_a_residual(xp, rng, recipe):
     modules of one seed (same parameters), one fused, one not."""
     dev = "cpu" if xp is np else "cuda"
     seed = int(rng.integers(0, 2**62))
-    x, dy = _arr(xp, rng, M, K), _arr(xp, rng, M, K)
+    x, dy = bf16_array(xp, rng, M, K), bf16_array(xp, rng, M, K)
     outs = []
     for fused in (True, False):
         lin = nn.Linear(K, K, params_dtype=tecupy.bfloat16, device=dev, seed=seed)
@@ -252,44 +221,10 @@ def test_kept_plan_with_a_residual_gives_the_same_bits(monkeypatch):
 
 def _fake_launches(monkeypatch, kept, steps=3):
     """The launches of the last of `steps` forwards of an FP8 nn.Linear with a residual on
-    faked CuPy (test_host_path's recorder): kernel, grid, block, shared bytes, arguments
-    (addresses numbered by first appearance)."""
-    import ctypes
-    import struct
-    from tecupy.kernels import cast as cast_kernels
-    from tecupy.kernels import fp8_gemm as gemm_kernels
-    from tecupy.kernels import launch as launch_mod
-    from tecupy.kernels import scaling as scaling_kernels
-    from test_host_path import _linear_host
-    host = _linear_host()
-    for module in (cast_kernels, gemm_kernels, scaling_kernels):
-        monkeypatch.setattr(module, "_plans", {})
-    monkeypatch.setattr(linear_op, "_kept", {})
-    monkeypatch.setattr(linear_op, "KEPT", kept)
-    sizes, launched, real_state = {}, [], launch_mod._launch_state
-
-    def launch_state(*args):
-        st, buf, params, cfg = real_state(*args)
-        sizes[ctypes.addressof(params)] = st.size
-        return st, buf, params, cfg
-
-    def launch_ex(cfg_ptr, f, params, extra):
-        cfg = launch_mod._LaunchConfig.from_address(cfg_ptr)
-        first = (ctypes.c_void_p * 1).from_address(params)[0]
-        name = ctypes.cast(f, ctypes.py_object).value.name
-        launched.append((name, tuple(cfg.grid), tuple(cfg.block), cfg.shared,
-                         ctypes.string_at(first, sizes[params])))
-        return 0
-    monkeypatch.setattr(launch_mod, "_launch_state", launch_state)
+    faked CuPy (test_host_path's recorder), addresses numbered."""
+    from test_host_path import fake_launches, numbered
     r = DelayedScaling(amax_history_len=4)
-
-    class NoReuse(dict):
-        def get(self, key, default=None):
-            return None
-    monkeypatch.setattr(host.FakeArray, "_free", NoReuse())
-    with host.FakeCupy():
-        import cupy
-        launch_mod._cupy[2] = launch_ex
+    with fake_launches(monkeypatch, kept) as (host, cupy, launched):
         lin, x = host.make(cupy, True)
         res = cupy.asarray(np.ones((host.M, host.N), tecupy.bfloat16))
         for _ in range(steps):
@@ -297,10 +232,7 @@ def _fake_launches(monkeypatch, kept, steps=3):
             with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
                 y = lin(x, residual=res)
             assert (y.shape, y.dtype) == ((host.M, host.N), tecupy.bfloat16)
-    names = {}
-    return [(f, grid, block, shared, [names.setdefault(w, len(names)) if w >= 1 << 32 else w
-                                      for w in struct.unpack(f"<{len(raw) // 8}Q", raw)])
-            for f, grid, block, shared, raw in launched]
+    return numbered(launched)
 
 
 def test_kept_plan_with_a_residual_launches_the_epilogue(monkeypatch):
@@ -329,7 +261,7 @@ def test_transformer_layer_residual_epilogue_gives_the_adds_bits(xp, rng, monkey
     gradients equal bit for bit; under FP8 the fused forward launches no add."""
     dev = "cpu" if xp is np else "cuda"
     seed = int(rng.integers(0, 2**62))
-    x, dy = _arr(xp, rng, 16, 2, K), _arr(xp, rng, 16, 2, K)
+    x, dy = bf16_array(xp, rng, 16, 2, K), bf16_array(xp, rng, 16, 2, K)
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(linear_op, "RESIDUAL_EPILOGUE", fused)
@@ -337,7 +269,7 @@ def test_transformer_layer_residual_epilogue_gives_the_adds_bits(xp, rng, monkey
                                  bias=bias, params_dtype=tecupy.bfloat16, device=dev,
                                  seed=seed)
         got = []
-        with _count_ops(("add_fwd",)) as calls:
+        with count_dispatches(("add_fwd",), "residual") as calls:
             for _ in range(2):
                 with tecupy.Tape() as tape:
                     with _autocast(recipe):
