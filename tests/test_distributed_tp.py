@@ -418,14 +418,25 @@ def test_bench_tp_step_on_threads(capsys):
     assert "| FP8 | on | 8.00 | 4.60 | 2.00 | 0.57x | met |" in out
 
 
-def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
-    """Part 4's _tp_rows on ThreadGroup ranks (a small CPU layer, the timing faked): one
-    row per precision and overlap setting, each step run with OVERLAP as its row says,
-    OVERLAP restored after."""
+def _small_tp_bench(monkeypatch, rate):
+    """Part 4 of the distributed bench on a small CPU layer, rate(step, xp) timing it."""
     import cupy
 
     from tecupy.bench import distributed_tp as bench
     from tecupy.bench import layer as bench_layer
+    real_build = bench.tp_build
+    monkeypatch.setattr(bench, "tp_build",
+                        lambda shape, g, device: real_build((32, 64, 4, 8, 2), g, "cpu"))
+    monkeypatch.setattr(bench_layer, "_rate", rate)
+    monkeypatch.setattr(cupy, "get_default_memory_pool",
+                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+
+
+def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
+    """Part 4's _tp_rows on ThreadGroup ranks (a small CPU layer, the timing faked): one
+    row per precision and overlap setting, each step run with OVERLAP as its row says,
+    OVERLAP restored after."""
+    from tecupy.bench import distributed_tp as bench
     from tecupy.distributed import overlap
     seen, before = [], overlap.OVERLAP
 
@@ -433,12 +444,7 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
         seen.append(overlap.OVERLAP)
         step()
         return (1.0 + overlap.OVERLAP, 0.5)
-    real_build = bench.tp_build
-    monkeypatch.setattr(bench, "tp_build",
-                        lambda shape, g, device: real_build((32, 64, 4, 8, 2), g, "cpu"))
-    monkeypatch.setattr(bench_layer, "_rate", rate)
-    monkeypatch.setattr(cupy, "get_default_memory_pool",
-                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+    _small_tp_bench(monkeypatch, rate)
     got = dist.run_threads(2, bench._tp_rows, "small")
     assert got[0] == {"HP": {False: (1.0, 0.5), True: (2.0, 0.5)},
                       "FP8": {False: (1.0, 0.5), True: (2.0, 0.5)}}
@@ -449,22 +455,14 @@ def test_bench_tp_rows_time_overlap_off_and_on(monkeypatch):
 def test_bench_tp_rows_keep_the_plain_rows_when_the_overlap_raises(monkeypatch, capsys):
     """An overlapped step that raises (on every rank) leaves its rows out with the reason;
     the plain rows come back and the table says so."""
-    import cupy
-
     from tecupy.bench import distributed_tp as bench
-    from tecupy.bench import layer as bench_layer
     from tecupy.distributed import overlap
 
     def rate(step, xp):
         if overlap.OVERLAP:
             raise RuntimeError("no send")
         return (1.0, 0.5)
-    real_build = bench.tp_build
-    monkeypatch.setattr(bench, "tp_build",
-                        lambda shape, g, device: real_build((32, 64, 4, 8, 2), g, "cpu"))
-    monkeypatch.setattr(bench_layer, "_rate", rate)
-    monkeypatch.setattr(cupy, "get_default_memory_pool",
-                        lambda: type("Pool", (), {"free_all_blocks": lambda self: None})())
+    _small_tp_bench(monkeypatch, rate)
     got = dist.run_threads(2, bench._tp_rows, "small")[0]
     assert got == {"HP": {False: (1.0, 0.5)}, "FP8": {False: (1.0, 0.5)},
                    "error": "HP with the overlap: RuntimeError: no send"}
