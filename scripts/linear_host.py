@@ -111,7 +111,6 @@ def held_microbatches(lin, x, recipe, a, sync):
 def parts(lin, x, rounds_=40, calls=100):
     """us per call of each CUDA wrapper the forward runs (best of `rounds_` rounds of `calls`
     calls, the garbage collector off): what one change moves, less noisy than the whole."""
-    import gc
     from tecupy import backends
     from tecupy.fp8_state import update_states
     state = lin.fp8_state
@@ -125,6 +124,13 @@ def parts(lin, x, rounds_=40, calls=100):
             "fp8_gemm", ax.data, ax.fmt, inv, aw.data, aw.fmt, inv, x.dtype, lin.bias),
         "forward update of 1 state (update_states)": lambda: update_states([state], "fwd"),
     }
+    best_of(cases, rounds_, calls)
+
+
+def best_of(cases, rounds_, calls):
+    """Print each case's us per call: the best of `rounds_` rounds of `calls` calls, the
+    garbage collector off."""
+    import gc
     gc.disable()
     try:
         for label, fn in cases.items():
@@ -163,7 +169,6 @@ def cupy_parts(cupy, rounds_=40, calls=100):
     and the transposed codes' sizes, a pool allocation alone, an array carved from one (what
     carving scale_inv out of the transposed copy's allocation would cost instead), a launch
     of a trivial kernel through the Launcher."""
-    import gc
     import numpy as np
     from tecupy.kernels.launch import Launcher
     buf = cupy.cuda.alloc(K * M + 512)
@@ -179,18 +184,7 @@ def cupy_parts(cupy, rounds_=40, calls=100):
             (1,), np.float32, memptr=buf + K * M),
         "Launcher, 1 argument (cuLaunchKernelEx)": lambda: run((one,)),
     }
-    gc.disable()
-    try:
-        for label, fn in cases.items():
-            best = []
-            for _ in range(rounds_):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                best.append((time.perf_counter() - t0) / calls * 1e6)
-            print(f"  {label}: {min(best):.2f} us")
-    finally:
-        gc.enable()
+    best_of(cases, rounds_, calls)
     cupy.cuda.Device().synchronize()
 
 
