@@ -546,8 +546,8 @@ def test_block_gemm_on_numpy_runs_the_reference(rng):
 
 
 def test_block_pipeline_switch_names_and_shared_memory():
-    """The pipelined block GEMM (fp8_block_gemm_pipe_tn, fp8_gemm.BLOCK_PIPELINE) is off
-    unless TECUPY_BLOCK_PIPELINE=1; its kernels are declared beside fp8_block_gemm_tn's for
+    """The pipelined block GEMM (fp8_block_gemm_pipe_tn, fp8_gemm.BLOCK_PIPELINE) is on
+    unless TECUPY_BLOCK_PIPELINE=0; its kernels are declared beside fp8_block_gemm_tn's for
     128x128 B (so python -m tecupy.build compiles them), with the same tiles; its shared
     memory adds a stage's A factors and two B-factor tables to the kernel's (CPU: names and
     sizes only)."""
@@ -557,12 +557,13 @@ def test_block_pipeline_switch_names_and_shared_memory():
     from tecupy import loader
     from tecupy.kernels import block_scaling as B
     from tecupy.kernels import fp8_gemm as G
-    if os.environ.get("TECUPY_BLOCK_PIPELINE", "0") != "1":
-        assert G.BLOCK_PIPELINE is False
+    if os.environ.get("TECUPY_BLOCK_PIPELINE", "1") != "0":
+        assert G.BLOCK_PIPELINE is True
     code = "from tecupy.kernels import fp8_gemm as G; print(G.BLOCK_PIPELINE)"
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env={**os.environ, "TECUPY_BLOCK_PIPELINE": "1"}, check=True)
-    assert on.stdout.strip() == "True"
+    for env, want in (("0", "False"), ("1", "True")):
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "TECUPY_BLOCK_PIPELINE": env}, check=True)
+        assert got.stdout.strip() == want
     names = list(B._pipe_names())
     declared = loader.declared().get(G.FILE, ())
     assert names and all(n in declared for n in names)

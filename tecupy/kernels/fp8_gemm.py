@@ -51,9 +51,11 @@ _OUT = ("float", "__half", "__nv_bfloat16")
 _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 # Block scaling with 128x128 B (kernels/block_scaling.py): fp8_block_gemm_pipe_tn, every
 # block factor from shared memory (no global load in the mainloop: the A factors come with
-# each stage, B's in a per-tile table), instead of fp8_block_gemm_tn. Off by default until
-# it has been measured on a GPU (PERFLOG.md); TECUPY_BLOCK_PIPELINE=1 turns it on.
-BLOCK_PIPELINE = os.environ.get("TECUPY_BLOCK_PIPELINE", "0") == "1"
+# each stage, B's in a per-tile table), instead of fp8_block_gemm_tn: H100, the six bench
+# shapes, 0.90-1.00x the per-tensor split GEMM (geomean 0.95) against 0.78-0.91x (0.84) for
+# the other kernel (PERFLOG.md, session 17). On by default; TECUPY_BLOCK_PIPELINE=0 turns
+# it off.
+BLOCK_PIPELINE = os.environ.get("TECUPY_BLOCK_PIPELINE", "1") != "0"
 
 
 def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False):
