@@ -62,3 +62,19 @@ def test_128_byte_arguments_and_no_pdl():
     assert [struct.unpack_from("<i", buf.raw, o)[0] for o in offsets[7:10]] == [256, 4096, 1024]
     assert [buf.raw[o:o + 128] for o in offsets[10:]] == descs
     assert (cfg.num_attrs, bool(cfg.attrs), cfg.shared) == (0, False, 200000)
+
+
+def test_struct_arguments_by_value():
+    """A kind n (a multiple of 8) is an n-byte struct passed by value (attention's
+    BwdSm90Strides: 4 int64): one parameter, its bytes where its void* points; other sizes
+    are refused."""
+    kinds = (cupy.ndarray, 32, np.float32)
+    st, buf, params, _ = launch._launch_state(kinds, (1,), (32,), 0, pdl=False)
+    blob = np.array([1, -2, 3, 2**40], np.int64).tobytes()
+    st.pack_into(buf, 0, 0xABC, blob, np.float32(0.5))
+    base = ctypes.addressof(buf)
+    assert [params[i] - base for i in range(3)] == [0, 8, 40] and st.size == 48
+    assert buf.raw[8:40] == blob and struct.unpack_from("<f", buf.raw, 40)[0] == 0.5
+    for bad in (12, 0, -8):
+        with pytest.raises(TypeError, match="an n-byte struct"):
+            launch._launch_state((cupy.ndarray, bad), (1,), (32,), 0)

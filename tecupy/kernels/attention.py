@@ -25,7 +25,7 @@ from .. import backends, loader
 from .._array import bfloat16, is_cupy
 from ..graphs import seed_pointer
 from .dtypes import CTYPE, cbool
-from .launch import grid_1d, hopper, opt_in_smem
+from .launch import Launcher, current_device, grid_1d, hopper, opt_in_smem, planned
 from .tma import tma_desc
 
 FILE, SM90_FILE = "attention.cu", "attention_sm90.cu"
@@ -193,16 +193,47 @@ def _tma(t, rows):
     return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (head, *strides), (64, 1, rows, 1))
 
 
-def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
+# Launch plans of the Hopper kernels (issue 21: the wrappers' Python was 80 us per forward
+# and 170 per backward on an H100 host): kernel, grid, shared bytes, a Launcher (arguments
+# struct-packed, cuLaunchKernelEx; the kernels have no PDL wait) and the constant arguments,
+# by everything they are chosen from. The TMA descriptors are kept per plan and addresses.
+_plans = {}
+_descs = {}
+_plan_ids = itertools.count()
+
+
+def _sm90_descs(plan_id, operands):
+    """The TMA descriptors (bytes) of `operands` ((array, box rows) pairs) for one plan:
+    its shapes fix everything but the addresses, which name them."""
+    key = (plan_id, *(t.data.ptr for t, _ in operands))
+    descs = _descs.get(key)
+    if descs is None:
+        if len(_descs) > 512:  # many addresses: start over rather than grow
+            _descs.clear()
+        descs = _descs[key] = tuple(_tma(t, rows).tobytes() for t, rows in operands)
+    return descs
+
+
+def _fwd_plan(q, k, o, scale, causal):
+    import cupy
     b, sq, h, d = q.shape
     bn = SM90_BN[causal]
     # Q tile, the K and V rings, barriers, alignment slack (the kernel's Sm90Smem)
     smem = SM90_BM * d * 2 + 2 * SM90_STAGES * bn * d * 2 + 8 * (1 + 4 * SM90_STAGES) + 1024
     fn = _function(_sm90_name(CTYPE[q.dtype], d, bn, causal), smem, SM90_FILE)
-    fn((-(-sq // SM90_BM), h, b), (384,),
-       (_tma(q, SM90_BM), _tma(k, bn), _tma(v, bn), o, lse, lq, lkv, np.int32(sq),
-        np.int32(k.shape[1]), np.int32(h), np.int32(k.shape[2]),
-        np.float32(scale * np.log2(np.e)), *_strides(o)), shared_mem=smem)
+    kinds = (bytes,) * 3 + (cupy.ndarray,) * 2 + (np.uint64,) * 2 + (np.int32,) * 4 + (
+        np.float32, np.int64, np.int64)
+    run = Launcher(fn, (-(-sq // SM90_BM), h, b), (384,), kinds, smem, pdl=False)
+    tail = (np.int32(sq), np.int32(k.shape[1]), np.int32(h), np.int32(k.shape[2]),
+            np.float32(scale * np.log2(np.e)), *_strides(o))
+    return run, bn, tail, next(_plan_ids)
+
+
+def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
+    key = (q.shape, k.shape, q.strides, k.strides, v.strides, o.strides, q.dtype, scale,
+           causal, current_device())
+    run, bn, tail, pid = planned(_plans, ("fwd",) + key, _fwd_plan, q, k, o, scale, causal)
+    run(_sm90_descs(pid, ((q, SM90_BM), (k, bn), (v, bn))) + (o, lse, lq, lkv) + tail)
     return o, lse
 
 
@@ -269,39 +300,64 @@ def _turn_counters(n, det):
     return cupy.empty(n, np.int32) if det else np.uint64(0)
 
 
-def _convert_dq(dq_acc, dq):
-    """dq_acc [b, sq, h, d] (or sbhd) -> dq rows of h d values (row stride: dq's sequence or
-    batch stride, whichever is inner)."""
+def _convert_args(dq_acc, dq):
+    """The launch of dq_acc [b, sq, h, d] (or sbhd) -> dq rows of h d values (row stride:
+    dq's sequence or batch stride, whichever is inner): (kernel, grid, constant arguments)."""
     inner = int(min(dq.strides[:2]) // dq.itemsize)
-    loader.function(FILE, f"attention_convert<{CTYPE[dq.dtype]}>")(
-        (grid_1d(dq_acc.size, 4),), (256,), (dq_acc, dq, np.int64(dq_acc.size),
-                                             np.int64(dq.shape[2] * dq.shape[3]),
-                                             np.int64(inner)))
+    return (loader.function(FILE, f"attention_convert<{CTYPE[dq.dtype]}>"),
+            (grid_1d(dq_acc.size, 4),), (np.int64(dq_acc.size),
+                                         np.int64(dq.shape[2] * dq.shape[3]), np.int64(inner)))
+
+
+def _convert_dq(dq_acc, dq):
+    fn, grid, tail = _convert_args(dq_acc, dq)
+    fn(grid, (256,), (dq_acc, dq) + tail)
+
+
+def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
+    """The Hopper backward's three launches: (prep Launcher, its constant arguments, main
+    Launcher, its constant arguments, convert Launcher, its constant arguments, lse2 and
+    delta's shape, turn counters, plan number)."""
+    import cupy
+    b, sq, h, d = q.shape
+    t, pad = CTYPE[q.dtype], -(-sq // SM90_BWD_BM) * SM90_BWD_BM
+    rows = b * h * pad
+    prep = loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")
+    nd, u64, i32, i64 = cupy.ndarray, np.uint64, np.int32, np.int64
+    prep = Launcher(prep, (-(-rows // 8),), (256,),
+                    (nd, nd, nd, nd, nd, u64, u64, i32, i32, i32, i64) + (i64,) * 4, pdl=False)
+    prep_tail = (np.int32(sq), np.int32(pad), np.int32(h), np.int64(rows), *_strides(do),
+                 *_strides(o))
+    tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
+    smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
+    fn = _function(_sm90_bwd_name(t, d, causal, det), smem, SM90_FILE)
+    st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).tobytes()  # BwdSm90Strides
+    main = Launcher(fn, (-(-k.shape[1] // SM90_BWD_BN), k.shape[2], b), (384,),
+                    (bytes,) * 4 + (nd,) * 3 + (u64, nd, nd, u64, u64) + (i32,) * 5
+                    + (np.float32, len(st)), smem, pdl=False)
+    tail = (np.int32(sq), np.int32(pad), np.int32(k.shape[1]), np.int32(h),
+            np.int32(k.shape[2]), np.float32(scale), st)
+    fn, grid, convert_tail = _convert_args(dq_acc, dq)
+    convert = Launcher(fn, grid, (256,), (nd, nd, i64, i64, i64), pdl=False)
+    return (prep, prep_tail, main, tail, convert, convert_tail, (2, b * h, pad),
+            rows // SM90_BWD_BM, next(_plan_ids))
 
 
 def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det):
     import cupy
-    b, sq, h, d = q.shape
-    skv, hk = k.shape[1], k.shape[2]
-    t, pad = CTYPE[q.dtype], -(-sq // SM90_BWD_BM) * SM90_BWD_BM
     lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
-    lse2, delta = cupy.empty((2, b * h, pad), np.float32)  # rows padded to whole blocks
-    rows = b * h * pad
-    sem = _turn_counters(rows // SM90_BWD_BM, det)
-    loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")(
-        (-(-rows // 8),), (256,), (do, o, lse, lse2, delta, sem, lq, np.int32(sq),
-                                   np.int32(pad), np.int32(h), np.int64(rows), *_strides(do),
-                                   *_strides(o)))
     dq_acc = _empty_as(q, np.float32, cupy.zeros)
     dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
-    st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).view("V32")  # BwdSm90Strides
-    tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
-    smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
-    fn = _function(_sm90_bwd_name(t, d, mask.causal, det), smem, SM90_FILE)
-    fn((-(-skv // SM90_BWD_BN), hk, b), (384,),
-       (_tma(q, SM90_BWD_BM), _tma(k, SM90_BWD_BN), _tma(v, SM90_BWD_BN),
-        _tma(do, SM90_BWD_BM), lse2, delta, dq_acc, sem, dk, dv, lq, lkv, np.int32(sq),
-        np.int32(pad), np.int32(skv), np.int32(h), np.int32(hk), np.float32(scale), st),
-       shared_mem=smem)
-    _convert_dq(dq_acc, dq)
+    key = ("bwd", q.shape, k.shape, do.strides, q.strides, k.strides, v.strides, o.strides,
+           dq_acc.strides, dq.strides, dk.strides, q.dtype, scale, mask.causal, det,
+           current_device())
+    prep, prep_tail, main, tail, convert, convert_tail, lse_shape, blocks, pid = planned(
+        _plans, key, _bwd_plan, do, q, k, o, dq_acc, dq, dk, scale, mask.causal, det)
+    lse2, delta = cupy.empty(lse_shape, np.float32)  # rows padded to whole blocks
+    sem = _turn_counters(blocks, det)
+    prep((do, o, lse, lse2, delta, sem, lq) + prep_tail)
+    main(_sm90_descs(pid, ((q, SM90_BWD_BM), (k, SM90_BWD_BN), (v, SM90_BWD_BN),
+                           (do, SM90_BWD_BM)))
+         + (lse2, delta, dq_acc, sem, dk, dv, lq, lkv) + tail)
+    convert((dq_acc, dq) + convert_tail)
     return dq, dk, dv

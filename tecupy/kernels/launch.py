@@ -33,6 +33,12 @@ def sm_count():
     return _sm_counts[dev]
 
 
+def current_device():
+    """The current CUDA device's id (a launch plan's key: plans hold loaded functions)."""
+    import cupy
+    return cupy.cuda.runtime.getDevice()
+
+
 _hopper = {}  # device id -> compute capability 9.0 (asked once: supports() runs every call)
 
 
@@ -121,12 +127,14 @@ def _launch_state(kinds, grid, block, shared_mem, pdl=True):
     and shared size."""
     import cupy
     fmts = {cupy.ndarray: "Q", **_ARG_FORMATS}
-    bad = [t.__name__ for t in kinds if t not in fmts]
+    bad = [getattr(t, "__name__", repr(t)) for t in kinds
+           if t not in fmts and not (type(t) is int and t > 0 and t % 8 == 0)]
     if bad:
         raise TypeError(f"launch: kernel arguments of types {bad}; accepted: CuPy arrays "
                         "and NumPy int32/int64/float32/uint32/uint64 (and bytes: a 128-byte "
-                        "parameter such as a TMA descriptor)")
-    items = [fmts[t] for t in kinds]
+                        "parameter such as a TMA descriptor; a multiple of 8, n: an n-byte "
+                        "struct passed by value, as bytes)")
+    items = [f"{t}s" if type(t) is int else fmts[t] for t in kinds]
     st = struct.Struct("<" + "".join(items))
     buf = ctypes.create_string_buffer(st.size)
     offsets = itertools.accumulate((struct.calcsize("<" + f) for f in items[:-1]), initial=0)
@@ -164,7 +172,8 @@ class Launcher:
     are per thread: two threads never pack into one buffer. pdl: the kernel begins with
     PDL_WAIT() and launches with PDL; without (PDL off, or not a Hopper GPU) a call is
     CuPy's own launch. pdl=False: always through cuLaunchKernelEx, without the attribute
-    (the FP8 GEMM, whose 128-byte TMA descriptors are bytes here)."""
+    (the FP8 GEMM, whose 128-byte TMA descriptors are bytes here). A kind n (an int, a
+    multiple of 8) is an n-byte struct passed by value, given as bytes."""
 
     def __init__(self, k, grid, block, kinds, shared_mem=0, pdl=True):
         nd = _driver()[0]
