@@ -312,6 +312,8 @@ constexpr int kBwdSm90BM = 64, kBwdSm90BN = 128;  // query rows per step, keys p
 // and sq: +inf and 0, so they drop out of P and dS); a warp per row, 8 rows per block.
 // Padded rows let the backward fetch 64 of each per query block in one aligned bulk copy.
 // dq_sem (null unless deterministic): [b h, sq_pad / 64] turn counters, zeroed here.
+// dq_acc: the backward's float32 dQ sums [b, sq, h, D] (strides dqa_b, dqa_s), zeroed here
+// (every row below sq: the convert reads them all), which saves a memset launch.
 template <typename T, int D>
 __global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __restrict__ out,
                                         const float* __restrict__ lse,
@@ -319,13 +321,16 @@ __global__ void attention_bwd_prep_sm90(const T* __restrict__ dout, const T* __r
                                         int* __restrict__ dq_sem,
                                         const int* __restrict__ seqlens_q, int sq, int sq_pad,
                                         int h, long long rows, long long do_b, long long do_s,
-                                        long long o_b, long long o_s) {
+                                        long long o_b, long long o_s,
+                                        float* __restrict__ dq_acc, long long dqa_b,
+                                        long long dqa_s) {
     constexpr int V = D / 32;
     const long long r = blockIdx.x * 8LL + (threadIdx.x >> 5);
     if (r >= rows) return;
     const int lane = threadIdx.x & 31, i = r % sq_pad;
     const long long bh = r / sq_pad, b = bh / h;
     const int head = bh % h, q_len = min(seqlens_q ? seqlens_q[b] : sq, sq);
+    if (i < sq) store_vec<V>(dq_acc + b * dqa_b + i * dqa_s + head * D + lane * V, Vec<float, V>{});
     float s = 0.f;
     if (i < q_len) {
         const Vec<T, V> a = load_vec<V>(dout + b * do_b + i * do_s + head * D + lane * V);

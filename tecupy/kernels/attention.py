@@ -325,7 +325,8 @@ def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
     prep = loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")
     nd, u64, i32, i64 = cupy.ndarray, np.uint64, np.int32, np.int64
     prep = Launcher(prep, (-(-rows // 8),), (256,),
-                    (nd, nd, nd, nd, nd, u64, u64, i32, i32, i32, i64) + (i64,) * 4, pdl=False)
+                    (nd, nd, nd, nd, nd, u64, u64, i32, i32, i32, i64) + (i64,) * 4
+                    + (nd, i64, i64), pdl=False)
     prep_tail = (np.int32(sq), np.int32(pad), np.int32(h), np.int64(rows), *_strides(do),
                  *_strides(o))
     tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
@@ -346,7 +347,7 @@ def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
 def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det):
     import cupy
     lq, lkv = _lengths(mask, seqlens_q, seqlens_kv)
-    dq_acc = _empty_as(q, np.float32, cupy.zeros)
+    dq_acc = _empty_as(q, np.float32)  # (zeroed by the prep kernel)
     dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
     key = ("bwd", q.shape, k.shape, do.strides, q.strides, k.strides, v.strides, o.strides,
            dq_acc.strides, dq.strides, dk.strides, q.dtype, scale, mask.causal, det,
@@ -355,7 +356,7 @@ def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det):
         _plans, key, _bwd_plan, do, q, k, o, dq_acc, dq, dk, scale, mask.causal, det)
     lse2, delta = cupy.empty(lse_shape, np.float32)  # rows padded to whole blocks
     sem = _turn_counters(blocks, det)
-    prep((do, o, lse, lse2, delta, sem, lq) + prep_tail)
+    prep((do, o, lse, lse2, delta, sem, lq) + prep_tail + (dq_acc,) + _strides(dq_acc))
     main(_sm90_descs(pid, ((q, SM90_BWD_BM), (k, SM90_BWD_BN), (v, SM90_BWD_BN),
                            (do, SM90_BWD_BM)))
          + (lse2, delta, dq_acc, sem, dk, dv, lq, lkv) + tail)
