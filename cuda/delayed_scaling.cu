@@ -15,6 +15,8 @@
 // scale_inverse: scale_inv = 1 / scale for the unfused (callable) update path; a kernel of
 // ours because CuPy compiles its own with -ftz=true, which flushes 1 / scale to 0 for a
 // scale above 2^126 where Transformer Engine keeps the subnormal.
+// scale_inverse is launched with PDL (tecupy/kernels/scaling.py's Launcher): it waits for
+// the kernel before it (which wrote the scale) before touching memory.
 #include "common.cuh"
 
 __global__ void delayed_scaling_update(const long long* __restrict__ table, int nmetas,
@@ -55,6 +57,7 @@ __global__ void delayed_scaling_update(const long long* __restrict__ table, int 
 
 __global__ void scale_inverse(const float* __restrict__ scale, float* __restrict__ scale_inv,
                               int n) {
+    PDL_WAIT();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) scale_inv[i] = 1.f / scale[i];
 }

@@ -3,13 +3,15 @@
 // activation kernels, which wgrad needs transposed). rows % 16 == 0 and cols % 16 == 0 (FP8
 // GEMM operands are). Launch: 256 threads per 64 x 64 tile, grid (ceil(cols / 64),
 // ceil(rows / 64)). Each thread loads one 16-byte row chunk, the tile turns in shared
-// memory, and each thread stores one 16-byte chunk of an output row.
+// memory, and each thread stores one 16-byte chunk of an output row. Launched with PDL
+// (tecupy/kernels/transpose.py's Launcher): waits for the kernel that wrote `in` first.
 #include "common.cuh"
 
 __global__ void __launch_bounds__(256)
 transpose_u8(const unsigned char* __restrict__ in, unsigned char* __restrict__ out, int rows,
              int cols) {
     __shared__ unsigned tile[64][64 / 4 + 1];  // words; the pad spreads a column over banks
+    PDL_WAIT();
     const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
     const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
     if (r0 + tr < rows && c0 + tc < cols) {

@@ -223,19 +223,22 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
     if x.size:
         name = None if act is None else act[0]
-        run, rows32, cols32, _ = planned(
+        run, rows32, cols32, tail = planned(
             _plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()), _ct_plan, rows,
             cols, x.dtype, fmt.name, dbias, name)
-        h, hb = (_NULL, _NULL) if act is None else act[1:]
-        ldh = cols if act is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
-        ldq = cols if out is None else q.strides[0]
-        run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32, h,
-             _NULL if hb is None else hb, np.int64(ldh), np.int64(ldq)))
+        if act is None and out is None:  # (no activation, whole arrays: the plan's tail)
+            run((x, scale, q, qt, inv, amax, slot, part) + tail)
+        else:
+            h, hb = (_NULL, _NULL) if act is None else act[1:]
+            ldh = cols if act is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
+            ldq = cols if out is None else q.strides[0]
+            run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32, h,
+                 _NULL if hb is None else hb, np.int64(ldh), np.int64(ldq)))
     if not dbias:
         return q, qt, amax
     if not x.size:
         return q, qt, amax, cupy.zeros((cols,), dbias_dtype)
-    return q, qt, amax, col_sum(part).astype(dbias_dtype, copy=False)
+    return q, qt, amax, col_sum(part, dbias_dtype)  # (in dbias_dtype: no astype launch)
 
 
 _plans = {}  # launch plans (launch.planned): the kernel and grid per call shape

@@ -4,6 +4,7 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from ..graphs import keep_alive
+from .launch import Launcher, planned
 
 FILE = "delayed_scaling.cu"
 loader.declare(FILE, ["delayed_scaling_update", "scale_inverse"])
@@ -79,7 +80,7 @@ def _same_arrays(arrays, metas):
 
 def _plan(metas, algo, margin):
     """(arrays, kernel, grid, arguments) of the update of `metas`: the device table holds
-    each meta's 4 pointers, then the slot offsets (a cumsum of the slot counts); one thread
+    each meta's 4 pointers, then the slot offsets (a cumsum of the slot counts); one block
     per slot of all metas."""
     arrays = tuple(getattr(m, name) for m in metas for name in _ARRAYS)
     starts = np.cumsum([0] + [m.scale.size for m in metas])
@@ -93,6 +94,18 @@ def _plan(metas, algo, margin):
 
 @backends.register("fp8_scale_inv", "cuda", supports=lambda s, out: is_cupy(s))
 def scale_inverse(scale, out):
-    n = scale.size
-    loader.function(FILE, "scale_inverse")(((n + 127) // 128,), (128,),
-                                           (scale, out, np.int32(n)))
+    import cupy
+    run, n = planned(_inverse_plans, (scale.size, cupy.cuda.runtime.getDevice()),
+                     _inverse_plan, scale.size)
+    run((scale, out, n))
+
+
+_inverse_plans = {}  # scale_inverse's launch plans (launch.planned), by size and device
+
+
+def _inverse_plan(n):
+    """(Launcher, n as the kernel's int32) of scale_inverse: one thread per element."""
+    import cupy
+    k = loader.function(FILE, "scale_inverse")
+    return (Launcher(k, ((n + 127) // 128,), (128,), (cupy.ndarray, cupy.ndarray, np.int32)),
+            np.int32(n))

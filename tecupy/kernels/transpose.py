@@ -4,14 +4,16 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
+from .launch import Launcher, planned
 
 FILE = "transpose.cu"
 COPY_UNROLL = (1, 4)
 loader.declare(FILE, ["transpose_u8"] + [f"copy_u4<{u}>" for u in COPY_UNROLL])
+_U8 = np.dtype(np.uint8)
 
 
 def supported(data):
-    return (is_cupy(data) and data.dtype == np.uint8 and data.ndim == 2
+    return (is_cupy(data) and data.dtype is _U8 and data.ndim == 2
             and data.shape[0] % 16 == 0 and data.shape[1] % 16 == 0)
 
 
@@ -22,9 +24,22 @@ def fp8_transpose(data):
     rows, cols = data.shape
     out = cupy.empty((cols, rows), np.uint8)
     if data.size:
-        loader.function(FILE, "transpose_u8")((-(-cols // 64), -(-rows // 64)), (256,),
-                                              (data, out, np.int32(rows), np.int32(cols)))
+        run, args = planned(_plans, (rows, cols, cupy.cuda.runtime.getDevice()),
+                            _transpose_plan, rows, cols)
+        run((data, out) + args)
     return out
+
+
+_plans = {}  # fp8_transpose's launch plans (launch.planned), by shape and device
+
+
+def _transpose_plan(rows, cols):
+    """(Launcher, the scalar arguments) of transpose_u8: one block per 64 x 64 tile."""
+    import cupy
+    k = loader.function(FILE, "transpose_u8")
+    kinds = (cupy.ndarray, cupy.ndarray, np.int32, np.int32)  # in, out, rows, cols
+    return (Launcher(k, (-(-cols // 64), -(-rows // 64)), (256,), kinds),
+            (np.int32(rows), np.int32(cols)))
 
 
 def copy_u4(src, dst, unroll=4):
