@@ -15,12 +15,13 @@
 // scale_inverse: scale_inv = 1 / scale for the unfused (callable) update path; a kernel of
 // ours because CuPy compiles its own with -ftz=true, which flushes 1 / scale to 0 for a
 // scale above 2^126 where Transformer Engine keeps the subnormal.
-// scale_inverse is launched with PDL (tecupy/kernels/scaling.py's Launcher): it waits for
-// the kernel before it (which wrote the scale) before touching memory.
+// Both are launched with PDL (tecupy/kernels/scaling.py's Launchers): they wait for the
+// kernel before them (which wrote the amaxes or the scale) before touching memory.
 #include "common.cuh"
 
 __global__ void delayed_scaling_update(const long long* __restrict__ table, int nmetas,
                                        int length, int most_recent, float down) {
+    PDL_WAIT();
     const long long* starts = table + 4 * nmetas;
     int m = 0;
     while (starts[m + 1] <= blockIdx.x) ++m;

@@ -396,35 +396,42 @@ def fake_scaling(fake_cupy, monkeypatch):
     return copies, kept
 
 
-def test_update_plan_is_kept_for_the_same_metas(fake_cupy, fake_scaling):
-    """A repeated update of the same metas launches the same arguments with no table built
-    or copied; the table holds each meta's 4 pointers then the slot offsets."""
+def test_update_plan_is_kept_for_the_same_metas(fake_cupy, fake_driver, fake_scaling):
+    """A repeated update of the same metas launches the plan's Launcher with the same
+    arguments, no table built or copied; the table holds each meta's 4 pointers then the
+    slot offsets."""
     copies, kept = fake_scaling
     metas = [_Meta(3), _Meta(6)]
     for _ in range(3):
         scaling_kernels.delayed_scaling_update(metas, "max", 2)
     (k,) = fake_cupy.values()
-    assert len(copies) == 1 and len(k.calls) == 3
+    assert len(copies) == 1 and len(fake_driver) == 3 and k.calls == []
     ptrs = [getattr(m, name).data.ptr for m in metas
             for name in ("amax_history", "scale", "scale_inv", "fp8_max")]
     np.testing.assert_array_equal(copies[0], ptrs + [0, 3, 9])
-    grid, block, args = k.calls[0]
-    assert grid == (9,) and block == (128,)
-    assert args[1:] == (2, 16, 0, np.float32(0.25))
-    assert all(c[2] is args for c in k.calls)  # one prebuilt argument tuple
+    ((_, _, args),) = scaling_kernels._plans.values()  # one prebuilt argument tuple
+    grid, block, _, f, raw, pdl, _ = fake_driver[0]
+    assert (grid, block, f, pdl) == ((9, 1, 1), (128, 1, 1), k.kernel.ptr, 1)
+    assert _packed(raw, "Qi4xi4xi4xf4x") == (args[0].data.ptr, 2, 16, 0, 0.25)
+    assert all(r[4] == raw for r in fake_driver)
     assert len(kept) == 3 and all(t is args[0] for t in kept)  # kept by a capture
 
 
-def test_update_plan_follows_the_settings_and_reallocated_arrays(fake_cupy, fake_scaling):
+def _update_ints(launch):
+    """(nmetas, length, most_recent) packed for a launch of delayed_scaling_update."""
+    return _packed(launch[4], "8xi4xi4xi4x")
+
+
+def test_update_plan_follows_the_settings_and_reallocated_arrays(fake_cupy, fake_driver,
+                                                                 fake_scaling):
     copies, _ = fake_scaling
     metas = [_Meta(3)]
     scaling_kernels.delayed_scaling_update(metas, "max", 0)
     scaling_kernels.delayed_scaling_update(metas, "most_recent", 0)  # another algo
-    (k,) = fake_cupy.values()
-    assert k.calls[1][2][3] == 1 and len(copies) == 1  # (same pointers: the same table)
+    assert _update_ints(fake_driver[1])[2] == 1 and len(copies) == 1  # (the same table)
     metas[0].amax_history = FakeArray((4, 3), np.float32)  # a resized history
     scaling_kernels.delayed_scaling_update(metas, "max", 0)
-    assert len(copies) == 2 and k.calls[-1][2][2] == 4
+    assert len(copies) == 2 and _update_ints(fake_driver[-1])[1] == 4
     assert copies[-1][0] == metas[0].amax_history.data.ptr
     metas[0].scale = FakeArray((3,), np.float32)  # any of the 4 arrays
     scaling_kernels.delayed_scaling_update(metas, "max", 0)
@@ -707,12 +714,12 @@ def test_kept_plan_launches_what_the_general_path_launches(monkeypatch):
     """Under a Tape, the kept plan's forward launches the same kernels with the same grids
     and arguments (x, weight, bias, the state's slots, codes and outputs in the same places)
     as dispatching every call: the same bits on a GPU. 2 casts + GEMM, a cast + GEMM (FP8
-    weights); the update (CuPy's launch) is not recorded."""
+    weights), then the update at the autocast's exit."""
     general = _recorded_steps(monkeypatch, False)
     kept = _recorded_steps(monkeypatch, True)
     assert [k[0].split("<")[0] for k in kept] == ["cast_transpose_tiled"] * 2 + [
-        "tc::fp8_gemm_tn", "cast_transpose_tiled", "tc::fp8_gemm_tn"]
-    assert len(kept) == 5 and len(linear_op._kept) == 2 and all(linear_op._kept.values())
+        "tc::fp8_gemm_tn", "cast_transpose_tiled", "tc::fp8_gemm_tn", "delayed_scaling_update"]
+    assert len(kept) == 6 and len(linear_op._kept) == 2 and all(linear_op._kept.values())
     assert kept == general
     assert _recorded_steps(monkeypatch, True, carve=True) == general  # scale_inv carved
 

@@ -237,11 +237,12 @@ def _fake_launches(monkeypatch, kept, steps=3):
 
 def test_kept_plan_with_a_residual_launches_the_epilogue(monkeypatch):
     """Faked CuPy: the FP8 linear with a residual launches 2 casts and the GEMM with the
-    residual epilogue (EPI 5: bias + residual), no add; the kept plan launches the same."""
+    residual epilogue (EPI 5: bias + residual), no add, then the update; the kept plan
+    launches the same."""
     general = _fake_launches(monkeypatch, False)
     kept = _fake_launches(monkeypatch, True)
     assert [k[0].split("<")[0] for k in kept] == ["cast_transpose_tiled"] * 2 + [
-        "tc::fp8_gemm_tn"]
+        "tc::fp8_gemm_tn", "delayed_scaling_update"]
     assert ", 5, false, false>" in kept[2][0] and len(linear_op._kept) == 1
     assert kept[2][4][6] != kept[2][4][5]  # aux: the residual, not D
     from tecupy.kernels import fp8_gemm as gemm_kernels

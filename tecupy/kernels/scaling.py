@@ -43,7 +43,7 @@ def _device_table(values):
 
 
 # Launch plans by (device, algo, margin, the metas' ids): (the metas' arrays when planned,
-# kernel, grid, arguments). A repeated exit with the same states checks 4 identities per
+# Launcher, arguments). A repeated exit with the same states checks 4 identities per
 # meta: no pointer list, cumsum or hash of every pointer, no copy (issue 21: ~17 us of the
 # FP8 Linear's host time on an H100). The plan holds the arrays it read, so their ids are
 # not reused while it lives: a meta whose arrays were replaced (a resized history, a state
@@ -62,9 +62,9 @@ def delayed_scaling_update(metas, algo, margin):
         if len(_plans) >= MAX_PLANS and key not in _plans:
             _plans.pop(next(iter(_plans)))
         plan = _plans[key] = _plan(metas, algo, margin)
-    _, k, grid, args = plan
+    _, run, args = plan
     keep_alive(args[0])  # a captured update reads the table at every replay: kept with it
-    k(grid, (128,), args)
+    run(args)
 
 
 def _same_arrays(arrays, metas):
@@ -79,9 +79,9 @@ def _same_arrays(arrays, metas):
 
 
 def _plan(metas, algo, margin):
-    """(arrays, kernel, grid, arguments) of the update of `metas`: the device table holds
-    each meta's 4 pointers, then the slot offsets (a cumsum of the slot counts); one block
-    per slot of all metas."""
+    """(arrays, Launcher, arguments) of the update of `metas`: the device table holds each
+    meta's 4 pointers, then the slot offsets (a cumsum of the slot counts); one block per
+    slot of all metas."""
     arrays = tuple(getattr(m, name) for m in metas for name in _ARRAYS)
     starts = np.cumsum([0] + [m.scale.size for m in metas])
     table = _device_table([a.data.ptr for a in arrays] + starts.tolist())
@@ -89,7 +89,9 @@ def _plan(metas, algo, margin):
     args = (table, np.int32(len(metas)), np.int32(metas[0].amax_history.shape[0]),
             np.int32(algo == "most_recent"),
             np.float32(2.0 ** -margin))  # down: exact, margin <= 126 (recipe.py)
-    return arrays, k, (int(starts[-1]),), args
+    import cupy
+    kinds = (cupy.ndarray, np.int32, np.int32, np.int32, np.float32)
+    return arrays, Launcher(k, (int(starts[-1]),), (128,), kinds), args
 
 
 @backends.register("fp8_scale_inv", "cuda", supports=lambda s, out: is_cupy(s))
