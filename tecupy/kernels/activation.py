@@ -8,7 +8,7 @@ from .. import backends, loader
 from ..activation_table import TABLE
 from .colsum import dbias
 from .dtypes import CTYPE, FP8TYPE, cbool, on_gpu_low_precision, vec_width
-from .launch import MANY_BLOCKS, grid_1d, launch
+from .launch import MANY_BLOCKS, Launcher, grid_1d, planned
 from .pools import amax_args, amax_grid
 
 FILE = "act.cu"
@@ -33,13 +33,6 @@ loader.declare(FILE, list(_names()))
 supported = on_gpu_low_precision
 
 
-def _kernel(prefix, name, x, vec, out=None, bias=None):
-    types = f"{CTYPE[x.dtype]}, {vec}, {TABLE[name].cuda}"
-    if out is not None:
-        types += f", {out}"
-    return loader.function(FILE, f"{prefix}<{types}, {cbool(bias is not None)}>")
-
-
 def _aligned(bias):
     """bias, contiguous and 16-byte aligned (the kernels load it by vectors)."""
     import cupy
@@ -55,18 +48,10 @@ def _fwd(name, gated, x, bias, scale, fmt, amax_out=None):
     y = cupy.empty(x.shape[:-1] + (n,), np.uint8 if fmt else x.dtype)
     # amax only for an FP8 output (the kernels read scale, amax and slot then only)
     amax, slot = amax_args(amax_out, rows * n) if fmt else (y, y)
-    vec = vec_width(x.dtype, n)
-    k = _kernel("gated_fwd" if gated else "act_fwd", name, x, vec,
-                FP8TYPE[fmt.name] if fmt else CTYPE[x.dtype], bias)
-    b = x if bias is None else _aligned(bias)
-    s = amax if scale is None else scale
     if rows * n:
-        shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        # gated: two streams (its a and b halves) take many blocks; plain ones the default;
-        # an FP8 output (grid_amax) the resident blocks only
-        grid = (amax_grid(k, rows * n, vec) if fmt else
-                grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec))
-        launch(k, (grid,), (256,), (x, b, y) + shape + (s, amax, slot))
+        run, shape = _plan("fwd", name, rows, n, x.dtype, fmt and fmt.name, bias is not None)
+        run((x, x if bias is None else _aligned(bias), y) + shape
+            + (amax if scale is None else scale, amax, slot))
     return (y, amax) if fmt else y
 
 
@@ -77,16 +62,46 @@ def _bwd(name, gated, dy, x, bias, out=None):
     n = x.shape[-1] // 2 if gated else x.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
     dx = cupy.empty_like(x) if out is None else _out(out, x)
-    vec = vec_width(x.dtype, n)
-    k = _kernel("gated_bwd" if gated else "act_bwd", name, x, vec, bias=bias)
-    b = x if bias is None else _aligned(bias)
     if rows * n:
-        shape = (np.int64(rows), np.int32(n)) if gated else (np.int64(x.size), np.int32(n))
-        launch(k, (grid_1d(rows * n, vec, 256, MANY_BLOCKS),), (256,), (dy, x, b, dx) + shape)
+        run, shape = _plan("bwd", name, rows, n, x.dtype, None, bias is not None)
+        run((dy, x, x if bias is None else _aligned(bias), dx) + shape)
     if bias is None:
         return dx, None
     db = dbias(dx.reshape(rows, x.shape[-1])) if rows else cupy.zeros(bias.shape, np.float32)
     return dx, db.astype(bias.dtype)
+
+
+_plans = {}  # launch plans (launch.planned): kernel, grid and sizes per call shape
+
+
+def _plan(way, name, rows, n, dtype, fmt, bias):
+    """(Launcher, the kernel's sizes: rows and n for gated rows, else all elements and n) of
+    the activation `name`'s forward (`way` "fwd": output of x's dtype, or of FP8 format
+    `fmt`) or backward ("bwd") over `rows` rows of `n` outputs, with a bias or not."""
+    import cupy
+    key = (way, name, rows, n, dtype, fmt, bias, cupy.cuda.runtime.getDevice(), MANY_BLOCKS)
+    return planned(_plans, key, _choose, way, name, rows, n, dtype, fmt, bias)
+
+
+def _choose(way, name, rows, n, dtype, fmt, bias):
+    import cupy
+    gated, vec = TABLE[name].gated, vec_width(dtype, n)
+    types = f"{CTYPE[dtype]}, {vec}, {TABLE[name].cuda}"
+    if way == "fwd":
+        types += f", {FP8TYPE[fmt] if fmt else CTYPE[dtype]}"
+    k = loader.function(FILE, f"{'gated' if gated else 'act'}_{way}<{types}, {cbool(bias)}>")
+    nd = cupy.ndarray
+    if way == "fwd":  # x, bias (or x), y, sizes, scale (or amax), amax, slot (or y)
+        kinds = (nd, nd, nd, np.int64, np.int32, nd, nd, np.uint64)
+        # gated: two streams (its a and b halves) take many blocks; plain ones the default;
+        # an FP8 output (grid_amax) the resident blocks only
+        grid = (amax_grid(k, rows * n, vec) if fmt else
+                grid_1d(rows * n, vec, 256, MANY_BLOCKS) if gated else grid_1d(rows * n, vec))
+    else:  # dy, x, bias (or x), dx, sizes
+        kinds = (nd, nd, nd, nd, np.int64, np.int32)
+        grid = grid_1d(rows * n, vec, 256, MANY_BLOCKS)
+    size = rows if gated else rows * n  # (plain: x.size)
+    return Launcher(k, (grid,), (256,), kinds), (np.int64(size), np.int32(n))
 
 
 def _out(out, x):

@@ -6,6 +6,7 @@ variants kept only for comparison left in the commit recorded at PERFLOG.md's en
 declared instantiations are exactly the ones the choices can reach (tests/
 test_kernels_norm.py walks every hidden size through _fwd_kernel and _bwd_kernel)."""
 import functools
+import inspect
 import itertools
 import os
 
@@ -14,8 +15,9 @@ import numpy as np
 from .. import backends, loader
 from .._array import is_cupy
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, vec_width
-from .launch import balanced_grid, hopper, launch, opt_in_smem, planned, resident_blocks, sm_count
-from .pools import amax_args
+from .launch import (Launcher, balanced_grid, hopper, launch, opt_in_smem, planned,
+                     resident_blocks, sm_count)
+from .pools import amax_args, ring_counters
 from .ring import (RING_GROUPS, RING_WARP_BYTES, ring_group, ring_launch, ring_plan,
                    ring_portion, ring_settings)
 
@@ -133,11 +135,14 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     amax, slot = amax_args(amax_out, rows) if fmt else (y, y)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
     if rows:
-        k, grid, threads, smem = _fwd_launch(rows, hidden, x.dtype, fmt and fmt.name, rms,
-                                             zero_centered_gamma)
-        k((grid,), (threads,), (x, gamma, beta, y, mu, rsigma, np.int64(rows),
-          np.int32(hidden), np.float32(eps), np.int32(zero_centered_gamma),
-          amax if scale is None else scale, amax, slot), shared_mem=smem)
+        name = fmt and fmt.name
+        run, scalars, rings = planned(
+            _plans, _fwd_key(eps, rows, hidden, x.dtype, name, rms, zero_centered_gamma),
+            _fwd_plan, rows, hidden, x.dtype, name, rms, zero_centered_gamma, eps)
+        if rings and rings[0] is None:  # rows taken from counters: a zeroed set per launch
+            rings = (ring_counters(), rings[1])
+        s = amax if scale is None else scale
+        run((x, gamma, beta, y, mu, rsigma) + scalars + (s, amax, slot) + rings)
     out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
     return out + (amax,) if fmt else out
 
@@ -145,15 +150,45 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
 _plans = {}  # launch plans (launch.planned; an eager LN at 8192 x 4096 was host-bound)
 
 
-def _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
-    """(kernel, grid, threads, dynamic shared bytes) of the forward of x (`dtype`) with an
-    output of x's dtype, or of FP8 format `fmt` ("e4m3", "e5m2")."""
+def _fwd_key(eps, rows, hidden, dtype, fmt, rms, zero_centered):
+    """A forward plan's key: the call's eps (None: _fwd_launch's choice, which does not read
+    it), shape and every setting the choice reads."""
     import cupy
-    key = ("fwd", rows, hidden, dtype, fmt, rms, zero_centered, cupy.cuda.runtime.getDevice(),
-           FWD_VARIANT, STREAM_MIN_ROW_BYTES, STREAM_MAX_SLOTS, STREAM_WARP_BYTES[bool(fmt)],
-           ring_launch, ring_settings(), THREADS_PER_ROW, MAX_THREADS, FWD_THREADS_PER_SM)
-    return planned(_plans, key, _choose_fwd_launch, rows, hidden, dtype, fmt, rms,
-                   zero_centered)
+    return (eps, rows, hidden, dtype, fmt, rms, zero_centered,
+            cupy.cuda.runtime.getDevice(), FWD_VARIANT, STREAM_MIN_ROW_BYTES, STREAM_MAX_SLOTS,
+            STREAM_WARP_BYTES[bool(fmt)], ring_launch, ring_settings(), THREADS_PER_ROW,
+            MAX_THREADS, FWD_THREADS_PER_SM)
+
+
+def _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
+    """(launch(grid, block, args, shared_mem), grid, threads, dynamic shared bytes) of the
+    forward of x (`dtype`) with an output of x's dtype, or of FP8 format `fmt` ("e4m3",
+    "e5m2"): functools.partial(launch, kernel), or ring_launch's run."""
+    return planned(_plans, _fwd_key(None, rows, hidden, dtype, fmt, rms, zero_centered),
+                   _choose_fwd_launch, rows, hidden, dtype, fmt, rms, zero_centered)
+
+
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+def _fwd_plan(rows, hidden, dtype, fmt, rms, zero_centered, eps):
+    """(Launcher, the arguments rows, hidden, eps and zero_centered in the kernel's types,
+    the ring kernels' last arguments: () or (row counters, slots), counters None where each
+    launch takes its own) of _fwd_launch's choice, so that a call packs its arguments and
+    launches (the kernels begin with PDL_WAIT)."""
+    import cupy
+    run, grid, threads, smem = _fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered)
+    if isinstance(run, functools.partial):  # partial(launch, kernel)
+        k, rings = run.args[0], ()
+    else:  # ring_launch's run: the kernel, its slots and rows from counters or fixed
+        free = inspect.getclosurevars(run).nonlocals
+        k, rings = free["k"], (None if free["counted"] else _NULL, np.int32(free["slots"]))
+    nd = cupy.ndarray  # x, gamma, beta, y, mu, rsigma, rows, hidden, eps, zero_centered,
+    # scale, amax, slot (an array or a pool's address), then the rings' counters and slots
+    kinds = (nd,) * 6 + (np.int64, np.int32, np.float32, np.int32, nd, nd, np.uint64)
+    kinds += (np.uint64, np.int32)[:len(rings)]
+    scalars = (np.int64(rows), np.int32(hidden), np.float32(eps), np.int32(zero_centered))
+    return Launcher(k, (grid,), (threads,), kinds, smem), scalars, rings
 
 
 def _choose_fwd_launch(rows, hidden, dtype, fmt, rms, zero_centered):
@@ -208,41 +243,47 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms, dres=None):
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
-    dy, x, gamma = (cupy.ascontiguousarray(t) for t in (dy, x, gamma))
+    dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
+    gamma = cupy.ascontiguousarray(gamma)
     rsigma = cupy.ascontiguousarray(rsigma, np.float32)
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
-    k, nblocks, threads, smem = _bwd_launch(rows, hidden, x.dtype, rms)
+    run, nblocks, tail, reduce = _bwd_launch(rows, hidden, x.dtype, rms, zero_centered_gamma)
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
     dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
     dbeta = dgamma if rms else cupy.empty_like(gamma)
-    dres = np.uint64(0) if dres is None else cupy.ascontiguousarray(dres)
-    launch(k, (nblocks,), (threads,), (dy, x, mu, rsigma, gamma, dx, dres, part,
-                                       np.int64(rows), np.int32(hidden),
-                                       np.int32(zero_centered_gamma)), smem)
-    _bwd_reduce(part, nblocks, hidden, dgamma, dbeta, rms)
+    dres = _NULL if dres is None else cupy.ascontiguousarray(dres)
+    run((dy, x, mu, rsigma, gamma, dx, dres, part) + tail)
+    _reduce(reduce, part, dgamma, dbeta)
     return (dx, dgamma) if rms else (dx, dgamma, dbeta)
 
 
-def _bwd_launch(rows, hidden, dtype, rms):
-    """(kernel, blocks, threads, dynamic shared bytes) of the backward."""
+def _bwd_launch(rows, hidden, dtype, rms, zero_centered):
+    """The backward's plan: (Launcher, blocks, its arguments after the arrays: rows, hidden,
+    zero_centered; the reduce's plan: _reduce_plan)."""
     import cupy
-    key = ("bwd", rows, hidden, dtype, rms, cupy.cuda.runtime.getDevice(), BWD_VARIANT,
-           GRP_STAGES, RING_STAGES, BWD_SMEM, MAX_ACC_SMEM, THREADS_PER_ROW, MAX_THREADS,
-           BWD_THREADS_PER_SM)
-    return planned(_plans, key, _choose_bwd_launch, rows, hidden, dtype, rms)
+    key = ("bwd", rows, hidden, dtype, rms, zero_centered, cupy.cuda.runtime.getDevice(),
+           BWD_VARIANT, GRP_STAGES, RING_STAGES, BWD_SMEM, MAX_ACC_SMEM, THREADS_PER_ROW,
+           MAX_THREADS, BWD_THREADS_PER_SM)
+    return planned(_plans, key, _choose_bwd_launch, rows, hidden, dtype, rms, zero_centered)
 
 
-def _choose_bwd_launch(rows, hidden, dtype, rms):
+def _choose_bwd_launch(rows, hidden, dtype, rms, zero_centered):
+    import cupy
     kind, name, (threads, smem, groups) = _bwd_kernel(hidden, dtype, rms, hopper())
     k = loader.function(BWD_FILE, name)
     opt_in_smem(k, smem)
     if kind == "grp":  # one block per SM (the partials are read back: fewer is better)
-        return k, balanced_grid(-(-rows // groups), 1), threads, smem
-    if kind == "ring":
-        return k, balanced_grid(rows, resident_blocks(k, threads, smem)), threads, smem
-    # Each block writes a [2, hidden] partial that the reduce reads back: fewer blocks
-    # measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
-    return k, _grid(rows, threads, BWD_THREADS_PER_SM), threads, smem
+        nblocks = balanced_grid(-(-rows // groups), 1)
+    elif kind == "ring":
+        nblocks = balanced_grid(rows, resident_blocks(k, threads, smem))
+    else:  # Each block writes a [2, hidden] partial that the reduce reads back: fewer
+        # blocks measured faster (PERFLOG.md: 2 blocks of 256 per SM beat 4 and 8).
+        nblocks = _grid(rows, threads, BWD_THREADS_PER_SM)
+    nd = cupy.ndarray  # dy, x, mu, rsigma, gamma, dx, dres (or null), part, rows, hidden,
+    kinds = (nd,) * 6 + (np.uint64, nd, np.int64, np.int32, np.int32)  # zero_centered
+    return (Launcher(k, (nblocks,), (threads,), kinds, smem), nblocks,
+            (np.int64(rows), np.int32(hidden), np.int32(zero_centered)),
+            _reduce_plan(nblocks, hidden, dtype, rms))
 
 
 def _bwd_kernel(hidden, dtype, rms, sm90):
@@ -281,14 +322,33 @@ def _grp_groups(row_bytes, threads, chunks):
 
 def _bwd_reduce(part, nparts, hidden, dgamma, dbeta, rms):
     """dgamma, dbeta = the column sums of the partials [nparts, 2 hidden]."""
-    t = CTYPE[dgamma.dtype]
-    args = (part, np.int32(nparts), np.int32(hidden), dgamma, dbeta, np.int32(not rms))
+    import cupy
+    _reduce(planned(_plans, ("reduce", nparts, hidden, dgamma.dtype, rms,
+                             cupy.cuda.runtime.getDevice()),
+                    _reduce_plan, nparts, hidden, dgamma.dtype, rms), part, dgamma, dbeta)
+
+
+def _reduce(plan, part, dgamma, dbeta):
+    """The reduce's launch by its plan (_reduce_plan)."""
+    run, sizes, both = plan
+    run((part,) + sizes + (dgamma, dbeta, both))
+
+
+def _reduce_plan(nparts, hidden, dtype, rms):
+    """(Launcher, (nparts, hidden) as int32, whether dbeta too as int32) of the reduce of
+    the backward's partials: norm_bwd_reduce_vec at an even hidden, else norm_bwd_reduce."""
+    import cupy
+    t = CTYPE[dtype]
     if hidden % 2 == 0:
-        launch(loader.function(BWD_FILE, f"norm_bwd_reduce_vec<{t}>"),
-               (-(-2 * hidden // 128),), (32, 32), args)
+        k, grid, block = (loader.function(BWD_FILE, f"norm_bwd_reduce_vec<{t}>"),
+                          (-(-2 * hidden // 128),), (32, 32))
     else:
-        launch(loader.function(BWD_FILE, f"norm_bwd_reduce<{t}>"), (-(-2 * hidden // 32),),
-               (32, 8), args)
+        k, grid, block = (loader.function(BWD_FILE, f"norm_bwd_reduce<{t}>"),
+                          (-(-2 * hidden // 32),), (32, 8))
+    nd = cupy.ndarray  # part, nparts, hidden, dgamma, dbeta, dbeta too
+    kinds = (nd, np.int32, np.int32, nd, nd, np.int32)
+    return Launcher(k, grid, block, kinds), (np.int32(nparts), np.int32(hidden)), np.int32(
+        not rms)
 
 
 _declare()
