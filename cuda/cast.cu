@@ -20,6 +20,7 @@
 //   (below); scale_inv as in cast_to_fp8. DACT (a struct of act_math.cuh, or NoAct): the
 //   tensor cast is an activation's backward, x = T(dy * f'(h + hbias)), dy the kernel's x
 //   input (Transformer Engine's cast_transpose_dbias_dgelu).
+// cast_transpose_pair<T, F8>: two plain cast_transpose_tiled casts in one launch.
 #include "act_math.cuh"
 #include "common.cuh"
 
@@ -28,9 +29,10 @@ template <typename A> struct IsNoAct { static constexpr bool value = false; };
 template <> struct IsNoAct<NoAct> { static constexpr bool value = true; };
 
 // ---- cast ------------------------------------------------------------------------------
-// scale_inv[0] = 1 / s from the first thread of the grid (nullptr: the caller has none)
-__device__ __forceinline__ void write_scale_inv(float* scale_inv, float s) {
-    if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) scale_inv[0] = 1.f / s;
+// scale_inv[0] = 1 / s from the first thread of block 0 of the cast (nullptr: the caller
+// has none)
+__device__ __forceinline__ void write_scale_inv(float* scale_inv, float s, int blk) {
+    if (scale_inv != nullptr && blk == 0 && threadIdx.x == 0) scale_inv[0] = 1.f / s;
 }
 
 template <typename T, typename F8, int VEC>
@@ -40,7 +42,7 @@ __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ s
                             long long n) {
     PDL_WAIT();
     const float s = scale[0];
-    write_scale_inv(scale_inv, s);
+    write_scale_inv(scale_inv, s, blockIdx.x);
     float m = 0.f;
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
@@ -146,20 +148,21 @@ __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>&
     }
 }
 
-template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT = NoAct>
-__global__ void __launch_bounds__(256)
-cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
-                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                     float* __restrict__ scale_inv, float* __restrict__ amax,
-                     unsigned* __restrict__ slot, float* __restrict__ part, int rows,
-                     int cols, const T* __restrict__ h, const T* __restrict__ hbias,
-                     long long ldh, long long ldq) {
+// The body of cast_transpose_tiled for block blk of nblk (a grid-stride loop over the tiles
+// with nblk blocks; cast_transpose_pair runs two in one grid).
+template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT>
+__device__ __forceinline__ void
+cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
+                    unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                    float* __restrict__ scale_inv, float* __restrict__ amax,
+                    unsigned* __restrict__ slot, float* __restrict__ part, int rows, int cols,
+                    const T* __restrict__ h, const T* __restrict__ hbias, long long ldh,
+                    long long ldq, int blk, int nblk) {
     constexpr bool ACT = !IsNoAct<DACT>::value;
-    PDL_WAIT();
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
     const float s = scale[0];
-    write_scale_inv(scale_inv, s);
+    write_scale_inv(scale_inv, s, blk);
     const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
     const int a = threadIdx.x >> 3, b = threadIdx.x & 7;
     float m = 0.f;
@@ -180,8 +183,8 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                 }
             }
     };
-    if (blockIdx.x < tiles) load(blockIdx.x);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    if (blk < tiles) load(blk);
+    for (int tile = blk; tile < tiles; tile += nblk) {
         const int by = tile / tiles_x, r0 = by * 128 * G, c0 = (tile % tiles_x) * 64;
         const int c = c0 + 8 * b;
         float cs[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // this thread's rows, columns c .. c + 7
@@ -220,7 +223,7 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                 tt[tt_word<G>(8 * b + 2 * k + 1, 32 * g + a)] = __byte_perm(r01, r23, 0x7531);
             }
         }
-        if (tile + gridDim.x < tiles) load(tile + gridDim.x);
+        if (tile + nblk < tiles) load(tile + nblk);
         if (DBIAS) {  // lanes with the same b (columns) differ in a by lane / 8
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -249,5 +252,41 @@ cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
         __syncthreads();  // tt and colsum are the next tile's
     }
     PDL_TRIGGER();
-    grid_amax(m, amax, slot);
+    grid_amax(m, amax, slot);  // (a slot counts the whole grid's blocks: null in the pair)
+}
+
+template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT = NoAct>
+__global__ void __launch_bounds__(256)
+cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
+                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                     float* __restrict__ scale_inv, float* __restrict__ amax,
+                     unsigned* __restrict__ slot, float* __restrict__ part, int rows,
+                     int cols, const T* __restrict__ h, const T* __restrict__ hbias,
+                     long long ldh, long long ldq) {
+    PDL_WAIT();
+    cast_transpose_body<T, F8, G, DBIAS, RAGGED, DACT>(x, scale, q, qt, scale_inv, amax, slot,
+                                                       part, rows, cols, h, hbias, ldh, ldq,
+                                                       blockIdx.x, gridDim.x);
+}
+
+// cast_transpose_pair<T, F8>: two plain casts (no dbias, no activation, rows % 16 == 0,
+// cols % 8 == 0) in one launch: an FP8 linear's input and weight, one launch less per
+// forward (issue 21). Blocks [0, blocks_a) cast a, the rest b, each set a grid-stride loop
+// over its own tiles; each amax maxed in by atomicMax (no slot), each scale_inv written.
+template <typename T, typename F8>
+__global__ void __launch_bounds__(256)
+cast_transpose_pair(const T* __restrict__ xa, const float* __restrict__ sa,
+                    unsigned char* __restrict__ qa, unsigned char* __restrict__ qta,
+                    float* __restrict__ inva, float* __restrict__ amaxa, int rowsa, int colsa,
+                    const T* __restrict__ xb, const float* __restrict__ sb,
+                    unsigned char* __restrict__ qb, unsigned char* __restrict__ qtb,
+                    float* __restrict__ invb, float* __restrict__ amaxb, int rowsb, int colsb,
+                    int blocks_a) {
+    PDL_WAIT();
+    const bool a = blockIdx.x < blocks_a;
+    const int cols = a ? colsa : colsb;
+    cast_transpose_body<T, F8, 1, false, false, NoAct>(
+        a ? xa : xb, a ? sa : sb, a ? qa : qb, a ? qta : qtb, a ? inva : invb,
+        a ? amaxa : amaxb, nullptr, nullptr, a ? rowsa : rowsb, cols, nullptr, nullptr, cols,
+        cols, a ? blockIdx.x : blockIdx.x - blocks_a, a ? blocks_a : gridDim.x - blocks_a);
 }

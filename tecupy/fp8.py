@@ -323,6 +323,27 @@ def bound_cast(a, scale, fmt, amax_out):
     return cast_bound
 
 
+def bound_cast_pair(a, qa, b, qb):
+    """bound_cast of arrays like `a` with quantizer qa (its scale, fmt and amax_out) and of
+    arrays like `b` with qb, both in one launch (kernels' `bind_pair`): f(xa, xb) -> (the
+    FP8Tensor of xa, that of xb), the same as two bound casts; or None where there is no
+    such form (other formats, dtypes or array types, shapes it does not take)."""
+    impl = backends.choose("cast_transpose", a, qa.scale, qa.fmt, qa.amax_out, qa.amax_out)
+    bind = getattr(getattr(impl, "fn", None), "bind_pair", None)
+    if (bind is None or impl.failure is not None or qa.fmt != qb.fmt or a.dtype != b.dtype
+            or type(a) is not type(b) or a.ndim != 2 or b.ndim != 2):
+        return None
+    launch = bind(a.shape, b.shape, a.dtype, qa.fmt)
+    if launch is None:
+        return None
+    fmt, sa, ma, sb, mb = qa.fmt, qa.scale, qa.amax_out, qb.scale, qb.amax_out
+
+    def cast_pair(xa, xb):
+        (da, ta, ia), (db, tb, ib) = launch(xa, sa, ma, xb, sb, mb)
+        return FP8Tensor.made(da, fmt, ia, ta), FP8Tensor.made(db, fmt, ib, tb)
+    return cast_pair
+
+
 def dact_cast(dy, x, bias, name, scale, fmt, amax_out, dbias_dtype=None):
     """cast(dx, ..., transpose=True, dbias_dtype) of the activation `name`'s backward
     dx = dy * f'(x + bias) (in dy's dtype), in one pass where a kernel has it: dx is never

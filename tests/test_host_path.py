@@ -650,9 +650,10 @@ def _linear_host():
 
 
 @contextlib.contextmanager
-def fake_launches(monkeypatch, kept, carve=False):
+def fake_launches(monkeypatch, kept, carve=False, pair=False):
     """Faked CuPy (scripts/linear_host.py's FakeCupy) with fresh launch plans, the FP8
-    linear's kept plan on or off, and every Launcher launch recorded: yields (host module,
+    linear's kept plan on or off (its pair of casts in one launch: pair), and every Launcher
+    launch recorded: yields (host module,
     the fake cupy, the list of launches: kernel, grid, block, shared bytes, packed
     arguments). Every allocation gets a new address, so an address names one array."""
     host = _linear_host()
@@ -660,6 +661,7 @@ def fake_launches(monkeypatch, kept, carve=False):
         monkeypatch.setattr(module, "_plans", {})
     monkeypatch.setattr(linear_op, "_kept", {})
     monkeypatch.setattr(linear_op, "KEPT", kept)
+    monkeypatch.setattr(linear_op, "KEPT_PAIR", pair)
     monkeypatch.setattr(cast_kernels, "CARVE_SCALE_INV", carve)
     sizes, launched, real_state = {}, [], launch_mod._launch_state
 
@@ -695,11 +697,12 @@ def numbered(launched):
             for f, grid, block, shared, raw in launched]
 
 
-def _recorded_steps(monkeypatch, kept, steps=3, carve=False):
+def _recorded_steps(monkeypatch, kept, steps=3, carve=False, pair=False):
     """The launches of the last of `steps` training forwards of an FP8 nn.Linear and one
-    with FP8 weights (faked CuPy), addresses numbered."""
+    with FP8 weights (faked CuPy), addresses numbered; pair: the kept plan's one launch for
+    both casts (ops.linear.KEPT_PAIR)."""
     r = DelayedScaling(amax_history_len=4)
-    with fake_launches(monkeypatch, kept, carve) as (host, cupy, launched):
+    with fake_launches(monkeypatch, kept, carve, pair) as (host, cupy, launched):
         lin, x = host.make(cupy, True)
         lin8 = host.make_fp8_weights(cupy, True, r)
         for _ in range(steps):
@@ -722,6 +725,23 @@ def test_kept_plan_launches_what_the_general_path_launches(monkeypatch):
     assert len(kept) == 6 and len(linear_op._kept) == 2 and all(linear_op._kept.values())
     assert kept == general
     assert _recorded_steps(monkeypatch, True, carve=True) == general  # scale_inv carved
+
+
+def test_kept_plan_pair_casts_what_the_two_casts_cast(monkeypatch):
+    """KEPT_PAIR: x and the weight cast by one cast_transpose_pair launch whose arguments are
+    the two casts' (x, scale, q, qt, scale_inv, amax, rows, cols, each; the same arrays and
+    slots), then a's block count; the GEMM and the rest as before."""
+    general = _recorded_steps(monkeypatch, False)
+    paired = _recorded_steps(monkeypatch, True, pair=True)
+    assert [k[0].split("<")[0] for k in paired] == ["cast_transpose_pair", "tc::fp8_gemm_tn",
+                                                     "cast_transpose_tiled", "tc::fp8_gemm_tn",
+                                                     "delayed_scaling_update"]
+    (name, grid, block, shared, words), cx, cw = paired[0], general[0], general[1]
+    assert words[:6] + words[6:8] == cx[4][:6] + cx[4][8:10]  # x: arrays, rows, cols
+    assert words[8:14] + words[14:16] == cw[4][:6] + cw[4][8:10]  # the weight's
+    assert (grid[0], block, shared) == (cx[1][0] + cw[1][0], (256, 1, 1), 0)
+    assert words[16] == cx[1][0] and name == cx[0].replace("tiled", "pair").split(", 1,")[0] + ">"
+    assert paired[1:] == general[2:]
 
 
 def test_carved_scale_inv_lies_after_the_transposed_codes(monkeypatch):
@@ -754,7 +774,7 @@ def test_kept_plan_is_dropped_where_it_fails(monkeypatch):
 
     def plan(*args):
         got = real(*args)
-        return got and (got[0], got[1], failing, got[3])
+        return got and (got[0], got[1], failing) + got[3:]
     monkeypatch.setattr(linear_op, "_kept_plan", plan)
     general = _recorded_steps(monkeypatch, True)
     assert len(calls) == 2 and not any(linear_op._kept.values())

@@ -30,7 +30,8 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
        for f in FP8TYPE.values() for b in ("false", "true") for r in ("false", "true")]
     + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}, false, {a.cuda}>" for d in LOW_PRECISION
        for f in FP8TYPE.values() for b in ("false", "true") for a in TABLE.values()
-       if not a.gated])
+       if not a.gated]
+    + [f"cast_transpose_pair<{CTYPE[d]}, {f}>" for d in LOW_PRECISION for f in FP8TYPE.values()])
 
 
 def _inv_arg(scale, scale_inv_out, n):
@@ -159,6 +160,46 @@ def _ct_bind(rows, cols, dtype, fmt):
     return cast
 
 
+def _ct_pair_bind(shape_a, shape_b, dtype, fmt):
+    """Two bound casts (_ct_bind) in one launch (cast_transpose_pair: an FP8 linear's input
+    and weight, one launch less per forward), its plan made now: pair(xa, scale_a, amax_a,
+    xb, scale_b, amax_b) -> ((q, qt, scale_inv) of a, those of b), the same codes as two
+    bound casts; None where a shape is empty or not whole 16-row, 8-column tiles (the ragged
+    kernel) or the scale_inv is carved."""
+    if CARVE_SCALE_INV or not all(r * c and r % 16 == 0 and c % 8 == 0
+                                  for r, c in (shape_a, shape_b)):
+        return None
+    import cupy
+    (ra, ca), (rb, cb) = shape_a, shape_b
+    run, tail_a, tail_b = planned(_plans, ("pair", shape_a, shape_b, dtype, fmt.name,
+                                           _device()), _pair_plan, shape_a, shape_b, dtype,
+                                  fmt.name)
+
+    def pair(xa, sa, amax_a, xb, sb, amax_b):
+        xa, xb = cupy.ascontiguousarray(xa), cupy.ascontiguousarray(xb)
+        # (each one's arrays in the order _ct_bind's cast makes them)
+        inva, qa, qta = (cupy.empty((1,), np.float32), cupy.empty((ra, ca), np.uint8),
+                         cupy.empty((ca, ra), np.uint8))
+        invb, qb, qtb = (cupy.empty((1,), np.float32), cupy.empty((rb, cb), np.uint8),
+                         cupy.empty((cb, rb), np.uint8))
+        run((xa, sa, qa, qta, inva, amax_a) + tail_a + (xb, sb, qb, qtb, invb, amax_b)
+            + tail_b)
+        return (qa, qta, inva), (qb, qtb, invb)
+    return pair
+
+
+def _pair_plan(shape_a, shape_b, dtype, fmt):
+    """(Launcher, a's rows and cols, b's rows, cols and a's block count) of
+    cast_transpose_pair: each cast its own grid-stride blocks, as many as _ct_plan's."""
+    k = loader.function(FILE, f"cast_transpose_pair<{CTYPE[dtype]}, {FP8TYPE[fmt]}>")
+    most = sm_count() * resident_blocks(k, 256, 0)
+    blocks = [min(-(-r // 128) * -(-c // 64), most) for r, c in (shape_a, shape_b)]
+    nd, i32 = _array_type(), np.int32
+    run = Launcher(k, (sum(blocks),), (256,), ((nd,) * 6 + (i32, i32)) * 2 + (i32,))
+    return run, (i32(shape_a[0]), i32(shape_a[1])), (i32(shape_b[0]), i32(shape_b[1]),
+                                                     i32(blocks[0]))
+
+
 # The bound cast's scale_inv carved out of the transposed codes' allocation: the two live
 # and die together (a linear's backward keeps both; the row-wise codes, which die after the
 # forward GEMM, stay apart: issue 22), so one pool allocation (malloc and free) less per
@@ -168,6 +209,7 @@ CARVE_SCALE_INV = False
 
 
 cast_transpose.bind = _ct_bind  # (backends.choose's callers look for it on the function)
+cast_transpose.bind_pair = _ct_pair_bind
 
 
 @backends.register("cast_transpose_dbias", "cuda", supports=_ct_supported)

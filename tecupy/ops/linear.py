@@ -15,7 +15,7 @@ Elsewhere (high precision, other GEMMs, broadcast residuals) the op runs linear,
 """
 from .. import _array, _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
-from ..fp8 import bound_cast
+from ..fp8 import bound_cast, bound_cast_pair
 from ..fp8_params import FP8Weight, check_qweight, hp, weight_fp8
 from ..inspect import ACTIVE_INSPECTOR
 from ..fp8_state import FP8State
@@ -212,8 +212,12 @@ def _linear_fp8(x, weight, bias, q, residual=None, qweight=None):
 # KEPT off: the general path always (A/B, tests).
 # A given qweight (a module's kept FP8 weight, is_first_microbatch=False) is keyed apart: its
 # plan casts x only and reads the given codes (no weight cast, no amax of the weight).
+# KEPT_PAIR: the plan casts x and the weight in one launch (cast_transpose_pair; the same
+# codes), where both are cast, of one dtype and format, in whole tiles.
 KEPT = True
-_kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn, holds)
+KEPT_PAIR = True
+_kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn, holds,
+#                   cast both or None)
 
 
 def _kept_key(x2, weight, bias, q, r2, qweight=None):
@@ -236,11 +240,14 @@ def _kept_forward(key, x2, weight, bias, q, r2=None, qweight=None):
     plan = _kept.get(key)
     if not plan:
         return None
-    cast_x, cast_w, gemm, _ = plan
+    cast_x, cast_w, gemm, _, pair = plan
     try:
-        qx = cast_x(x2)
-        qw = (qweight if qweight is not None else weight.fp8() if cast_w is None
-              else cast_w(weight))
+        if pair is not None:
+            qx, qw = pair(x2, weight)
+        else:
+            qx = cast_x(x2)
+            qw = (qweight if qweight is not None else weight.fp8() if cast_w is None
+                  else cast_w(weight))
         more = {} if r2 is None else {"residual": r2}  # (a plan with r2 has an op taking it)
         return qx, qw, gemm(qx.data, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
                             x2.dtype, bias, split_accumulator=False, **more)  # (fp8_gemm's)
@@ -266,7 +273,8 @@ def _kept_plan(x2, weight, bias, q, qx, qw, r2=None, qweight=None):
                            qw.scale_inv, x2.dtype, bias, **more)
     if not all(casts[:len(cast)]) or impl is None or impl.failure is not None:
         return False
-    return casts[0], casts[1], impl.fn, (q.input, q.weight)
+    pair = bound_cast_pair(x2, q.input, weight, q.weight) if KEPT_PAIR and not no_cast else None
+    return casts[0], casts[1], impl.fn, (q.input, q.weight), pair
 
 
 def as_2d(a, m, k):
