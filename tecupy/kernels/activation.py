@@ -67,8 +67,9 @@ def _bwd(name, gated, dy, x, bias, out=None):
         run((dy, x, x if bias is None else _aligned(bias), dx) + shape)
     if bias is None:
         return dx, None
-    db = dbias(dx.reshape(rows, x.shape[-1])) if rows else cupy.zeros(bias.shape, np.float32)
-    return dx, db.astype(bias.dtype)
+    if not rows:
+        return dx, cupy.zeros(bias.shape, bias.dtype)
+    return dx, dbias(dx.reshape(rows, x.shape[-1]), bias.dtype)  # (in bias's type: no astype)
 
 
 _plans = {}  # launch plans (launch.planned): kernel, grid and sizes per call shape

@@ -6,7 +6,6 @@ variants kept only for comparison left in the commit recorded at PERFLOG.md's en
 declared instantiations are exactly the ones the choices can reach (tests/
 test_kernels_norm.py walks every hidden size through _fwd_kernel and _bwd_kernel)."""
 import functools
-import inspect
 import itertools
 import os
 
@@ -181,8 +180,7 @@ def _fwd_plan(rows, hidden, dtype, fmt, rms, zero_centered, eps):
     if isinstance(run, functools.partial):  # partial(launch, kernel)
         k, rings = run.args[0], ()
     else:  # ring_launch's run: the kernel, its slots and rows from counters or fixed
-        free = inspect.getclosurevars(run).nonlocals
-        k, rings = free["k"], (None if free["counted"] else _NULL, np.int32(free["slots"]))
+        k, rings = run.kernel, (None if run.counted else _NULL, np.int32(run.slots))
     nd = cupy.ndarray  # x, gamma, beta, y, mu, rsigma, rows, hidden, eps, zero_centered,
     # scale, amax, slot (an array or a pool's address), then the rings' counters and slots
     kinds = (nd,) * 6 + (np.int64, np.int32, np.float32, np.int32, nd, nd, np.uint64)

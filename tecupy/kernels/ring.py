@@ -69,7 +69,8 @@ RING_DYNAMIC_ROWS = 12
 def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS,
                 dynamic=True):
     """(launch(grid, block, args, shared_mem) appending the row counters (null for the
-    fixed split) and the slot count, grid, threads, shared bytes) for a kernel `k` (loader
+    fixed split) and the slot count (its attributes kernel, counted and slots say which),
+    grid, threads, shared bytes) for a kernel `k` (loader
     function) whose groups of `group` warps stream rows through WarpRings, or None (see
     ring_plan). `dynamic`: the kernel may take rows from counters (RING_DYNAMIC_ROWS)."""
     plan = ring_plan(slot_bytes, extra, max_slots)
@@ -89,4 +90,5 @@ def ring_launch(k, rows, slot_bytes, extra=0, group=1, max_slots=RING_MAX_SLOTS,
     def run(grid, block, args, shared_mem):  # (the ring kernels begin with PDL_WAIT)
         counters = ring_counters() if counted else np.uint64(0)
         launch(k, grid, block, args + (counters, np.int32(slots)), shared_mem)
+    run.kernel, run.counted, run.slots = k, counted, slots  # (for a caller's launch plan)
     return run, balanced_grid(-(-rows // (warps // group)), per_sm), 32 * warps, smem
