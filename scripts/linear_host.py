@@ -146,14 +146,19 @@ def best_of(cases, rounds_, calls):
 
 
 def ab(lin, lin8, x, r, a, sync):
-    """(a)-(e) with ops/linear.py's kept plan off, on, and on with scale_inv carved out of the
-    transposed codes' allocation (kernels/cast.py CARVE_SCALE_INV), twice, in one process."""
+    """(a)-(e) with ops/linear.py's kept plan off, on without its pair of casts in one launch
+    (KEPT_PAIR), on, and on with scale_inv carved out of the transposed codes' allocation
+    (kernels/cast.py CARVE_SCALE_INV: no pair), twice, in one process."""
     import importlib
     from tecupy.kernels import cast
     ops_linear = importlib.import_module("tecupy.ops.linear")
-    for kept, carve in ((False, False), (True, False), (True, True)) * 2:
-        ops_linear.KEPT, cast.CARVE_SCALE_INV = kept, carve
-        tag = f"kept plan {'on' if kept else 'off'}{', carved' if carve else ''}"
+    cases = ((False, False, False), (True, False, False), (True, True, False),
+             (True, False, True))
+    for kept, pair, carve in cases * 2:
+        ops_linear.KEPT, ops_linear.KEPT_PAIR, cast.CARVE_SCALE_INV = kept, pair, carve
+        ops_linear._kept.clear()
+        tag = (f"kept plan {'on' if kept else 'off'}{', pair' if pair else ''}"
+               f"{', carved' if carve else ''}")
         report(f"  {tag}: (a)", rounds(per_call(lin, x, r), a.calls, sync))
         report(f"  {tag}: (b)", rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
                                        held=held_context(r)))
@@ -161,7 +166,8 @@ def ab(lin, lin8, x, r, a, sync):
         report(f"  {tag}: (d)", rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
                                        held=held_context(r)))
         report(f"  {tag}: (e)", held_microbatches(lin, x, r, a, sync))
-    ops_linear.KEPT, cast.CARVE_SCALE_INV = True, False
+    ops_linear.KEPT, ops_linear.KEPT_PAIR, cast.CARVE_SCALE_INV = True, True, False
+    ops_linear._kept.clear()
 
 
 def cupy_parts(cupy, rounds_=40, calls=100):
