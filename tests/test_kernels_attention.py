@@ -114,7 +114,8 @@ def test_deterministic_backward_is_bit_identical(rng, monkeypatch, variant, mask
 @pytest.mark.parametrize("variant", kernel.BWD_VARIANTS)
 def test_backward_mode_follows_the_environment(rng, monkeypatch, variant):
     """Nothing set: the float reductions' kernel (Transformer Engine's default);
-    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: the deterministic one."""
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: the deterministic one (launch plans made afresh for
+    each call, so each looks its kernel up)."""
     import cupy
     names, real = [], kernel._function
     monkeypatch.setattr(kernel, "_function", lambda name, smem, file=kernel.FILE: (
@@ -129,6 +130,7 @@ def test_backward_mode_follows_the_environment(rng, monkeypatch, variant):
         if value is not None:
             monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", value)
         names.clear()
+        monkeypatch.setattr(kernel, "_plans", {})
         backends.dispatch("attention_bwd", q, q, q, q, o, lse, *tail)
         assert names[-1].startswith("attention_bwd") and names[-1].endswith(f", {det}>")
 
