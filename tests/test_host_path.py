@@ -650,6 +650,22 @@ def _linear_host():
     return mod
 
 
+def fresh_plans(monkeypatch):
+    """Every kernel wrapper's launch plans (and launch()'s Launchers) fresh for this test: on
+    a GPU machine, plans made by earlier tests hold real kernels, which faked CuPy's arrays
+    and the fake launch recorder cannot take."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("tecupy.kernels.") and isinstance(
+                getattr(module, "_plans", None), dict):
+            monkeypatch.setattr(module, "_plans", {})
+    monkeypatch.setattr(launch_mod, "_launchers", {})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(monkeypatch):
+    fresh_plans(monkeypatch)
+
+
 @contextlib.contextmanager
 def fake_launches(monkeypatch, kept, carve=False, pair=False):
     """Faked CuPy (scripts/linear_host.py's FakeCupy) with fresh launch plans, the FP8
@@ -658,13 +674,7 @@ def fake_launches(monkeypatch, kept, carve=False, pair=False):
     the fake cupy, the list of launches: kernel, grid, block, shared bytes, packed
     arguments). Every allocation gets a new address, so an address names one array."""
     host = _linear_host()
-    # every wrapper's plans fresh: on a GPU machine, plans made by earlier tests hold real
-    # kernels, which the recorder below would read as fake ones
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("tecupy.kernels.") and isinstance(
-                getattr(module, "_plans", None), dict):
-            monkeypatch.setattr(module, "_plans", {})
-    monkeypatch.setattr(launch_mod, "_launchers", {})
+    fresh_plans(monkeypatch)
     monkeypatch.setattr(linear_op, "_kept", {})
     monkeypatch.setattr(linear_op, "KEPT", kept)
     monkeypatch.setattr(linear_op, "KEPT_PAIR", pair)
