@@ -272,3 +272,16 @@ def _spy_kinds(monkeypatch):
         return real(op, *args, **kwargs)
     monkeypatch.setattr(backends, "dispatch", spy)
     return kinds
+
+
+@needs_hopper
+def test_pipelined_plans_of_one_kernel_with_different_k(monkeypatch, rng):
+    """The pipelined kernel's shared bytes grow with K: a plan made for a small K after one
+    for a large K must not lower the kernel's shared-memory limit under the first's (the
+    layer's dgrad at K = 16384 failed to launch once fc1's K = 4096 was planned)."""
+    from tecupy.kernels import block_scaling
+    monkeypatch.setattr(block_scaling, "_gemm_plans", {})
+    _pipeline(monkeypatch, True)
+    for k in (9088, 1024, 9088):
+        _run_case(monkeypatch, rng, 256, 1024, k, E4M3, E4M3, 1, 2, tecupy.bfloat16, False)
+        assert _pipelined(256, 1024, k, 2)

@@ -21,7 +21,7 @@ from .._array import bfloat16, is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
 from . import launch as launch_module  # (PDL: a setting; `launch` is a function here)
-from .launch import Launcher, hopper, planned, sm_count
+from .launch import Launcher, hopper, opt_in_smem, planned, sm_count
 from .tma import tma_desc as tma_encode
 
 FILE = "fp8_gemm.cu"
@@ -343,7 +343,9 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
         loader.declare(FILE, [name], archs=("sm_90a",), options=OPTIONS)
     fn = loader.function(FILE, name)
-    fn.max_dynamic_shared_size_bytes = smem  # (per kernel and device: once per plan)
+    # (per kernel and device, raised only: the pipelined block kernel's shared bytes grow
+    # with K, and one plan lowering it under another's made that one's launches fail)
+    opt_in_smem(fn, smem)
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
     grid = (min(units, sm_count() // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
