@@ -430,19 +430,15 @@ __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
     for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
         for (int kb = 0; kb < nk; ++kb) {
             Barrier::wait(&empty[s], phase ^ 1);
-            if constexpr (SCALE == 1) {
-                const int bytes = min(BN, N - nb * BN) * int(sizeof(float));
-                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + bytes);
+            const int b_bytes = SCALE == 1 ? min(BN, N - nb * BN) * int(sizeof(float)) : 0;
+            const int a_bytes = AF ? min(BM, M - mb * BM) * int(sizeof(float)) : 0;
+            Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + b_bytes + a_bytes);
+            if constexpr (SCALE == 1)
                 cute::SM90_BULK_COPY_G2S::copy(scale_b + size_t(kb) * N + nb * BN, &full[s],
-                                               sb_stage + s * BN, bytes);
-            } else if constexpr (AF) {
-                const int bytes = min(BM, M - mb * BM) * int(sizeof(float));
-                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK + bytes);
+                                               sb_stage + s * BN, b_bytes);
+            if constexpr (AF)
                 cute::SM90_BULK_COPY_G2S::copy(scale_a + size_t(kb) * M + mb * BM, &full[s],
-                                               sa_stage + s * BM, bytes);
-            } else {
-                Barrier::arrive_and_expect_tx(&full[s], (BM + BN) * BK);
-            }
+                                               sa_stage + s * BM, a_bytes);
             if constexpr (CLUSTER == 1)
                 cute::SM90_TMA_LOAD_2D::copy(ta, &full[s], hint, sa + s * BM * BK, kb * BK,
                                              mb * BM);
@@ -622,7 +618,7 @@ __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
 }
 
 // Block scaling with 128x128 B, every factor from shared memory (fp8_block_gemm_pipe_tn,
-// kernels/fp8_gemm.py's BLOCK_PIPELINE; 1x128 B keeps fp8_block_gemm_tn). mainloop_split
+// kernels/fp8_gemm.py's BLOCK_PIPELINE; 1x128 B: mainloop_staged below). mainloop_split
 // loads k-block kb + 1's factors from global memory during kb, and ptxas makes kb's wgmma
 // wait (WARPGROUP.DEPBAR) also wait for them: B's are the same for every thread, kept in
 // uniform registers, and their copy (R2UR) sits just before the wait; A's copy (f = next)
@@ -680,6 +676,34 @@ __device__ __forceinline__ void mainloop_table(uint64_t da, uint64_t db,
     }
 }
 
+// Block scaling with 1x128 B, every factor from shared memory (fp8_block_gemm_pipe_tn with
+// SCALE 1): B's come with each stage as in mainloop_split, A's too (the producer's AF copy
+// into sa_stage), so no global load is left in the loop (mainloop_split's A factors, an L2
+// round trip a k-block ahead, stalled each k-block's wgmma wait as they did for 128x128 B).
+// The stage is released after the last promotion, which reads its B factors.
+template <int BN, int STAGES, int CLUSTER, class MMA>
+__device__ __forceinline__ void mainloop_staged(uint64_t da, uint64_t db,
+                                                uint64_t* full, uint64_t* empty, int nk,
+                                                int& s, int& phase, float (&acc)[BN / 2],
+                                                const BlockScales& bs, const float* sa_stage) {
+    const int r = bs.r0 % BM;  // this thread's first row in the tile (and r + 8)
+    float part[mma_n<MMA>() / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < nk; ++kb) {
+        Barrier::wait(&full[s], phase);
+        Factors<BN, 1> f;  // (rows past M: stale words past the copy; never stored)
+        f.a[0] = sa_stage[s * BM + r];
+        f.a[1] = sa_stage[s * BM + r + 8];
+        f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
+        split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
+                                part, f);
+        promote<BN / mma_n<MMA>() - 1>(acc, part, f);
+        release<CLUSTER>(&empty[s]);
+        advance(s, phase, STAGES);
+    }
+}
+
 // The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
           bool PROMOTE, int SCALE, bool PIPE = false>
@@ -707,6 +731,9 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
         if constexpr (PIPE && SCALE == 2)
             mainloop_table<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s, phase, acc,
                                                      bs, sa_stage);
+        else if constexpr (PIPE && SCALE == 1)
+            mainloop_staged<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s, phase, acc,
+                                                      bs, sa_stage);
         else if constexpr (PROMOTE)
             mainloop_split<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s,
                                                             phase, acc, bs);
@@ -736,8 +763,8 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
                                      const cute::TmaDescriptor& tma_d) {
     // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging],
     // [SCALE 1: STAGES x BN float B factors], barriers, [PIPE: STAGES x BM float A
-    // factors (sa_stage), then the math warpgroups' tables of B factors, 2 x BN / 64 x nk
-    // floats]
+    // factors (sa_stage), then with SCALE 2 the math warpgroups' tables of B factors,
+    // 2 x BN / 64 x nk floats]
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
@@ -815,11 +842,11 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_tn(TC_GEMM_PARAMS) 
     gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE>(TC_GEMM_ARGS);
 }
 
-// The same with 128x128 B's factors in shared memory (mainloop_table; kernels/fp8_gemm.py's
-// BLOCK_PIPELINE).
+// The same with every factor in shared memory (128x128 B: mainloop_table; 1x128 B:
+// mainloop_staged; kernels/fp8_gemm.py's BLOCK_PIPELINE).
 template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, int SCALE>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_pipe_tn(TC_GEMM_PARAMS) {
-    static_assert(SCALE == 2, "SCALE 2 (128x128 B) only: 1x128 B keeps fp8_block_gemm_tn");
+    static_assert(SCALE == 1 || SCALE == 2, "SCALE: 1 (1x128 B) or 2 (128x128 B)");
     gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE, true>(TC_GEMM_ARGS);
 }
 

@@ -547,8 +547,8 @@ def test_block_gemm_on_numpy_runs_the_reference(rng):
 
 def test_block_pipeline_switch_names_and_shared_memory():
     """The pipelined block GEMM (fp8_block_gemm_pipe_tn, fp8_gemm.BLOCK_PIPELINE) is on
-    unless TECUPY_BLOCK_PIPELINE=0; its kernels are declared beside fp8_block_gemm_tn's for
-    128x128 B (so python -m tecupy.build compiles them), with the same tiles; its shared
+    unless TECUPY_BLOCK_PIPELINE=0; its kernels are declared beside fp8_block_gemm_tn's
+    (so python -m tecupy.build compiles them), with the same tiles; its shared
     memory adds a stage's A factors and two B-factor tables to the kernel's (CPU: names and
     sizes only)."""
     import os
@@ -567,14 +567,16 @@ def test_block_pipeline_switch_names_and_shared_memory():
     names = list(B._pipe_names())
     declared = loader.declared().get(G.FILE, ())
     assert names and all(n in declared for n in names)
-    assert all(n.startswith("tc::fp8_block_gemm_pipe_tn<") and n.endswith(", 2>")
+    assert all(n.startswith("tc::fp8_block_gemm_pipe_tn<") and n.endswith((", 1>", ", 2>"))
                for n in names)
     plain = {n.replace("fp8_block_gemm_tn<", "fp8_block_gemm_pipe_tn<")
-             for n in B._gemm_names() if n.endswith(", 2>")}
+             for n in B._gemm_names()}
     assert plain == set(names)  # the same GEMMs, the same tiles
-    with pytest.raises(AssertionError):
-        G.kernel_name("e4m3", "e4m3", "float", 0, False, (192, 4, True, 1), 1, True)
+    with pytest.raises(AssertionError):  # (no cluster under block scaling)
+        G.kernel_name("e4m3", "e4m3", "float", 0, False, (192, 4, True, 2), 1, True)
     config = (192, 4, True, 1)
     assert (G.smem_bytes(config, True, 2, 4096) - G.smem_bytes(config, True, 2)
             == 4 * 128 * 4 + 2 * 3 * 32 * 4)
+    # 1x128 B: the stages' A factors only (its B factors come with each stage already)
+    assert G.smem_bytes(config, True, 1, 4096) - G.smem_bytes(config, True, 1) == 4 * 128 * 4
     assert G.smem_bytes(config, True, 2, 65536) <= G.SMEM_MAX  # K of 64 Ki: 512 k-blocks

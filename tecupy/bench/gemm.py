@@ -13,9 +13,10 @@ magnitude.
 operand) against our per-tensor FP8 GEMM with the split accumulator (the same accumulation:
 the ratio is what the block factors cost), and against torch._scaled_mm with blockwise scales
 (cuBLASLt, CUDA >= 12.9 on sm_90) where this torch has it, on the six shapes and DeepGEMM's
-M=4096, N=7168, K=16384. With 128x128 B, the pipelined block kernel (kernels/fp8_gemm.py's
-BLOCK_PIPELINE: every factor from shared memory) is timed in the same run, interleaved with
-the default one: its TF/s, its ratio to per-tensor split and to the default block kernel.
+M=4096, N=7168, K=16384. "block" is fp8_block_gemm_tn (factors loaded from global memory in
+the mainloop); the pipelined block kernel (kernels/fp8_gemm.py's BLOCK_PIPELINE, the default:
+every factor from shared memory) is timed in the same run, interleaved with it: its TF/s, its
+ratio to per-tensor split and to the other block kernel.
 """
 import numpy as np
 
@@ -152,9 +153,9 @@ def _per_tensor_tflops(m, n, k):
 
 def _block_row(m, n, k, dim_b, notes):
     """(first call ms, ours TF/s, torch's TF/s or NaN, the pipelined kernel's TF/s or NaN)
-    of the block GEMM, B in dim_b's blocks; why torch was skipped goes into `notes`. The
-    pipelined kernel (fp8_gemm.BLOCK_PIPELINE on; 128x128 B only) is timed between the
-    default's timings, and its output checked equal to the default's."""
+    of the block GEMM (fp8_block_gemm_tn), B in dim_b's blocks; why torch was skipped goes
+    into `notes`. The pipelined kernel (fp8_gemm.BLOCK_PIPELINE on, the default) is timed
+    between the other's timings, and its output checked equal to the other's."""
     from tecupy import bfloat16
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
@@ -169,22 +170,19 @@ def _block_row(m, n, k, dim_b, notes):
         finally:
             G.BLOCK_PIPELINE = was
     y, first = first_call(ours)
-    piped = None
-    if dim_b == 2:
-        def piped():
-            return ours(True)
-        import cupy
-        same = bool(cupy.array_equal(piped(), y))
-        if not same:
-            notes.add(f"pipelined block kernel differs from the default at {m}x{n}x{k}")
+
+    def piped():
+        return ours(True)
+    import cupy
+    if not bool(cupy.array_equal(piped(), y)):
+        notes.add(f"pipelined block kernel differs from the other at {m}x{n}x{k}, B {dim_b}")
     peer, why = _torch_block_peer(a, sa, b, sb, dim_b)
     if why:
         notes.add(why)
     ms, pms, qms = [], [], []
     for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
         ms.append(gpu_time_ms(ours, [()], calls=30))
-        if piped is not None:
-            qms.append(gpu_time_ms(piped, [()], calls=30))
+        qms.append(gpu_time_ms(piped, [()], calls=30))
         if peer is not None:
             pms.append(torch_time_ms(peer, calls=30))
     flop = 2 * m * n * k
@@ -198,23 +196,22 @@ def run_block(args):
     print(f"{'shape':6s} {'M':>6s} {'N':>6s} {'K':>6s} {'B':7s} {'first s':>8s} "
           f"{'block TF/s':>10s} {'tensor':>7s} {'ratio':>6s} {'torch':>7s} {'ratio':>6s} "
           f"{'pipe TF/s':>9s} {'ratio':>6s} {'/block':>6s}")
-    ratios, notes, piped = {1: [], 2: []}, set(), []
+    ratios, notes, piped = {1: [], 2: []}, set(), {1: [], 2: []}
     for label, m, n, k in BLOCK_SHAPES:
         ttf = _per_tensor_tflops(m, n, k)
         for dim_b in (2, 1):
             first, tf, ptf, qtf = _block_row(m, n, k, dim_b, notes)
             ratios[dim_b].append(tf / ttf)
-            if dim_b == 2:
-                piped.append(qtf / ttf)
+            piped[dim_b].append(qtf / ttf)
             blocks = "128x128" if dim_b == 2 else "1x128"
             print(f"{label:6s} {m:6d} {n:6d} {k:6d} {blocks:7s} {first / 1e3:8.2f} {tf:10.0f} "
                   f"{ttf:7.0f} {tf / ttf:6.2f} {ptf:7.0f} {tf / ptf:6.2f} {qtf:9.0f} "
                   f"{qtf / ttf:6.2f} {qtf / tf:6.2f}")
-    for dim_b, r in ratios.items():
-        print(f"geomean block / per-tensor split (B {'128x128' if dim_b == 2 else '1x128'}): "
-              f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
-    print(f"geomean pipelined block / per-tensor split (B 128x128): "
-          f"{np.exp(np.mean(np.log(piped))):.3f}, min {min(piped):.3f}")
+    for kind, table in (("block", ratios), ("pipelined block", piped)):
+        for dim_b, r in table.items():
+            print(f"geomean {kind} / per-tensor split (B "
+                  f"{'128x128' if dim_b == 2 else '1x128'}): "
+                  f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
     for why in sorted(notes):
         print(f"torch peer skipped: {why}")
 

@@ -76,12 +76,13 @@ def _gemm_names():
 
 
 def _pipe_names():
-    """The pipelined kernels (fp8_gemm.BLOCK_PIPELINE) of the same 128x128-B GEMMs."""
+    """The pipelined kernels (fp8_gemm.BLOCK_PIPELINE) of the same GEMMs."""
     for pair in (("e4m3", "e4m3"), ("e5m2", "e4m3")):
         for config, _ in G.DEFAULTS[True]:
             for out in G._OUT:
                 for epi in (0, 1):
                     yield G.kernel_name(*pair, out, epi, False, config, 2, True)
+                yield G.kernel_name(*pair, out, 0, False, config, 1, True)
             for out in G._OUT[1:]:
                 yield G.kernel_name(*pair, out, 3, False, config, 2, True)
 
@@ -144,13 +145,13 @@ def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act
     """(launch plan, pipelined?): the per-tensor split GEMM's default tile for this shape
     (the block factors cost a multiply per promoted element, the same for every tile), as a
     block-scaled kernel; the pipelined one (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is
-    on and it takes the call: B in 128x128 blocks, M % 4 == 0 (A's factor rows go by 16-byte
-    bulk copies), and its B-factor tables (K / 128 x BN / 64 floats for each math
+    on and it takes the call: M % 4 == 0 (A's factor rows go by 16-byte bulk copies) and,
+    with B in 128x128 blocks, its B-factor tables (K / 128 x BN / 64 floats for each math
     warpgroup) fit in shared memory."""
     config = G.default_config(m, n, True)
     staged = not isinstance(out_dtype, FP8Format) and G.tma_store(out_dtype, act, accumulate,
                                                                   config[0])
-    pipe = (G.BLOCK_PIPELINE and dim_b == 2 and m % 4 == 0
+    pipe = (G.BLOCK_PIPELINE and m % 4 == 0
             and G.smem_bytes(config, staged, dim_b, k) <= G.SMEM_MAX)
     return G._plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k,
                    scale=dim_b, pipe=pipe), pipe

@@ -49,12 +49,12 @@ _ATOM = {("e4m3", "e4m3"): "E4M3E4M3", ("e5m2", "e4m3"): "E5M2E4M3",
          ("e4m3", "e5m2"): "E4M3E5M2"}
 _OUT = ("float", "__half", "__nv_bfloat16")
 _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
-# Block scaling with 128x128 B (kernels/block_scaling.py): fp8_block_gemm_pipe_tn, every
-# block factor from shared memory (no global load in the mainloop: the A factors come with
-# each stage, B's in a per-tile table), instead of fp8_block_gemm_tn: H100, the six bench
-# shapes, 0.90-1.00x the per-tensor split GEMM (geomean 0.95) against 0.78-0.91x (0.84) for
-# the other kernel (PERFLOG.md, session 17). On by default; TECUPY_BLOCK_PIPELINE=0 turns
-# it off.
+# Block scaling (kernels/block_scaling.py): fp8_block_gemm_pipe_tn, every block factor from
+# shared memory (no global load in the mainloop: the A factors come with each stage; B's
+# with 128x128 blocks in a per-tile table, with 1x128 blocks with each stage), instead of
+# fp8_block_gemm_tn: H100, 128x128 B, the six bench shapes, 0.90-1.00x the per-tensor split
+# GEMM (geomean 0.95) against 0.78-0.91x (0.84) for the other kernel (PERFLOG.md, session
+# 17). On by default; TECUPY_BLOCK_PIPELINE=0 turns it off.
 BLOCK_PIPELINE = os.environ.get("TECUPY_BLOCK_PIPELINE", "1") != "0"
 
 
@@ -64,14 +64,13 @@ def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False)
     aux read; its rows prefetched into L2 during the tile's mainloop), 5 the same with the
     bias (T(T(D + bias) + aux)), 6 and 7: 4 and 5 without the prefetch. scale: 0 per-tensor
     scales, else block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or
-    128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster; pipe (scale 2 only):
+    128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster; pipe:
     fp8_block_gemm_pipe_tn, its factors from shared memory (BLOCK_PIPELINE)."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
     if scale:
         assert promote and cluster == 1, "block scaling: split accumulation, no cluster"
-        assert not pipe or scale == 2, "the pipelined block kernel takes 128x128 B only"
         entry = "fp8_block_gemm_pipe_tn" if pipe else "fp8_block_gemm_tn"
         return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, "
                 f"{cbool(accumulate)}, {scale}>")
@@ -110,10 +109,11 @@ loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
 def smem_bytes(config, staging=True, scale=0, pipe_k=None):
     """Stages of A and B tiles, the output staging buffer of 16-bit outputs, [block scaling
     with 1x128 B (scale 1): BN float factors per stage], barriers, [the pipelined block
-    kernel for K = pipe_k: BM float A factors per stage, then two tables of BN / 64 float B
-    factors per k-block]."""
+    kernel for K = pipe_k: BM float A factors per stage, then with 128x128 B (scale 2) two
+    tables of BN / 64 float B factors per k-block]."""
     bn, stages = config[:2]
-    pipe = 0 if pipe_k is None else stages * BM * 4 + 2 * (bn // 64) * -(-pipe_k // BK) * 4
+    tables = 2 * (bn // 64) * -(-pipe_k // BK) * 4 if pipe_k is not None and scale == 2 else 0
+    pipe = 0 if pipe_k is None else stages * BM * 4 + tables
     return (stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0)
             + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8 + pipe)
 
