@@ -618,7 +618,7 @@ __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
 }
 
 // Block scaling with 128x128 B, every factor from shared memory (fp8_block_gemm_pipe_tn,
-// kernels/fp8_gemm.py's BLOCK_PIPELINE; 1x128 B: mainloop_staged below). mainloop_split
+// kernels/fp8_gemm.py's BLOCK_PIPELINE; 1x128 B: mainloop_smem below). mainloop_split
 // loads k-block kb + 1's factors from global memory during kb, and ptxas makes kb's wgmma
 // wait (WARPGROUP.DEPBAR) also wait for them: B's are the same for every thread, kept in
 // uniform registers, and their copy (R2UR) sits just before the wait; A's copy (f = next)
@@ -634,13 +634,11 @@ __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
 // LDS once its stage is full, before the wgmma. Two alternating fragments with wait<1> (a
 // promotion overlapping the next wgmma of the same warpgroup) make ptxas serialize every
 // wgmma (C7514, NVRTC 13.0): not used.
-template <int BN, int STAGES, int CLUSTER, class MMA>
-__device__ __forceinline__ void mainloop_table(uint64_t da, uint64_t db,
-                                               uint64_t* full, uint64_t* empty, int nk,
-                                               int& s, int& phase, float (&acc)[BN / 2],
-                                               const BlockScales& bs, const float* sa_stage) {
+//
+// fill_table: the 128x128-B table of this math warpgroup (tb), as above.
+template <int BN>
+__device__ __forceinline__ void fill_table(float* tb, const BlockScales& bs, int nk) {
     constexpr int NB = BN / 64;
-    float* tb = const_cast<float*>(sa_stage) + STAGES * BM + (threadIdx.x / 128 - 1) * NB * nk;
     const int bar = 4 + threadIdx.x / 128, last = (bs.N - 1) / 128;
     cutlass::arch::NamedBarrier::sync(128, bar);
     for (int i0 = threadIdx.x % 128; i0 < NB * nk; i0 += 4 * 128) {
@@ -657,49 +655,41 @@ __device__ __forceinline__ void mainloop_table(uint64_t da, uint64_t db,
             if (i0 + 128 * u < NB * nk) tb[i0 + 128 * u] = v[u];
     }
     cutlass::arch::NamedBarrier::sync(128, bar);
-    const int r = bs.r0 % BM;  // this thread's first row in the tile (and r + 8)
-    float part[mma_n<MMA>() / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < nk; ++kb) {
-        Barrier::wait(&full[s], phase);
-        Factors<BN, 2> f;  // (rows past M: stale words past the copy; never stored)
-        f.a[0] = sa_stage[s * BM + r];
-        f.a[1] = sa_stage[s * BM + r + 8];
-#pragma unroll
-        for (int c = 0; c < NB; ++c) f.b[c] = tb[c * nk + kb];
-        split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
-                                part, f);
-        release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
-        promote<BN / mma_n<MMA>() - 1>(acc, part, f);
-        advance(s, phase, STAGES);
-    }
 }
 
-// Block scaling with 1x128 B, every factor from shared memory (fp8_block_gemm_pipe_tn with
-// SCALE 1): B's come with each stage as in mainloop_split, A's too (the producer's AF copy
-// into sa_stage), so no global load is left in the loop (mainloop_split's A factors, an L2
-// round trip a k-block ahead, stalled each k-block's wgmma wait as they did for 128x128 B).
-// The stage is released after the last promotion, which reads its B factors.
-template <int BN, int STAGES, int CLUSTER, class MMA>
-__device__ __forceinline__ void mainloop_staged(uint64_t da, uint64_t db,
-                                                uint64_t* full, uint64_t* empty, int nk,
-                                                int& s, int& phase, float (&acc)[BN / 2],
-                                                const BlockScales& bs, const float* sa_stage) {
+// The pipelined block kernel's mainloop (SCALE 2: the table above; SCALE 1, 1x128 B: B's
+// factors come with each stage as in mainloop_split, A's too by the producer's AF copy, so
+// no global load is left in the loop either). With 1x128 B the stage is released after the
+// last promotion, which reads its B factors.
+template <int BN, int STAGES, int CLUSTER, class MMA, int SCALE>
+__device__ __forceinline__ void mainloop_smem(uint64_t da, uint64_t db,
+                                              uint64_t* full, uint64_t* empty, int nk,
+                                              int& s, int& phase, float (&acc)[BN / 2],
+                                              const BlockScales& bs, const float* sa_stage) {
+    float* tb = const_cast<float*>(sa_stage) + STAGES * BM
+                + (threadIdx.x / 128 - 1) * (BN / 64) * nk;
+    if constexpr (SCALE == 2) fill_table<BN>(tb, bs, nk);
     const int r = bs.r0 % BM;  // this thread's first row in the tile (and r + 8)
     float part[mma_n<MMA>() / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < nk; ++kb) {
         Barrier::wait(&full[s], phase);
-        Factors<BN, 1> f;  // (rows past M: stale words past the copy; never stored)
+        Factors<BN, SCALE> f;  // (rows past M: stale words past the copy; never stored)
         f.a[0] = sa_stage[s * BM + r];
         f.a[1] = sa_stage[s * BM + r + 8];
-        f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
+        if constexpr (SCALE == 2) {
+#pragma unroll
+            for (int c = 0; c < BN / 64; ++c) f.b[c] = tb[c * nk + kb];
+        } else {
+            f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
+        }
         split_block<0, BN, MMA>(desc_at(da, s * BM * BK), desc_at(db, s * BN * BK), acc,
                                 part, f);
+        if constexpr (SCALE == 2)
+            release<CLUSTER>(&empty[s]);  // before the last promote: the refill starts sooner
         promote<BN / mma_n<MMA>() - 1>(acc, part, f);
-        release<CLUSTER>(&empty[s]);
+        if constexpr (SCALE == 1) release<CLUSTER>(&empty[s]);
         advance(s, phase, STAGES);
     }
 }
@@ -728,12 +718,9 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
         float acc[BN / 2];
         const BlockScales bs{scale_inv_a, scale_inv_b, sb_stage, M, N, nk, mb * BM + r0,
                              nb * BN};
-        if constexpr (PIPE && SCALE == 2)
-            mainloop_table<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s, phase, acc,
-                                                     bs, sa_stage);
-        else if constexpr (PIPE && SCALE == 1)
-            mainloop_staged<BN, STAGES, CLUSTER, MMA>(da, db, full, empty, nk, s, phase, acc,
-                                                      bs, sa_stage);
+        if constexpr (PIPE)
+            mainloop_smem<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s, phase,
+                                                           acc, bs, sa_stage);
         else if constexpr (PROMOTE)
             mainloop_split<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s,
                                                             phase, acc, bs);
@@ -842,8 +829,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_tn(TC_GEMM_PARAMS) 
     gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, true, SCALE>(TC_GEMM_ARGS);
 }
 
-// The same with every factor in shared memory (128x128 B: mainloop_table; 1x128 B:
-// mainloop_staged; kernels/fp8_gemm.py's BLOCK_PIPELINE).
+// The same with every factor in shared memory (mainloop_smem; kernels/fp8_gemm.py's
+// BLOCK_PIPELINE).
 template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, int SCALE>
 __global__ void __launch_bounds__(THREADS, 1) fp8_block_gemm_pipe_tn(TC_GEMM_PARAMS) {
     static_assert(SCALE == 1 || SCALE == 2, "SCALE: 1 (1x128 B) or 2 (128x128 B)");
