@@ -5,7 +5,9 @@
   scaling, against PyTorch bf16 (the same layer from torch.nn, SDPA attention) eager and with
   torch.cuda.make_graphed_callables, all in this run: GPU ms per step (CUDA events around
   STEPS back-to-back steps, median of 3 rounds) and host ms per step (the wall time of issuing
-  them: near the GPU time, the step is host-bound), and the ratios;
+  them: near the GPU time, the step is host-bound), and the ratios; then the FP8 and
+  PyTorch eager steps again in alternating rounds, best and median (the lent hosts' speed
+  drifts: the eager FP8 step is host-bound there);
 - whether graphed steps are bit-identical to eager ones (twin layers, 3 steps);
 - memory (bench/memory.py: the pool's peak, what is kept for the backward by op; a graph's
   own pool);
@@ -103,11 +105,10 @@ def _torch_layer(hidden, ffn, heads):
     return Layer().cuda().to(torch.bfloat16)
 
 
-def _torch_rows(shape):
-    try:
-        import torch
-    except ImportError:
-        return {}
+def _torch_step(shape):
+    """(torch's layer, a function of its module -> one eager step of it (gradients reset),
+    x)."""
+    import torch
     hidden, ffn, heads, seq, batch = shape
     layer = _torch_layer(hidden, ffn, heads)
     x = torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16,
@@ -120,10 +121,56 @@ def _torch_rows(shape):
                 p.grad = None
             fn(x).backward(dy)
         return run
+    return layer, step, x
+
+
+def _torch_rows(shape):
+    try:
+        import torch
+    except ImportError:
+        return {}
+    layer, step, x = _torch_step(shape)
     rows = {"PyTorch bf16 eager": _rate(step(layer), torch)}
     graphed = torch.cuda.make_graphed_callables(layer, (x,))
     rows["PyTorch bf16 graphed"] = _rate(step(graphed), torch)
     return rows
+
+
+EAGER_ROUNDS = 7
+
+
+def _eager_interleaved(shape):
+    """The FP8 eager step and PyTorch's eager step in alternating rounds of STEPS steps
+    (EAGER_ROUNDS each): {name: (best, median) ms per step}. The eager FP8 step is
+    host-bound on the lent machines, whose host speed drifts by up to 40% from one process
+    or second to the next (PERFLOG.md, session 17); alternating puts both in the same
+    moments, and the best round is the code's cost without the drift."""
+    import cupy
+    import torch
+    from tecupy.__main__ import step
+    layer, x, dy = _build(shape)
+    tl, tstep, _ = _torch_step(shape)
+    runs = {"tecupy FP8 eager": (lambda: step(layer, x, dy, _recipe()), cupy.cuda.Device()),
+            "PyTorch bf16 eager": (tstep(tl), torch.cuda)}
+    times = {name: [] for name in runs}
+    for _ in range(EAGER_ROUNDS):
+        for name, (fn, dev) in runs.items():
+            fn()
+            dev.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                fn()
+            dev.synchronize()
+            times[name].append((time.perf_counter() - t0) * 1e3 / STEPS)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+
+
+def _print_interleaved(shape):
+    got = _eager_interleaved(shape)
+    (fb, fm), (tb, tm) = got["tecupy FP8 eager"], got["PyTorch bf16 eager"]
+    print(f"  eager, {EAGER_ROUNDS} alternating rounds of {STEPS} steps (best / median ms): "
+          f"tecupy FP8 {fb:.3f} / {fm:.3f}, PyTorch bf16 {tb:.3f} / {tm:.3f}: "
+          f"ratio {fb / tb:.2f} / {fm / tm:.2f}")
 
 
 def _graphs_match(shape):
@@ -178,6 +225,8 @@ def run(args):
         ratios = "".join(f"{ms / ref[0]:>15.2f}" if ref else f"{'-':>15s}"
                          for ref in (eager, graphed))
         print(f"  {name:24s}{ms:9.3f}{host:9.3f}{ratios}")
+    if eager is not None:
+        _print_interleaved(shape)
     print("  graphed FP8 steps bit-identical to eager ones (3 steps): "
           f"{'yes' if _graphs_match(shape) else 'NO'}")
     print("  memory kept by each graph (its pool): " +
