@@ -75,6 +75,9 @@ def init_process_group(backend="nccl", timeout=DEFAULT_TIMEOUT, env=None, grace=
     return group
 
 
+_LATE = "init_process_group: rank(s) "  # how a check-in timeout's reason begins
+
+
 def _check_in(store, cfg, api, timeout):
     """Every rank checks in; -> rank 0's NCCL unique id. InitTimeout names the absent."""
     n = cfg.world_size
@@ -84,25 +87,37 @@ def _check_in(store, cfg, api, timeout):
     except StoreTimeout as e:
         missing = sorted(int(k.split("/")[1]) for k in e.missing)
         came = [r for r in range(n) if r not in missing]
-        reason = (f"init_process_group: rank(s) {missing} of {n} did not arrive at the store "
+        reason = (f"{_LATE}{missing} of {n} did not arrive at the store "
                   f"{store.host}:{store.port} within {timeout:g} s (rank(s) {came} did)")
-        reason = store.abort(reason)
-        if cfg.rank == 0:  # keep serving a while, so that late ranks learn why
-            try:
-                store.wait(e.missing, min(max(timeout, 5.0), 30.0), abortable=False)
-            except StoreTimeout:
-                pass
-        err = InitTimeout(reason)
+        err = InitTimeout(store.abort(reason))
         err.missing = missing
-        raise err from None
     except GroupAborted as e:  # another rank timed out (or raised) first
-        raise InitTimeout(str(e)) from None
+        err = InitTimeout(str(e))
+    else:
+        err = None
+    if err is not None:
+        # rank 0 keeps serving a while after a check-in timeout, its own or another rank's,
+        # so that late ranks learn why (not after a crash: the crashed rank never comes)
+        if cfg.rank == 0 and str(err).startswith(_LATE):
+            _linger(store, n, timeout)
+        raise err
     if cfg.rank == 0:
         store.set("uid", api.get_unique_id())
     try:
         return store.get("uid", timeout)
     except GroupAborted as e:  # (a late rank: everyone arrived, but too late)
         raise InitTimeout(str(e)) from None
+
+
+def _linger(store, n, timeout):
+    """Rank 0, after init failed: serve the store until every rank has checked in (each
+    late one then reads the job's abort and raises InitTimeout, instead of finding no store),
+    or min(max(timeout, 5), 30) seconds."""
+    try:
+        store.wait([f"arrived/{r}" for r in range(n)], min(max(timeout, 5.0), 30.0),
+                   abortable=False)
+    except StoreTimeout:
+        pass
 
 
 def get_world_group():
