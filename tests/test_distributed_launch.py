@@ -376,48 +376,39 @@ def test_launch_whole_job_and_an_uncaught_exception(tmp_path):
     assert "tecupy.distributed.launch: rank 1 failed (exit status 1)" in p.stderr
 
 
-def test_init_timeout_names_the_rank_that_did_not_arrive(tmp_path):
-    body = """
+def _late_rank_2(tmp_path, rank0_timeout):
+    """3 ranks; rank 2 calls init_process_group only once rank 1's has timed out (0.5 s);
+    rank 0's timeout is rank0_timeout. -> the launch's stdout, after checking that every rank
+    raised InitTimeout naming rank 2 (and exited with status 3) within 15 s."""
+    body = f"""
         flag = os.path.join(os.path.dirname(__file__), "rank1_timed_out")
         while rank == 2 and not os.path.exists(flag):  # late: after rank 1 gave up
             time.sleep(0.02)
         try:
-            dist.init_process_group(FAKE, timeout=0.5)
+            dist.init_process_group(FAKE, timeout={rank0_timeout} if rank == 0 else 0.5)
         except dist.InitTimeout as e:
-            say(f"rank {rank}: {e}")
+            say(f"rank {{rank}}: {{e}}")
             if rank == 1:
                 open(flag, "w").close()
             sys.exit(3)
         """
     p, dt = _launch(tmp_path, body, "--nproc", "3")
-    assert p.returncode == 3 and dt < 15, p.stderr
+    assert p.returncode == 3 and dt < 15, p.stdout + p.stderr
     for r in (0, 1, 2):
         assert f"rank {r}: init_process_group: rank(s) [2] of 3 did not arrive at the store " \
-               "127.0.0.1:" in p.stdout
-    assert "within 0.5 s (rank(s) [0, 1] did)" in p.stdout
+               "127.0.0.1:" in p.stdout, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_init_timeout_names_the_rank_that_did_not_arrive(tmp_path):
+    assert "within 0.5 s (rank(s) [0, 1] did)" in _late_rank_2(tmp_path, 0.5)
 
 
 def test_init_timeout_reaches_a_late_rank_after_another_ranks_timeout(tmp_path):
     """Rank 1's check-in times out before rank 0's (rank 0 waits longer): rank 0 still keeps
     the store up for the late rank 2, which learns the reason (InitTimeout, not a lost
     store). Before, rank 0 closed the store as soon as rank 1 left, a race that failed CI."""
-    body = """
-        flag = os.path.join(os.path.dirname(__file__), "rank1_timed_out")
-        while rank == 2 and not os.path.exists(flag):
-            time.sleep(0.02)
-        try:
-            dist.init_process_group(FAKE, timeout=3.0 if rank == 0 else 0.5)
-        except dist.InitTimeout as e:
-            say(f"rank {rank}: {e}")
-            if rank == 1:
-                open(flag, "w").close()
-            sys.exit(3)
-        """
-    p, dt = _launch(tmp_path, body, "--nproc", "3")
-    assert p.returncode == 3 and dt < 15, p.stderr
-    for r in (0, 1, 2):
-        assert f"rank {r}: init_process_group: rank(s) [2] of 3 did not arrive at the store " \
-               "127.0.0.1:" in p.stdout, p.stdout + p.stderr
+    _late_rank_2(tmp_path, 3.0)
 
 
 def test_launch_kills_a_rank_that_outlives_the_grace(tmp_path):

@@ -8,13 +8,14 @@ import pytest
 
 import tecupy
 import tecupy.tape as tape_mod
+from tecupy import tape_memory
 from tecupy.recipe import DelayedScaling
 
 
 @pytest.fixture
 def no_release(monkeypatch):
     """The tape as before: nothing is ever found alone, so everything stays alive."""
-    monkeypatch.setattr(tape_mod, "_ALONE", -10**9)
+    monkeypatch.setattr(tape_memory, "_ALONE", -10**9)
 
 
 def _alive(ref):
@@ -116,7 +117,7 @@ def _grads(graph, x, z, dy, retain):
 def test_gradients_as_before(graph, retain, rng, monkeypatch):
     x, z, dy = (rng.standard_normal((3, 7)) for _ in range(3))
     got = _grads(graph, x, z, dy, retain)
-    monkeypatch.setattr(tape_mod, "_ALONE", -10**9)
+    monkeypatch.setattr(tape_memory, "_ALONE", -10**9)
     want = _grads(graph, x, z, dy, retain)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -142,7 +143,7 @@ def test_transformer_layer_gradients_as_before(recipe, retain, monkeypatch):
     released = sum(isinstance(a, tape_mod._Released)
                    for n in tape._nodes for a in (*n.inputs, *n.outputs))
     assert released > 0
-    monkeypatch.setattr(tape_mod, "_ALONE", -10**9)
+    monkeypatch.setattr(tape_memory, "_ALONE", -10**9)
     want, _ = _layer_step(recipe, retain)
     assert set(got) == set(want)
     for k in want:

@@ -3,7 +3,7 @@ allocated before the step (parameters, inputs), exact: CuPy's allocator is wrapp
 the pool's used bytes are read after every allocation (they only grow there); and what the
 tape keeps for the backward at the end of the forward, by op (what the backward closures
 keep, and the inputs and outputs alive only because the tape holds them)."""
-from tecupy.tape import saved_bytes
+from tecupy.tape_memory import saved_bytes
 
 GIB, MIB = 2.0 ** 30, 2.0 ** 20
 # what the rows of a step with the optimizer in the backward count, and their yardstick
