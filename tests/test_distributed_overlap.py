@@ -89,6 +89,17 @@ def test_ring_reduce_scatter_equals_reduce_scatter(n, dtype):
 H, FFN, HEADS, S, B = 64, 128, 4, 16, 2
 
 
+def _run_overlapped(tp, body, ring):
+    """dist.run_threads(tp, body) with overlap.OVERLAP set to `ring` for the run, then put
+    back."""
+    old = overlap.OVERLAP
+    overlap.OVERLAP = ring
+    try:
+        return dist.run_threads(tp, body)
+    finally:
+        overlap.OVERLAP = old
+
+
 def _layer_run(tp, fp8, ring, steps):
     """Every rank's (y, gradients) of `steps` forward + backward of a TP + SP layer."""
     x, dy = (np.random.default_rng(k).standard_normal((S, B, H)) for k in (1, 2))
@@ -110,12 +121,7 @@ def _layer_run(tp, fp8, ring, steps):
             grads = tape.gradient(y, [xs, *params.values()], output_grad=dys)
             out.append([np.asarray(y)] + [np.asarray(a) for a in grads])
         return out
-    old = overlap.OVERLAP
-    overlap.OVERLAP = ring
-    try:
-        return dist.run_threads(tp, body)
-    finally:
-        overlap.OVERLAP = old
+    return _run_overlapped(tp, body, ring)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["f64", "fp8"])
@@ -204,12 +210,7 @@ def _act_row(tp, fp8, activation, ring):
             out.append([np.asarray(y)] + [np.asarray(a) for a in tape.gradient(
                 y, [h, b1, w2, b2], output_grad=dy)])
         return out
-    old = overlap.OVERLAP
-    overlap.OVERLAP = ring
-    try:
-        return dist.run_threads(tp, body)
-    finally:
-        overlap.OVERLAP = old
+    return _run_overlapped(tp, body, ring)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
