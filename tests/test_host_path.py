@@ -122,7 +122,7 @@ def _fake_gpu(monkeypatch, module, sms=132):
         return _Kernel(name)
     monkeypatch.setattr(module.loader, "function", function)
     monkeypatch.setattr(module, "sm_count", lambda: sms)
-    monkeypatch.setattr(module, "_device", lambda: 0)
+    monkeypatch.setattr(module, "current_device", lambda: 0)
     monkeypatch.setattr(module, "_plans", {})
     return made
 

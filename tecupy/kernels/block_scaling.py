@@ -21,7 +21,7 @@ from ..fp8 import FP8Format
 from ..reference.block_scaling import BLOCK, block_dim_of, value_for_inf
 from . import fp8_gemm as G
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool
-from .launch import planned
+from .launch import current_device, planned
 
 FILE = "block_scaling.cu"
 loader.declare(FILE, [f"block_quantize<{CTYPE[t]}, {f}, {d}, {p}>" for t, f, d, p in
@@ -131,7 +131,7 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     dim_b = block_dim_of(b.shape, b_scale_inv.shape, "fp8_block_gemm (b)")
     act = None if dgelu_aux is None else "dgelu"
     key = (m, n, k, a_fmt.name, b_fmt.name, dim_b, out_dtype, bias is None, accumulate, act,
-           G._device(), G.BLOCK_PIPELINE)
+           current_device(), G.BLOCK_PIPELINE)
     plan, pipe = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b,
                          out_dtype, bias is None, accumulate, act)
     sa = _a_factors(a.shape, a_scale_inv)

@@ -12,7 +12,7 @@ from .._array import is_cupy
 from ..activation_table import TABLE
 from .colsum import col_sum
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
-from .launch import Launcher, grid_1d, planned, resident_blocks, sm_count
+from .launch import Launcher, current_device, grid_1d, planned, resident_blocks, sm_count
 from .pools import amax_args, amax_grid
 from .scaling import scale_inverse
 
@@ -60,7 +60,7 @@ def cast_to_fp8(x, scale, fmt, amax_out=None, scale_inv_out=None):
     vec = vec_width(x.dtype, x.size)
     if CAST_WIDE and vec > 1 and x.size % (2 * vec) == 0 and x.data.ptr % 32 == 0:
         vec *= 2
-    run, n = planned(_plans, (x.size, vec, x.dtype, fmt.name, _device()), _cast_plan,
+    run, n = planned(_plans, (x.size, vec, x.dtype, fmt.name, current_device()), _cast_plan,
                      x.size, vec, x.dtype, fmt.name)
     run((x, scale, q, inv, amax, slot, n))
     return q, amax
@@ -122,8 +122,8 @@ def _ct_given(x, scale, fmt, amax_out, inv, cupy):
     rows, cols = x.shape
     q, qt = cupy.empty((rows, cols), np.uint8), cupy.empty((cols, rows), np.uint8)
     run, _, _, tail = planned(
-        _plans, (rows, cols, x.dtype, fmt.name, False, None, _device()), _ct_plan, rows, cols,
-        x.dtype, fmt.name, False, None)
+        _plans, (rows, cols, x.dtype, fmt.name, False, None, current_device()), _ct_plan,
+        rows, cols, x.dtype, fmt.name, False, None)
     run((x, scale, q, qt, inv, amax_out, _NULL, amax_out) + tail)
     return q, qt, amax_out
 
@@ -135,7 +135,7 @@ def _ct_bind(rows, cols, dtype, fmt):
     an op's kept plan (ops/linear.py's common case), what cast_transpose does after its
     dispatch and checks."""
     import cupy
-    run, _, _, tail = planned(_plans, (rows, cols, dtype, fmt.name, False, None, _device()),
+    run, _, _, tail = planned(_plans, (rows, cols, dtype, fmt.name, False, None, current_device()),
                               _ct_plan, rows, cols, dtype, fmt.name, False, None)
 
     off = -(-rows * cols // 256) * 256  # (scale_inv's place in a carved allocation)
@@ -172,7 +172,7 @@ def _ct_pair_bind(shape_a, shape_b, dtype, fmt):
     import cupy
     (ra, ca), (rb, cb) = shape_a, shape_b
     run, tail_a, tail_b = planned(_plans, ("pair", shape_a, shape_b, dtype, fmt.name,
-                                           _device()), _pair_plan, shape_a, shape_b, dtype,
+                                           current_device()), _pair_plan, shape_a, shape_b, dtype,
                                   fmt.name)
 
     def pair(xa, sa, amax_a, xb, sb, amax_b):
@@ -266,7 +266,7 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     if x.size:
         name = None if act is None else act[0]
         run, rows32, cols32, tail = planned(
-            _plans, (rows, cols, x.dtype, fmt.name, dbias, name, _device()), _ct_plan, rows,
+            _plans, (rows, cols, x.dtype, fmt.name, dbias, name, current_device()), _ct_plan, rows,
             cols, x.dtype, fmt.name, dbias, name)
         if act is None and out is None:  # (no activation, whole arrays: the plan's tail)
             run((x, scale, q, qt, inv, amax, slot, part) + tail)
@@ -285,10 +285,6 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
 
 _plans = {}  # launch plans (launch.planned): the kernel and grid per call shape
 
-
-def _device():
-    import cupy
-    return cupy.cuda.runtime.getDevice()
 
 
 def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):

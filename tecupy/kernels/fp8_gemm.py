@@ -21,7 +21,7 @@ from .._array import bfloat16, is_cupy
 from ..fp8 import FP8Format
 from .dtypes import CTYPE, FP8TYPE, cbool
 from . import launch as launch_module  # (PDL: a setting; `launch` is a function here)
-from .launch import Launcher, hopper, opt_in_smem, planned, sm_count
+from .launch import Launcher, current_device, hopper, opt_in_smem, planned, sm_count
 from .tma import tma_desc as tma_encode
 
 FILE = "fp8_gemm.cu"
@@ -265,7 +265,7 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     # the configuration per shape (tuned, else the default), kept with the launch plan:
     # the table's version changes with every remember()
     key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
-           accumulate, act, _device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
+           accumulate, act, current_device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
     plan = planned(_plans, key, _shape_plan, m, n, k, a_fmt, b_fmt, split_accumulator,
                    out_dtype, bias is None, accumulate, act)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
@@ -302,7 +302,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     gelu = "gelu" if gelu else None
     (m, k), n = a.shape, b.shape[0]
     key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n, k,
-           _device())
+           current_device())
     plan = planned(_plans, key, _plan, config, a_fmt, b_fmt, out_dtype, bias is None,
                    accumulate, gelu, m, n, k)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
@@ -316,10 +316,6 @@ def _check_fp8_out(out_dtype, out_scale, amax_out):
     if isinstance(out_dtype, FP8Format) and (out_scale is None or amax_out is None):
         raise ValueError("fp8_gemm: an FP8 output needs out_scale and amax_out (float32 (1,))")
 
-
-def _device():
-    import cupy
-    return cupy.cuda.runtime.getDevice()
 
 
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0,
