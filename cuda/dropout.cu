@@ -60,14 +60,16 @@ __global__ void dropout_bwd(const T* __restrict__ dy, const unsigned char* __res
 }
 
 // add: y = a + b (the residual add with no dropout, and the tape's sum of two gradients),
-// float32 sum rounded once to T, as the reference. Launch as dropout_bwd (n % VEC == 0).
-template <typename T, int VEC>
+// float32 sum rounded once to T, as the reference. ROW: b is a row of nb elements (nb %
+// VEC == 0) broadcast over a's rows (a bias added after a tensor-parallel reduction):
+// b[i % nb]; else b is a's shape (nb unused). Launch as dropout_bwd (n % VEC == 0).
+template <typename T, int VEC, bool ROW>
 __global__ void add(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
-                    long long n) {
+                    long long n, long long nb) {
     PDL_WAIT();
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
-        const Vec<T, VEC> x = load_vec<VEC>(a + i), z = load_vec<VEC>(b + i);
+        const Vec<T, VEC> x = load_vec<VEC>(a + i), z = load_vec<VEC>(b + (ROW ? i % nb : i));
         Vec<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(to_float(x.v[j]) + to_float(z.v[j]));

@@ -109,6 +109,13 @@ def to_numpy(x):
     return cupy.asnumpy(x) if is_cupy(x) else np.asarray(x)
 
 
+def row_of(a, b):
+    """b is a row of a's last dimension that broadcasts over a's rows ((n,), (1, ..., n)):
+    a + b has a's shape and b's gradient is dy's column sums."""
+    return (0 < b.ndim <= a.ndim and b.shape[-1] == a.shape[-1] and b.size == a.shape[-1]
+            and b.size != a.size)
+
+
 def unbroadcast(g, shape):
     """Sum `g` down to `shape` (the inverse of NumPy broadcasting)."""
     if g.shape == tuple(shape):

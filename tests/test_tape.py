@@ -28,6 +28,19 @@ def test_broadcast_add_is_unbroadcast(rng):
     np.testing.assert_array_equal(gc, np.full((4, 1), 6.0))
 
 
+def test_bias_row_gradient_is_float32_column_sums_rounded_once(rng):
+    """add(a, b) with b a row over a's rows (a bias): b's gradient is the float32 column
+    sums of dy rounded once to b's dtype (bias_grad), not a sum in bfloat16."""
+    a = rng.standard_normal((3, 700, 8)).astype(tecupy.bfloat16)
+    b = rng.standard_normal((8,)).astype(tecupy.bfloat16)
+    dy = (rng.standard_normal(a.shape) + 1).astype(tecupy.bfloat16)
+    with tecupy.Tape() as tape:
+        y = tecupy.add(a, b)
+    gb = tape.gradient(y, [b], output_grad=dy)[0]
+    want = dy.astype(np.float32).reshape(-1, 8).sum(0).astype(tecupy.bfloat16)
+    np.testing.assert_array_equal(gb.view(np.uint16), want.view(np.uint16))
+
+
 def test_default_output_grad_is_ones_and_multiple_outputs(rng):
     x = rng.standard_normal((4, 6))
     with tecupy.Tape() as tape:

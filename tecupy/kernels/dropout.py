@@ -4,6 +4,7 @@ import itertools
 import numpy as np
 
 from .. import backends, loader
+from .._array import row_of
 from ..graphs import seed_pointer
 from .dtypes import CTYPE, LOW_PRECISION, cbool, on_gpu_low_precision
 from .launch import MANY_BLOCKS, grid_1d, launch
@@ -13,8 +14,8 @@ _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 loader.declare(FILE, [f"dropout_fwd<{t}, {v}, {r}>" for t, v, r in itertools.product(
     _TYPES, (1, 4), ("false", "true"))] + [f"dropout_bwd<{t}, {v}>" for t, v in
                                            itertools.product(_TYPES, (1, 4))]
-               + [f"add<{t}, {v}>" for t in _TYPES
-                  for v in ((1, 4) if t == "float" else (1, 4, 8))])
+               + [f"add<{t}, {v}, {r}>" for t in _TYPES
+                  for v in ((1, 4) if t == "float" else (1, 4, 8)) for r in ("false", "true")])
 
 
 supported = on_gpu_low_precision
@@ -54,18 +55,23 @@ def dropout_bwd(dy, keep, p):
 
 
 def _supports_add(a, b):
-    return (supported(a) and getattr(b, "dtype", None) == a.dtype and b.shape == a.shape
-            and type(b) is type(a))
+    return (supported(a) and getattr(b, "dtype", None) == a.dtype and type(b) is type(a)
+            and (b.shape == a.shape or row_of(a, b)))
+
 
 
 @backends.register("add_fwd", "cuda", supports=_supports_add)
 def add_fwd(a, b):
-    """a + b of one shape and dtype in one pass (16-byte loads where the size allows)."""
+    """a + b in one pass (16-byte loads where the sizes allow): b of a's shape, or a row of
+    a's last dimension broadcast over its rows (row_of: a bias after a tensor-parallel
+    reduction)."""
     import cupy
     a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
     y = cupy.empty_like(a)
-    vec = next(v for v in (16 // a.itemsize, 4, 1) if a.size % v == 0)
+    row = b.size != a.size
+    vec = next(v for v in (16 // a.itemsize, 4, 1) if a.size % v == 0 and b.size % v == 0)
     if a.size:
-        launch(loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}>"),
-               (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,), (a, b, y, np.int64(a.size)))
+        launch(loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}, {cbool(row)}>"),
+               (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,),
+               (a, b, y, np.int64(a.size), np.int64(b.size)))
     return y
