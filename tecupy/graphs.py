@@ -254,9 +254,23 @@ def _capture_error(err):
         return err
     return RuntimeError(
         f"make_graphed_step: the step could not be captured in a CUDA graph "
-        f"({type(err).__name__}: {err}). A captured step may not read a GPU value on the "
-        "host (float(x), x.get(), x.item(), printing it), copy host data to the GPU, or call "
-        "a library that refuses capture; move that work out of the step, or run it eagerly")
+        f"({type(err).__name__}: {err}).{_reference_note(err)} A captured step may not read "
+        "a GPU value on the host (float(x), x.get(), x.item(), printing it), copy host data "
+        "to the GPU, or call a library that refuses capture; move that work out of the step, "
+        "or run it eagerly")
+
+
+def _reference_note(err):
+    """Where the refusal came from a reference implementation (an op whose CUDA kernels do
+    not take these inputs, run on CuPy: its cuBLAS matmul is refused), the op's name."""
+    import traceback
+    for frame in traceback.extract_tb(err.__traceback__):  # (the outermost: the op's own)
+        parts = frame.filename.replace("\\", "/").split("/")
+        if len(parts) > 2 and parts[-3:-1] == ["tecupy", "reference"]:
+            return (f" It came from the reference implementation "
+                    f"{parts[-1][:-3]}.{frame.name}: no CUDA kernel takes its inputs (their "
+                    "shape, dtype or layout), so it ran on CuPy.")
+    return ""
 
 
 def _check_outputs(out, where):

@@ -211,3 +211,20 @@ def test_checkpointed_step_with_dropout():
         y, g = step(x, dy)
         for i, (a, b) in enumerate(zip([y, *g.values()], want[n])):
             assert a.get().tobytes() == b.tobytes(), f"step {n + 1}, array {i} differs"
+
+
+def test_capture_error_names_the_reference_op_that_ran(monkeypatch):
+    """A capture refused inside a reference implementation (an op no CUDA kernel takes: its
+    CuPy matmul calls cuBLAS, which a capture refuses) names that op in the error."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 2, 32)).astype(np.float32)
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently "
+                                  "unsupported")
+    monkeypatch.setattr(np, "matmul", refused)
+    with pytest.raises(NotImplementedError) as err:
+        tecupy.dot_product_attention(q, q, q)
+    msg = str(graphs._capture_error(err.value))
+    assert "reference implementation attention.attention_fwd" in msg, msg
+    assert "could not be captured" in msg
