@@ -62,17 +62,22 @@ __global__ void dropout_bwd(const T* __restrict__ dy, const unsigned char* __res
 // add: y = a + b (the residual add with no dropout, and the tape's sum of two gradients),
 // float32 sum rounded once to T, as the reference. ROW: b is a row of nb elements (nb %
 // VEC == 0) broadcast over a's rows (a bias added after a tensor-parallel reduction):
-// b[i % nb]; else b is a's shape (nb unused). Launch as dropout_bwd (n % VEC == 0).
-template <typename T, int VEC, bool ROW>
-__global__ void add(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
-                    long long n, long long nb) {
+// b[i % nb]; else b is a's shape (nb unused). RES: then + r[i] (a's shape), the rounded sum
+// plus r rounded again: two adds' bits in one pass. Launch as dropout_bwd (n % VEC == 0).
+template <typename T, int VEC, bool ROW, bool RES>
+__global__ void add(const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ r,
+                    T* __restrict__ y, long long n, long long nb) {
     PDL_WAIT();
     for (long long i = VEC * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n;
          i += (long long)VEC * gridDim.x * blockDim.x) {
         const Vec<T, VEC> x = load_vec<VEC>(a + i), z = load_vec<VEC>(b + (ROW ? i % nb : i));
-        Vec<T, VEC> out;
+        Vec<T, VEC> out, w;
+        if (RES) w = load_vec<VEC>(r + i);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(to_float(x.v[j]) + to_float(z.v[j]));
+        for (int j = 0; j < VEC; ++j) {
+            out.v[j] = from_float<T>(to_float(x.v[j]) + to_float(z.v[j]));
+            if (RES) out.v[j] = from_float<T>(to_float(out.v[j]) + to_float(w.v[j]));
+        }
         store_vec<VEC>(y + i, out);
     }
 }

@@ -11,7 +11,7 @@ from .autocast import autocast, fp8_autocast  # noqa: F401
 from .fp8_state import FP8State  # noqa: F401
 from .fp8 import FP8Tensor, dequantize, quantize  # noqa: F401
 from .fp8_params import FP8Weight, quantized_model_init  # noqa: F401
-from .ops import (activation, add, cross_entropy, dot_product_attention, dropout,  # noqa: F401
+from .ops import (activation, add, add_bias, cross_entropy, dot_product_attention, dropout,  # noqa: F401
                   geglu, gelu, layernorm, layernorm_linear, layernorm_mlp, linear, relu,
                   reshape, rmsnorm, softmax, split, swiglu)
 from .ops import apply_rotary_pos_emb, embedding  # noqa: F401

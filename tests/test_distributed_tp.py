@@ -329,6 +329,41 @@ def test_sequence_parallel_fp8_gathers_uint8_codes(ring, monkeypatch):
     assert all(shape == (want if dt == np.float32 else (32, 64)) for r, dt, shape in seen)
 
 
+def test_sequence_parallel_fp8_backward_gathers_dy_codes(monkeypatch):
+    """Under fp8_autocast the row-parallel GEMMs (proj, fc2) reduce-scatter inside their FP8
+    node, and their backward all-gathers dy as uint8 codes cast with the group's one scale
+    (TE's FP8 gather of dy), not dy in float: no float array is all-gathered in a step; two
+    steps give the same bits as the unfused path (reduce-scatter node, dy gathered in
+    float, then cast whole) under reduce_amax: the same scale, codes and amaxes."""
+    import importlib
+    fp8_gather = importlib.import_module("tecupy.distributed.fp8_gather")
+    x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 16))
+    recipe = DelayedScaling(amax_history_len=4, reduce_amax=True)
+    seen = []
+
+    class Spy(dist.ThreadGroup):
+        def _all_gather(self, a, axis):
+            seen.append(a.dtype.name)
+            return super()._all_gather(a, axis)
+
+    def body(g):
+        spy = Spy(g._world, g.rank)
+        m = _fp8_layer(spy, True)
+        for _ in range(2):
+            y, grads = _run(m, _cut(x, g.rank, 2, 0), _cut(dy, g.rank, 2, 0), recipe)
+        return y, grads
+    fused = dist.run_threads(2, body)
+    assert seen and set(seen) == {"uint8"}, seen
+    monkeypatch.setattr(fp8_gather.SequenceReduce, "takes", staticmethod(lambda q: False))
+    seen.clear()
+    unfused = dist.run_threads(2, body)
+    assert "float32" in seen  # (the unfused path gathers dy in float: the test can tell)
+    for (y, grads), (y0, grads0) in zip(fused, unfused):
+        np.testing.assert_array_equal(y, y0)
+        for name in grads0:
+            np.testing.assert_array_equal(grads[name], grads0[name], err_msg=name)
+
+
 def test_amax_reduction_only_with_a_group_and_reduce_amax():
     """FP8State.amax_group: the forward amaxes are maxed over it before the update when the
     recipe's reduce_amax is on; off, or with no group, each rank keeps its own."""

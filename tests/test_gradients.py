@@ -195,6 +195,16 @@ def test_add(xp, rng, shapes):
     assert y.shape == np.broadcast_shapes(*shapes)
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["", "residual"])
+def test_add_bias(xp, rng, with_residual):
+    """x + bias row (+ residual): the tensor-parallel row GEMM's bias and residual."""
+    x, b = randn(xp, rng, 2, 3, 5), randn(xp, rng, 5)
+    inputs = {"x": x, "bias": b}
+    if with_residual:
+        inputs["residual"] = randn(xp, rng, 2, 3, 5)
+    fd_check(lambda: tecupy.add_bias(x, b, inputs.get("residual")), inputs, rng, n=24)
+
+
 @pytest.mark.parametrize("shape", [(12, 5), (3, 2, 2, 5), (-1,)])
 def test_reshape(xp, rng, shape):
     x = randn(xp, rng, 3, 4, 5)

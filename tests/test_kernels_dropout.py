@@ -52,6 +52,10 @@ def test_add_of_a_row_matches_reference(rng, dtype, shapes):
     got = run("add_fwd", [a, b], on_gpu=True)
     want = backends.dispatch("add_fwd", a, b)
     np.testing.assert_array_equal(asnp(got).view(np.uint8), want.view(np.uint8))
+    r = (rng.standard_normal(shapes[0]) * 3).astype(dtype)  # add_bias's pass: + residual
+    got = run("add_fwd", [a, b, r], on_gpu=True)
+    want = backends.dispatch("add_fwd", backends.dispatch("add_fwd", a, b), r)
+    np.testing.assert_array_equal(asnp(got).view(np.uint8), want.view(np.uint8))
     dy = rng.standard_normal(shapes[0]).astype(dtype)
     grads = []
     for xp in (np, cupy):

@@ -17,6 +17,12 @@ chunks' amaxes over the group first, so the scale is that of the whole sequence,
 one device. Only the sequence axis 0 (sbhd) is gathered as codes: the chunks are then
 whole rows of the [s*b, in] GEMM operand.
 
+The row-parallel GEMM's mirror (linear_reduce_scatter, and LayerNormMLP's fc2 through
+SequenceReduce): its output is reduce-scattered inside its FP8 node, so the backward gets this
+rank's dy chunk, casts it with one scale across the ranks and all-gathers the codes (TE
+gathers dy in FP8 too): half the bytes of gathering dy in bf16, and the cast reads a chunk;
+wgrad's transposed copy of dy is made from the gathered codes.
+
 Comm-GEMM overlap (overlap.py, on by default): the all-gather of the codes is a ring whose
 chunks' GEMMs write their rows of the output as they arrive, and the backward's dgrad +
 reduce-scatter a ring whose chunks' dgrad GEMMs run while the sums travel.
@@ -25,9 +31,9 @@ from .._array import xp_of
 from ..fp8 import FP8Tensor, amax, cast, current_scale
 from ..fp8_params import weight_fp8
 from ..ops import linear
-from ..ops.linear import (as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm,
+from ..ops.linear import (as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm, fp8_grads,
                           fp8_linear_backward)
-from ..quantization import gemm_quantizers
+from ..quantization import CurrentQuantizer, DelayedQuantizer, gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
 from .ring_linear import ring_column_linear_hp
@@ -105,6 +111,65 @@ def _ring_backward(dy2, saved, bias, q_dy, x_dtype, group, m_local):
         return fp8_gemm(qdy.rows(c * m_local, (c + 1) * m_local), qw_t, x_dtype,
                         split_accumulator=True)
     return overlap.ring_reduce_scatter(group, partial), dw, db
+
+
+def linear_reduce_scatter(x, weight, group, fp8_state=None, gemm_index=0):
+    """reduce_scatter_sequence(linear(x, weight)) over `group` (a row-parallel GEMM under
+    sequence parallel, its bias added by the caller): under fp8_autocast one node whose
+    backward all-gathers dy as FP8 codes (module doc); else the two ops."""
+    from .tensor_parallel import reduce_scatter_sequence
+    comm = SequenceReduce(group, fp8_state)
+    q = gemm_quantizers(fp8_state, gemm_index, xp_of(x))
+    if q is None or x.ndim < 2 or not comm.takes(q.grad_output):
+        return reduce_scatter_sequence(linear(x, weight, None, fp8_state, gemm_index), group)
+    n, k = weight.shape
+    m = x.size // k
+    check_fp8_dims("linear (sequence-parallel reduce-scatter)", m, n, k)
+    tr = keeping()
+    qx = q.input.quantize(as_2d(x, m, k), transpose=tr)
+    qw = weight_fp8(q.weight, weight, tr)
+    rows = comm.rows(m)
+    y = as_nd(comm.reduce(fp8_gemm(qx, qw, x.dtype)),
+              (x.shape[0] * rows // m,) + x.shape[1:-1] + (n,))
+    if not tr:
+        return y
+    x_shape, x_dtype = x.shape, x.dtype
+    saved = [qx.columnwise(), qw.columnwise()]
+    del qx
+
+    def backward(dy):
+        dx, dw = fp8_grads([comm.dy(q.grad_output, as_2d(dy, rows, n))], saved, x_dtype)
+        return as_nd(dx, x_shape), dw
+    record(backward, (x, weight), (y,), after_backward=q.after_backward, once=q.once)
+    return y
+
+
+class SequenceReduce:
+    """The comm of an FP8 node whose output is reduce-scattered over the sequence (axis 0)
+    inside it and whose dy is all-gathered as FP8 codes (module doc; ops.blocks.
+    _act_then_linear's comm)."""
+
+    def __init__(self, group, fp8_state):
+        self.group, self.fp8_state = group, fp8_state
+
+    @staticmethod
+    def takes(q_dy):
+        """A per-tensor dy quantizer (delayed or current scaling), one scale for all ranks."""
+        return isinstance(q_dy, (DelayedQuantizer, CurrentQuantizer))
+
+    def rows(self, m):
+        return m // self.group.size
+
+    def reduce(self, y2):
+        return self.group.reduce_scatter(y2, 0)
+
+    def dy(self, q_dy, dy2):
+        """dy2 (this rank's rows) cast by q_dy with the group's one scale, the codes
+        all-gathered -> FP8Tensor of every rank's rows (its transposed copy made when wgrad
+        asks for it)."""
+        q = cast(dy2, shared_scale(q_dy, self.fp8_state, self.group, dy2), q_dy.fmt,
+                 q_dy.amax_out)
+        return FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv)
 
 
 def shared_scale(quantizer, fp8_state, group, x):

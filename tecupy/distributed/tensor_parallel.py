@@ -27,10 +27,10 @@ reduce-scatter; act_then_row_parallel is LayerNormMLP's activation + fc2 + reduc
 the ring.
 """
 from .._array import xp_of
-from ..ops import add, linear
+from ..ops import add, add_bias, linear
 from ..tape import record
 from . import overlap
-from .fp8_gather import gather_sequence_linear
+from .fp8_gather import SequenceReduce, gather_sequence_linear, linear_reduce_scatter
 from .group import ProcessGroup
 from .ring_linear import ring_act_row_linear, ring_row_linear, row_ring_ok
 
@@ -159,25 +159,28 @@ def column_parallel_linear(x, weight, bias, group, gather_output=False, fp8_stat
 
 
 def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_state=None,
-                        gemm_index=0, sequence_parallel=False):
+                        gemm_index=0, sequence_parallel=False, residual=None):
     """linear with weight [out, in/tp] (this rank's columns of the full one) and bias [out]
     (replicated, added once after the reduction): x is this rank's [..., in/tp] (or the
     full [..., in], split here, with input_is_parallel=False); -> y [..., out], summed
     over the group in forward. With sequence_parallel, y is reduce-scattered to this
-    rank's sequence chunk [s/tp, ...] instead, and the bias's gradient all-reduced."""
+    rank's sequence chunk [s/tp, ...] instead, and the bias's gradient all-reduced.
+    residual: None or an array of y's shape added after the bias (in the bias's pass)."""
     _check_group("row_parallel_linear", group)
     if not input_is_parallel:
         x = scatter_to_tp(x, group)
     if sequence_parallel and row_ring_ok(x, group) and overlap.enabled(group, x):
         y = ring_row_linear(x, weight, group, fp8_state, gemm_index)  # (overlap.py)
-        bias = replicated_grad(bias, group)
-        return y if bias is None else add(y, bias)
+        return bias_residual(y, replicated_grad(bias, group), residual)
+    if sequence_parallel:  # (under FP8 dy comes back as gathered FP8 codes: fp8_gather.py)
+        y = linear_reduce_scatter(x, weight, group, fp8_state, gemm_index)
+        return bias_residual(y, replicated_grad(bias, group), residual)
     return reduce_row_output(linear(x, weight, None, fp8_state, gemm_index), bias, group,
-                             sequence_parallel)
+                             sequence_parallel, residual)
 
 
 def act_then_row_parallel(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, group,
-                          fp8_state=None, sequence_parallel=False):
+                          fp8_state=None, sequence_parallel=False, residual=None):
     """LayerNormMLP's second half under tensor parallel: fc2(act(h + fc1_bias)) with fc2
     row parallel (GEMM 1 of fp8_state), summed over the group (reduce_row_output: the bias
     added once, after). Under sequence parallel with the comm-GEMM overlap the
@@ -187,20 +190,33 @@ def act_then_row_parallel(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, gro
     _check_group("act_then_row_parallel", group)
     if sequence_parallel and row_ring_ok(h, group) and overlap.enabled(group, h):
         y = ring_act_row_linear(xp, h, fc1_bias, activation, fc2_weight, group, fp8_state)
-        bias = replicated_grad(fc2_bias, group)
-        return y if bias is None else add(y, bias)
+        return bias_residual(y, replicated_grad(fc2_bias, group), residual)
     from ..ops.blocks import _act_then_linear
+    if sequence_parallel:  # one FP8 node with the reduce-scatter (fp8_gather.py), or None
+        y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, None, fp8_state,
+                             comm=SequenceReduce(group, fp8_state))
+        if y is not None:
+            return bias_residual(y, replicated_grad(fc2_bias, group), residual)
     y = _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, None, fp8_state)
-    return reduce_row_output(y, fc2_bias, group, sequence_parallel)
+    return reduce_row_output(y, fc2_bias, group, sequence_parallel, residual)
 
 
-def reduce_row_output(y, bias, group, sequence_parallel=False):
+def reduce_row_output(y, bias, group, sequence_parallel=False, residual=None):
     """A row-parallel GEMM's partial output y [s, ..., out] summed over the group: all of it
     (all-reduce), or this rank's sequence chunk (reduce-scatter, the bias's gradient then
-    all-reduced) under sequence parallel; the bias added once, after."""
+    all-reduced) under sequence parallel; the bias added once, after (and the residual,
+    where given, in the same pass)."""
     if sequence_parallel:
         y = reduce_scatter_sequence(y, group, SEQUENCE_AXIS)
         bias = replicated_grad(bias, group)
     else:
         y = reduce_from_tp(y, group)
-    return y if bias is None else add(y, bias)
+    return bias_residual(y, bias, residual)
+
+
+def bias_residual(y, bias, residual):
+    """y + bias (a row, or None) + residual (y's shape, or None): one op for both (add_bias:
+    one pass on the GPU, the bits of two adds)."""
+    if bias is None:
+        return y if residual is None else add(y, residual)
+    return add_bias(y, bias, residual)

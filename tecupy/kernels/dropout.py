@@ -14,8 +14,9 @@ _TYPES = [CTYPE[d] for d in LOW_PRECISION]
 loader.declare(FILE, [f"dropout_fwd<{t}, {v}, {r}>" for t, v, r in itertools.product(
     _TYPES, (1, 4), ("false", "true"))] + [f"dropout_bwd<{t}, {v}>" for t, v in
                                            itertools.product(_TYPES, (1, 4))]
-               + [f"add<{t}, {v}, {r}>" for t in _TYPES
-                  for v in ((1, 4) if t == "float" else (1, 4, 8)) for r in ("false", "true")])
+               + [f"add<{t}, {v}, {r}, {res}>" for t in _TYPES
+                  for v in ((1, 4) if t == "float" else (1, 4, 8)) for r in ("false", "true")
+                  for res in ("false", "true")])
 
 
 supported = on_gpu_low_precision
@@ -54,24 +55,27 @@ def dropout_bwd(dy, keep, p):
     return dx
 
 
-def _supports_add(a, b):
+def _supports_add(a, b, residual=None):
     return (supported(a) and getattr(b, "dtype", None) == a.dtype and type(b) is type(a)
-            and (b.shape == a.shape or row_of(a, b)))
-
+            and (b.shape == a.shape or row_of(a, b))
+            and (residual is None or (type(residual) is type(a) and residual.dtype == a.dtype
+                                      and residual.shape == a.shape)))
 
 
 @backends.register("add_fwd", "cuda", supports=_supports_add)
-def add_fwd(a, b):
+def add_fwd(a, b, residual=None):
     """a + b in one pass (16-byte loads where the sizes allow): b of a's shape, or a row of
     a's last dimension broadcast over its rows (row_of: a bias after a tensor-parallel
-    reduction)."""
+    reduction); then + residual (a's shape), rounded as a second add would round it."""
     import cupy
     a, b = cupy.ascontiguousarray(a), cupy.ascontiguousarray(b)
+    r = a if residual is None else cupy.ascontiguousarray(residual)
     y = cupy.empty_like(a)
     row = b.size != a.size
     vec = next(v for v in (16 // a.itemsize, 4, 1) if a.size % v == 0 and b.size % v == 0)
     if a.size:
-        launch(loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}, {cbool(row)}>"),
-               (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,),
-               (a, b, y, np.int64(a.size), np.int64(b.size)))
+        k = loader.function(FILE, f"add<{CTYPE[a.dtype]}, {vec}, {cbool(row)}, "
+                                  f"{cbool(residual is not None)}>")
+        launch(k, (grid_1d(a.size, vec, 256, MANY_BLOCKS),), (256,),
+               (a, b, r, y, np.int64(a.size), np.int64(b.size)))
     return y

@@ -121,10 +121,14 @@ class Linear(Module):
             return linear(x, self.weight, self.bias, fp8_state=self.fp8_state,
                           residual=residual, qweight=None if qw is None else qw[0])
         check_first_microbatch("Linear", is_first_microbatch)  # (TP: changes nothing)
-        parallel = column_parallel_linear if self.parallel_mode == "column" else \
-            row_parallel_linear
-        y = parallel(x, self.weight, self.bias, self.tp_group, fp8_state=self.fp8_state,
-                     sequence_parallel=self.sequence_parallel)
+        if self.parallel_mode == "row":  # (the residual in the bias's pass)
+            return row_parallel_linear(x, self.weight, self.bias, self.tp_group,
+                                       fp8_state=self.fp8_state,
+                                       sequence_parallel=self.sequence_parallel,
+                                       residual=residual)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group,
+                                   fp8_state=self.fp8_state,
+                                   sequence_parallel=self.sequence_parallel)
         return y if residual is None else add(y, residual)
 
 
@@ -305,12 +309,7 @@ class LayerNormMLP(Module):
         _check.last_dim("LayerNormMLP", "x", x, self.hidden_size, "hidden_size")
         if self.tp_group is not None:
             check_first_microbatch("LayerNormMLP", is_first_microbatch)  # (changes nothing)
-            out = self._parallel_forward(x)
-            if residual is None:
-                return out
-            if self.return_layernorm_output:
-                return add(out[0], residual), out[1]
-            return add(out, residual)
+            return self._parallel_forward(x, residual)
         qw = microbatch_weights(self, "LayerNormMLP", is_first_microbatch,
                                 ("fc1_weight", 0), ("fc2_weight", 1)) or (None, None)
         return layernorm_mlp(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
@@ -319,9 +318,10 @@ class LayerNormMLP(Module):
                              self.return_layernorm_output, fp8_state=self.fp8_state,
                              residual=residual, fc1_qweight=qw[0], fc2_qweight=qw[1])
 
-    def _parallel_forward(self, x):
+    def _parallel_forward(self, x, residual=None):
         """The block composed from its ops around the collectives (the fused single-device
-        op has no place for them): norm, fc1 column parallel, act + fc2 row parallel."""
+        op has no place for them): norm, fc1 column parallel, act + fc2 row parallel (the
+        residual added in fc2 bias's pass)."""
         g, sp, st = self.tp_group, self.sequence_parallel, self.fp8_state
         ln_out = parallel_norm(self, x)
         h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
@@ -329,7 +329,7 @@ class LayerNormMLP(Module):
         # act + fc2 row parallel, summed over the group (under sequence parallel a ring
         # reduce-scatter whose fc2 GEMMs run while the partial sums travel)
         y = act_then_row_parallel(self.xp, h, self.fc1_bias, self.activation,
-                                  self.fc2_weight, self.fc2_bias, g, st, sp)
+                                  self.fc2_weight, self.fc2_bias, g, st, sp, residual)
         return (y, ln_out) if self.return_layernorm_output else y
 
 

@@ -303,11 +303,17 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
-                     residual=None, qweight=None):
+                     residual=None, qweight=None, comm=None):
     """linear(act(h + fc1_bias)) (+ residual); where fc2's input quantizer lets a producer
     cast (delayed scaling with a state), the activation writes its output straight to FP8
-    for fc2 and this records one node for both."""
+    for fc2 and this records one node for both. comm (that node only, no bias or residual;
+    else None is returned): fc2's output is reduced inside the node by comm.reduce(y2) (a
+    row-parallel GEMM's reduce-scatter, to comm.rows(M) rows) and its gradient arrives as
+    comm.dy(dy's quantizer, dy2) (all-gathered as FP8 codes: distributed/fp8_gather.py)."""
     q = gemm_quantizers(fp8_state, 1, xp)
+    if comm is not None and (q is None or not q.input.fused_ok or fc2_bias is not None
+                             or residual is not None or not comm.takes(q.grad_output)):
+        return None
     if q is None or not q.input.fused_ok:
         a = apply_activation(h, activation, bias=fc1_bias)
         return linear_with(a, fc2_weight, fc2_bias, q, residual, qweight)
@@ -321,14 +327,22 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     qa = qi.wrap(codes)
     qw = weight_fp8(q.weight, fc2_weight, True, qweight)
     r2 = residual_2d(residual, h, h.shape[:-1] + (n,), qa)
-    y = as_nd(fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2), h.shape[:-1] + (n,))
+    y2 = fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2)
+    rows = m if comm is None else comm.rows(m)
+    y = as_nd(y2 if comm is None else comm.reduce(y2), (h.shape[0] * rows // m,)
+              + h.shape[1:-1] + (n,))
     saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
     fused = r2 is not None
-    del r2
+    del r2, y2
 
     def backward(dy):
-        da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), released(saved), fc2_bias,
-                                          q.grad_output, h.dtype)
+        if comm is None:
+            da, dw, db2 = fp8_linear_backward(as_2d(dy, m, n), released(saved), fc2_bias,
+                                              q.grad_output, h.dtype)
+        else:
+            da, dw = fp8_grads([comm.dy(q.grad_output, as_2d(dy, rows, n))],
+                               released(saved), h.dtype)
+            db2 = None
         # dh in da's place where shapes allow (plain activations): no third [M, ffn] array
         # beside h and da (issue 22)
         dh, db1 = backends.dispatch(f"{activation}_bwd", da, h2, fc1_bias,

@@ -29,6 +29,27 @@ def add(a, b):
     return y
 
 
+def add_bias(x, bias, residual=None):
+    """x + bias (a row of x's last dimension, broadcast over its rows), then + residual
+    (x's shape) where given: one pass on the GPU, each sum rounded as add(add(x, bias),
+    residual) rounds it (a row-parallel GEMM's bias and residual after its reduction)."""
+    array_module("add_bias", x=x, bias=bias, residual=residual)
+    check_float("add_bias", x=x, bias=bias, residual=residual)
+    if not row_of(x, bias):
+        _check.fail("add_bias", "bias", f"a row of x's last dimension ({x.shape[-1]},) "
+                    f"(x has shape {tuple(x.shape)})", bias)
+    if residual is not None and residual.shape != x.shape:
+        _check.fail("add_bias", "residual", f"an array of x's shape {tuple(x.shape)}", residual)
+    y = backends.dispatch("add_fwd", x, bias, residual)
+    n = bias.size
+
+    def backward(dy):
+        db = backends.dispatch("bias_grad", dy.reshape(-1, n), bias.dtype).reshape(bias.shape)
+        return dy, db, dy
+    record(backward, (x, bias, residual), (y,))
+    return y
+
+
 def _check_reshape(x, shape):
     array_module("reshape", x=x)
     if isinstance(shape, (int, np.integer)):
