@@ -297,6 +297,25 @@ def test_layernorm_mlp_sp_current_scaling_and_fp8_weights(init):
         _fp8_close(grads["layer_norm_weight"], want["layer_norm_weight"], "ln", False)
 
 
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_transformer_layer_sp_current_and_block_scaling(recipe):
+    """TP=2 + sequence parallel TransformerLayer under Float8CurrentScaling (dy's codes
+    gathered with the chunks' amaxes maxed over the group) and Float8BlockScaling (no codes
+    travel: x gathered in high precision, then quantized whole in its blocks as on one
+    device; before, its per-tensor gather met the weight's block scales and the backward
+    raised): output and x's gradient within FP8 tolerance of the single device."""
+    from tecupy.recipe import Float8BlockScaling, Float8CurrentScaling
+    recipe = Float8CurrentScaling() if recipe == "current" else Float8BlockScaling()
+    x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 17))
+    want_y, want = _run(_fp8_layer(None, False), x, dy, recipe)
+
+    def body(g):
+        return _run(_fp8_layer(g, True), _cut(x, g.rank, 2, 0), _cut(dy, g.rank, 2, 0), recipe)
+    for r, (y, grads) in enumerate(dist.run_threads(2, body)):
+        _fp8_close(y, _cut(want_y, r, 2, 0), "y", False)
+        _fp8_close(grads["x"], _cut(want["x"], r, 2, 0), "x", False)
+
+
 @pytest.mark.parametrize("ring", [False, True], ids=["all_gather", "ring"])
 def test_sequence_parallel_fp8_gathers_uint8_codes(ring, monkeypatch):
     """Under fp8_autocast the sequence-parallel gather moves the activation's uint8 codes

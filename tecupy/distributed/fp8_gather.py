@@ -47,6 +47,10 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
     from .tensor_parallel import gather_sequence
     q = gemm_quantizers(fp8_state, gemm_index, xp_of(x))
     ring = x.ndim >= 2 and overlap.enabled(group, x)
+    if q is not None and not SequenceReduce.takes(q.input):
+        # block scaling: x gathered in high precision, then quantized whole in its blocks as
+        # on one device (its codes cannot travel with one per-tensor scale)
+        return linear(gather_sequence(x, group, 0), weight, bias, fp8_state, gemm_index)
     if q is None:
         if ring:
             return ring_column_linear_hp(x, weight, bias, group)
@@ -153,9 +157,10 @@ class SequenceReduce:
         self.group, self.fp8_state = group, fp8_state
 
     @staticmethod
-    def takes(q_dy):
-        """A per-tensor dy quantizer (delayed or current scaling), one scale for all ranks."""
-        return isinstance(q_dy, (DelayedQuantizer, CurrentQuantizer))
+    def takes(quantizer):
+        """A per-tensor quantizer (delayed or current scaling: one scale for all ranks' codes;
+        block scaling's are per block)."""
+        return isinstance(quantizer, (DelayedQuantizer, CurrentQuantizer))
 
     def rows(self, m):
         return m // self.group.size
