@@ -200,6 +200,21 @@ def test_dequantize_and_layouts(rng):
 
 
 # ---- the block GEMM --------------------------------------------------------------------------
+def test_gemm_of_mixed_scalings_is_refused(rng):
+    """A per-tensor FP8Tensor with a block-scaled one: a clear error, not the per-tensor
+    GEMM reading the first block's scale as the whole weight's (what tensor parallel's
+    sequence gather once fed it under Float8BlockScaling)."""
+    from tecupy.fp8 import quantize
+    from tecupy.ops.linear import fp8_gemm
+    x = _random(rng, (32, 128), np.float32, 2)
+    b = backends.dispatch("block_quantize", x, E4M3, 2, True, 0.0, False)
+    tb = FP8BlockTensor(b[0], E4M3, b[1], block_dim=2)
+    ta = quantize(x, np.ones(1, np.float32), E4M3)
+    for qa, qb in ((ta, tb), (tb, ta)):
+        with pytest.raises(TypeError, match="fp8_gemm: qa and qb must be of one scaling"):
+            fp8_gemm(qa, qb, np.float32)
+
+
 @pytest.mark.parametrize("dims", [(1, 2), (1, 1), (2, 1)])
 def test_reference_block_gemm(rng, dims):
     """The block GEMM equals the float64 matmul of the dequantized operands (to float32's

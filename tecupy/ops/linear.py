@@ -48,6 +48,9 @@ def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False, residual=Non
     (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad). residual: [M, N]
     added in the epilogue (residual_2d's). epilogue: the GEMM op's other epilogue options
     (dgelu_aux)."""
+    if qa.gemm_op != qb.gemm_op:  # (a per-tensor GEMM would read one of the blocks' scales)
+        raise TypeError(f"fp8_gemm: qa and qb must be of one scaling (both per tensor or both "
+                        f"per block), got {type(qa).__name__} and {type(qb).__name__}")
     if residual is not None:
         epilogue["residual"] = residual
     return backends.dispatch(qa.gemm_op, qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt,
