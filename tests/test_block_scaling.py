@@ -213,6 +213,9 @@ def test_gemm_of_mixed_scalings_is_refused(rng):
     for qa, qb in ((ta, tb), (tb, ta)):
         with pytest.raises(TypeError, match="fp8_gemm: qa and qb must be of one scaling"):
             fp8_gemm(qa, qb, np.float32)
+    with pytest.raises(ValueError, match="fp8_gemm: b_scale_inv must be one float32 scale"):
+        backends.dispatch("fp8_gemm", ta.data, E4M3, ta.scale_inv, tb.data, E4M3, tb.scale_inv,
+                          np.float32)  # (the reference: it read the first block's scale)
 
 
 @pytest.mark.parametrize("dims", [(1, 2), (1, 1), (2, 1)])

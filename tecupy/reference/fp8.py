@@ -136,6 +136,10 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     float32 as the add op does (two roundings: the GEMM's output, then the add's).
     split_accumulator is the kernels' choice between fast and float32 accumulation (TE's
     use_split_accumulator); float32 accumulation is what this reference always does."""
+    for name, s in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if s.size != 1:  # (a block-scaled operand's: fp8_block_gemm's)
+            raise ValueError(f"fp8_gemm: {name} must be one float32 scale (per tensor), got "
+                             f"shape {tuple(s.shape)}; block scales go to fp8_block_gemm")
     xp = xp_of(a)
     fa, fb = _decode_table(xp, a_fmt)[a], _decode_table(xp, b_fmt)[b]
     acc = xp.matmul(fa, fb.T) * (a_scale_inv[0] * b_scale_inv[0])
