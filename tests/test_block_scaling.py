@@ -206,7 +206,7 @@ def test_gemm_of_mixed_scalings_is_refused(rng):
     sequence gather once fed it under Float8BlockScaling)."""
     from tecupy.fp8 import quantize
     from tecupy.ops.linear import fp8_gemm
-    x = _random(rng, (32, 128), np.float32, 2)
+    x = _random(rng, (256, 256), np.float32, 2)  # 2 x 2 blocks of 128 x 128
     b = backends.dispatch("block_quantize", x, E4M3, 2, True, 0.0, False)
     tb = FP8BlockTensor(b[0], E4M3, b[1], block_dim=2)
     ta = quantize(x, np.ones(1, np.float32), E4M3)
