@@ -18,15 +18,16 @@ def add(a, b):
     _check.broadcast_shapes("add", "a", a.shape, "b", b.shape)
     y = backends.dispatch("add_fwd", a, b)
     if row_of(a, b):
-        n = b.size
-
-        def backward(dy):
-            return dy, backends.dispatch("bias_grad", dy.reshape(-1, n), b.dtype).reshape(b.shape)
+        record(lambda dy: (dy, _row_grad(dy, b)), (a, b), (y,))
     else:
-        def backward(dy):
-            return dy, dy
-    record(backward, (a, b), (y,))
+        record(lambda dy: (dy, dy), (a, b), (y,))
     return y
+
+
+def _row_grad(dy, row):
+    """The gradient of a row broadcast over dy's rows: dy's float32 column sums rounded once
+    to the row's dtype (bias_grad: one kernel on the GPU)."""
+    return backends.dispatch("bias_grad", dy.reshape(-1, row.size), row.dtype).reshape(row.shape)
 
 
 def add_bias(x, bias, residual=None):
@@ -41,12 +42,7 @@ def add_bias(x, bias, residual=None):
     if residual is not None and residual.shape != x.shape:
         _check.fail("add_bias", "residual", f"an array of x's shape {tuple(x.shape)}", residual)
     y = backends.dispatch("add_fwd", x, bias, residual)
-    n = bias.size
-
-    def backward(dy):
-        db = backends.dispatch("bias_grad", dy.reshape(-1, n), bias.dtype).reshape(bias.shape)
-        return dy, db, dy
-    record(backward, (x, bias, residual), (y,))
+    record(lambda dy: (dy, _row_grad(dy, bias), dy), (x, bias, residual), (y,))
     return y
 
 
