@@ -26,6 +26,11 @@
 //   8 columns, its 8 row bytes as one 8-byte word at tt[col][a ^ b] (XOR-swizzled: a warp's
 //   stores hit 16 distinct 8-byte bank pairs), then each warp copies two 128-byte rows of
 //   tt to qt.
+//   DBIAS (1x128 blocks with qt: the backward's cast of dy): also the float32 sums of each
+//   column over the tile's 128 rows, part [ceil(rows / 128), cols] (part[tile y][col]),
+//   from the same registers (lanes b, b + 16, then the 8 warps through shared memory, as
+//   the column amax); kernels/colsum.py's col_sum adds the partials up (dbias), as
+//   cast_transpose_dbias's.
 //   Needs rows % 8 == 0 and cols % 8 == 0 (8-byte code stores, whole 8 x 8 thread pieces);
 //   x 32-byte aligned (two 16-byte loads of float per 8 values).
 #include "common.cuh"
@@ -50,11 +55,13 @@ __device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]
 }
 
 // ---- block quantize, both copies from one read -------------------------------------------------
-template <typename T, typename F8, bool TILE2D, bool POW2>
+template <typename T, typename F8, bool TILE2D, bool POW2, bool DBIAS = false>
 __global__ void __launch_bounds__(256)
 block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
                float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
-               int rows, int cols, float fp8_max, float eps, float inf_value) {
+               int rows, int cols, float fp8_max, float eps, float inf_value,
+               float* __restrict__ part) {
+    static_assert(!DBIAS || !TILE2D, "dbias: the gradient's 1x128 blocks, with qt");
     PDL_WAIT();
     __shared__ uint2 tt[128][16];      // column-wise codes: tt[col][(row / 8) ^ b]
     __shared__ float colmax[8][128];   // per warp: its 16 rows' amax of each column
@@ -129,6 +136,27 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
             if (a == 0 && c < cols) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) st[(long long)blockIdx.y * cols + c + j] = 1.f / cs[j];
+            }
+            if constexpr (DBIAS) {  // (rows past the edge hold zeros: they add nothing)
+                __syncthreads();  // every warp has read colmax: its rows take the sums
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    float t = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) t += v[i][j];
+                    t += __shfl_xor_sync(0xffffffffu, t, 16);
+                    if ((threadIdx.x & 31) < 16) colmax[warp][8 * b + j] = t;
+                }
+                __syncthreads();
+                if (a == 0 && c < cols) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float t = 0.f;
+#pragma unroll
+                        for (int w = 0; w < 8; ++w) t += colmax[w][8 * b + j];
+                        part[(long long)blockIdx.y * cols + c + j] = t;
+                    }
+                }
             }
         }
     }

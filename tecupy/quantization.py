@@ -9,6 +9,8 @@ and tells a fused producer (a norm or activation kernel with an FP8 output) what
     fmt         the FP8Format of the codes
     fused_ok    whether a producer may cast in its own pass: the scale must be known before
                 the data is (False for current scaling, whose scale comes from the amax)
+    residual_epilogue  whether a linear adds its residual in the GEMM's epilogue (every
+                FP8 GEMM op takes residual=; where it is slower than the add: False)
     scale       float32 (1,): what the producer multiplies by (None unless fused_ok)
     amax_out    float32 (1,): where the producer maxes its output's amax (None unless fused_ok)
     wrap(codes) the FP8Tensor of the codes such a producer wrote (scale_inv from a kernel)
@@ -65,6 +67,7 @@ class DelayedQuantizer:
     """Delayed scaling: one slot of an FP8State. Casts with the slot's scale (from the
     amaxes of earlier steps) and maxes the tensor's amax into the slot's history row 0."""
     fused_ok = True
+    residual_epilogue = True  # (a GEMM of its codes adds a residual in its epilogue)
 
     def __init__(self, meta, i, site=None):
         self.fmt = meta.fmt
@@ -114,6 +117,7 @@ class CurrentQuantizer:
     """Current scaling: each tensor's own amax (one pass), then the cast with
     fmt.max / amax (fp8.current_scale). No state."""
     fused_ok = False  # the scale needs the amax of the whole tensor before any code
+    residual_epilogue = True
     scale = amax_out = site = None
 
     def __init__(self, fmt):
@@ -138,6 +142,9 @@ class BlockQuantizer:
     (transpose=True) is quantized from x in its own blocks (1x128 along the columns), in the
     same pass on the GPU (kernels/block_scaling.py)."""
     fused_ok = False  # a block's scale needs the block's amax before its codes
+    # the block GEMM takes a residual (bit for bit the add), but its epilogue cost more than
+    # the add kernel it saves (quickstart layer, H100, session 19): off
+    residual_epilogue = False
     scale = amax_out = site = None
 
     def __init__(self, fmt, block_dim, qparams):
@@ -150,11 +157,17 @@ class BlockQuantizer:
                 f"power_2_scale={self.power_2_scale})")
 
     def quantize(self, x, transpose=False, dbias_dtype=None):
-        """-> FP8BlockTensor (2-D x), or (it, dbias) with dbias_dtype (dbias from its own
-        read of x: the block cast has no fused column sum yet). Not seen by FP8Inspector."""
+        """-> FP8BlockTensor (2-D x), or (it, dbias) with dbias_dtype (transpose, 1x128
+        blocks: dbias from the same read of x, block_quantize_dbias). Not seen by
+        FP8Inspector."""
         if x.ndim != 2:
             raise ValueError(f"BlockQuantizer.quantize: needs 2-D x, got shape "
                              f"{tuple(x.shape)}")
+        if dbias_dtype is not None and transpose and self.block_dim == 1:
+            q, s, qt, st, dbias = backends.dispatch(
+                "block_quantize_dbias", x, self.fmt, self.power_2_scale, self.amax_epsilon,
+                dbias_dtype)
+            return FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), dbias
         q, s, qt, st = backends.dispatch("block_quantize", x, self.fmt, self.block_dim,
                                          self.power_2_scale, self.amax_epsilon, transpose)
         t = FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)

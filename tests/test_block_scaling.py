@@ -391,7 +391,8 @@ def test_modules_under_block_scaling_close_to_high_precision(xp, rng, which, mon
     """Forward and backward under Float8BlockScaling (E4M3 both ways; K of 192 and 320: a
     partial K block) within the E4M3 tolerance of the high-precision step, relative to each
     tensor's scale, as the per-tensor recipes are tested (test_autocast.py); every GEMM went
-    through fp8_block_gemm, every cast through block_quantize."""
+    through fp8_block_gemm, every cast through block_quantize (dy's with dbias from the same
+    read)."""
     dev = "cpu" if xp is np else "cuda"
     if which == "Linear":
         mod, shape = tecupy.nn.Linear(192, 320, device=dev, seed=3), (4, 16, 192)
@@ -411,7 +412,12 @@ def test_modules_under_block_scaling_close_to_high_precision(xp, rng, which, mon
     gemms = {"Linear": 3, "LayerNormMLP": 6, "TransformerLayer": 12}[which]
     assert calls.count("fp8_block_gemm") == gemms and "fp8_gemm" not in calls
     assert "cast_to_fp8" not in calls and "cast_transpose" not in calls
-    assert calls.count("block_quantize") == gemms
+    # (x, w per GEMM; dy with its dbias from the same read, block_quantize_dbias, but fc1's,
+    # whose dbias the activation's backward gives)
+    assert calls.count("block_quantize") + calls.count("block_quantize_dbias") == gemms
+    assert calls.count("block_quantize_dbias") == {"Linear": 1, "LayerNormMLP": 1,
+                                                   "TransformerLayer": 3}[which]
+    assert "bias_grad" not in calls
     _close(y, y_hp, E4M3_TOL)
     err = np.linalg.norm(asnp(y) - asnp(y_hp)) / np.linalg.norm(asnp(y_hp))
     assert err < 0.1  # (as test_autocast.py asserts of delayed scaling)
@@ -479,6 +485,31 @@ def test_kernel_block_quantize_bit_exact(rng, shape, dtype, block_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES + [(2056, 264)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_kernel_block_quantize_dbias(rng, shape, dtype):
+    """The backward's cast of dy with dbias from the same read: the codes and scales bit
+    for bit block_quantize's, dbias the column sums (float32 sums of 128-row tiles, then
+    of the tiles) against float64's, in dbias's dtype, on poisoned outputs."""
+    import cupy
+    from conftest import poison_gpu_pool
+    x = _random(rng, shape, dtype)
+    gx = cupy.asarray(x)
+    for fmt, p2, out in ((E5M2, True, tecupy.bfloat16), (E4M3, False, np.float32)):
+        impl = backends.candidates("block_quantize_dbias", gx, fmt, p2, 0.0, out)[0]
+        assert impl.kind == "cuda"
+        poison_gpu_pool()
+        *codes, db = impl.fn(gx, fmt, p2, 0.0, out)
+        want = backends.dispatch("block_quantize", x, fmt, 1, p2, 0.0, True)
+        _check_equal(codes, want)
+        exact = x.astype(np.float64).sum(0)
+        tol = 2e-6 * shape[0] ** 0.5 * np.abs(x.astype(np.float64)).sum(0) + (
+            np.abs(exact) * (2.0 ** -8 if out is tecupy.bfloat16 else 0))
+        assert db.dtype == np.dtype(out) and db.shape == (shape[1],)
+        assert np.all(np.abs(asnp(db).astype(np.float64) - exact) <= tol)
+
+
+@pytest.mark.gpu
 def test_kernel_nan_inf_zero_blocks_and_extremes(rng):
     for dtype in DTYPES:
         x = np.zeros((256, 256), dtype)
@@ -529,9 +560,9 @@ def test_launcher_shapes_and_arguments_without_gpu(monkeypatch):
     assert g1 == g2 == (3, 2) and b1 == (256,)
     assert a1[0] is x and a1[1] is q and a1[2] is s and a1[3] is qt and a1[4] is st
     assert a2[3] == 0 and a2[4] == 0 and isinstance(a2[3], np.uint64)  # null pointers
-    assert [type(v) for v in a1[5:]] == [np.int32, np.int32] + [np.float32] * 3
-    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"))
-    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"))
+    assert [type(v) for v in a1[5:10]] == [np.int32, np.int32] + [np.float32] * 3
+    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"), 0)  # no part
+    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"), 0)
 
 
 def test_block_gemm_kernels_declared_and_fit_in_shared_memory():
@@ -543,8 +574,11 @@ def test_block_gemm_kernels_declared_and_fit_in_shared_memory():
     from tecupy.kernels import fp8_gemm as G
     declared = set(loader.declared("sm_90a")[G.FILE])
     names = list(B._gemm_names())
-    assert len(names) == len(set(names)) == 44 and set(names) <= declared
+    assert len(names) == len(set(names)) == 52 and set(names) <= declared
     assert all(n.startswith("tc::fp8_block_gemm_tn<") for n in names)
+    residual = list(B._residual_names(True))  # forward GEMMs' residual add: 16-bit D, E4M3
+    assert len(residual) == 8 and set(residual) <= declared and all(
+        ", 2>" in n and ("4, false" in n or "5, false" in n) for n in residual)
     for config, _ in G.DEFAULTS[True]:
         assert G.smem_bytes(config, True, 1) <= G.SMEM_MAX, config
         assert G.smem_bytes(config, True, 2) == G.smem_bytes(config, True)  # no factors kept

@@ -492,10 +492,25 @@ def test_launcher_buffers_are_per_thread(fake_cupy, fake_driver):
     assert [_packed(r[4], "i")[0] for r in fake_driver] == [1, 2]
 
 
-def test_launcher_without_pdl_is_cupys_launch(fake_cupy, fake_driver, monkeypatch):
+def test_launcher_with_pdl_turned_off_launches_without_the_attribute(fake_cupy, fake_driver,
+                                                                     monkeypatch):
+    """PDL off after the plan was made (an A/B in one process): the same driver launch
+    without the attribute, and with it again when PDL is back on (CuPy's own launch, taken
+    before, refused the FP8 GEMM's bytes: TMA descriptors)."""
     k = _LaunchedKernel("k")
     run = launch_mod.Launcher(k, (2,), (64,), (np.int32,), 128)
     monkeypatch.setattr(launch_mod, "PDL", False)
+    run((np.int32(5),))
+    monkeypatch.setattr(launch_mod, "PDL", True)
+    run((np.int32(6),))
+    assert not k.calls and [r[5] for r in fake_driver] == [0, 1]
+    assert [_packed(r[4], "i")[0] for r in fake_driver] == [5, 6]
+
+
+def test_launcher_off_hopper_is_cupys_launch(fake_cupy, fake_driver, monkeypatch):
+    monkeypatch.setattr(launch_mod, "hopper", lambda: False)
+    k = _LaunchedKernel("k")
+    run = launch_mod.Launcher(k, (2,), (64,), (np.int32,), 128)
     run((np.int32(5),))
     assert k.calls == [((2,), (64,), (np.int32(5),))] and not fake_driver
 

@@ -267,3 +267,28 @@ def test_launch_rejects_python_scalars():
     x = cupy.ones(4, np.float32)
     with pytest.raises(TypeError, match="NumPy int32/int64/float32/uint32/uint64"):
         launch.launch(k, (1,), (256,), (x, x, x, x, x, 4))
+
+
+def test_pdl_turned_off_after_the_plans_were_made(monkeypatch, rng):
+    """launch.PDL off after a plan was made (an A/B in one process): the kept Launchers go
+    on without the attribute, through cuLaunchKernelEx (the FP8 GEMM's TMA descriptors are
+    bytes, which CuPy's launch refused: a TypeError), with the same results."""
+    import cupy
+    if not launch.hopper():
+        pytest.skip("PDL launches only on Hopper")
+    x = cupy.asarray(rng.standard_normal((256, 512)).astype(np.float32)).astype(
+        tecupy.bfloat16)
+    w = cupy.asarray(rng.standard_normal((384, 512)).astype(np.float32)).astype(
+        tecupy.bfloat16)
+    one = cupy.ones((1,), np.float32)
+
+    def run():
+        qx, _, _ = d("cast_transpose", x, one, E4M3)
+        qw, _, _ = d("cast_transpose", w, one, E4M3)
+        return cupy.asnumpy(d("fp8_gemm", qx, E4M3, one, qw, E4M3, one, tecupy.bfloat16,
+                              None)).view(np.uint16)
+    want = run()  # (the plans are made with PDL on)
+    monkeypatch.setattr(launch, "PDL", False)
+    np.testing.assert_array_equal(run(), want)
+    monkeypatch.setattr(launch, "PDL", True)
+    np.testing.assert_array_equal(run(), want)

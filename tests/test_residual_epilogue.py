@@ -1,6 +1,6 @@
 """The residual add in the FP8 GEMM's epilogue (issue 21): linear(x, residual=r) and
 layernorm_mlp(x, residual=...) give the bits of linear then add (forward, gradients, the FP8
-state after two steps), in high precision and FP8 (delayed and current scaling), with and
+state after two steps), in high precision and FP8 (delayed, current and block scaling), with and
 without bias; the FP8 forward launches no add where the epilogue took the residual. On NumPy
 (the reference's two roundings) and, where a GPU is present, CuPy (the kernel's)."""
 import contextlib
@@ -11,12 +11,21 @@ import pytest
 
 import tecupy
 from tecupy import nn
-from tecupy.recipe import DelayedScaling, Float8CurrentScaling
+from tecupy.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 from conftest import bf16_array, count_dispatches, same_bits
 
 linear_op = importlib.import_module("tecupy.ops.linear")
-RECIPES = {"hp": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
+
+
+@pytest.fixture(autouse=True)
+def _block_epilogue(monkeypatch):
+    """Block scaling's GEMM takes the residual too, though off by default (slower than the
+    add on an H100): its epilogue is held to the same bits here."""
+    from tecupy.quantization import BlockQuantizer
+    monkeypatch.setattr(BlockQuantizer, "residual_epilogue", True)
+RECIPES = {"hp": None, "delayed": DelayedScaling, "current": Float8CurrentScaling,
+           "block": Float8BlockScaling}
 M, K, N, FFN = 32, 48, 64, 96  # FP8 GEMM dims: multiples of 16
 
 

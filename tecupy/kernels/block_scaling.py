@@ -20,13 +20,16 @@ from .._array import is_cupy
 from ..fp8 import FP8Format
 from ..reference.block_scaling import BLOCK, block_dim_of, value_for_inf
 from . import fp8_gemm as G
+from .colsum import col_sum
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool
 from .launch import current_device, planned
 
 FILE = "block_scaling.cu"
 loader.declare(FILE, [f"block_quantize<{CTYPE[t]}, {f}, {d}, {p}>" for t, f, d, p in
                       itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"),
-                                        ("false", "true"))])
+                                        ("false", "true"))]
+               + [f"block_quantize<{CTYPE[t]}, {f}, false, {p}, true>" for t, f, p in
+                  itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"))])
 
 
 def _supported(x, fmt, block_dim, *args, **kwargs):
@@ -38,6 +41,27 @@ def _supported(x, fmt, block_dim, *args, **kwargs):
 
 @backends.register("block_quantize", "cuda", supports=_supported)
 def block_quantize(x, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0, transpose=False):
+    return _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose)
+
+
+@backends.register("block_quantize_dbias", "cuda",
+                   supports=lambda x, *args: _supported(x, None, 1))
+def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
+    """block_quantize (1x128 blocks, both copies) and dbias from the same read of x: the
+    kernel's per 128-row tile column sums, then colsum.col_sum's sum of them in
+    dbias_dtype (cast_transpose_dbias's two stages)."""
+    import cupy
+    if x.size == 0:  # (no launch: zero sums)
+        return _quantize(x, fmt, 1, power_2_scale, amax_epsilon, True) + (
+            cupy.zeros((x.shape[1],), dbias_dtype),)
+    part = cupy.empty((-(-x.shape[0] // BLOCK), x.shape[1]), np.float32)
+    return _quantize(x, fmt, 1, power_2_scale, amax_epsilon, True, part) + (
+        col_sum(part, dbias_dtype),)
+
+
+def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None):
+    """block_quantize's launch; part: None, or [ceil(rows / 128), cols] float32 for the
+    tiles' column sums (1x128 blocks, transpose: the DBIAS kernel)."""
     import cupy
     rows, cols = x.shape
     nr, nc = -(-rows // BLOCK), -(-cols // BLOCK)
@@ -51,11 +75,13 @@ def block_quantize(x, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0, tran
         st = cupy.empty((nr, cols), np.float32) if transpose else None
     if x.size:
         k = loader.function(FILE, f"block_quantize<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, "
-                                  f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}>")
+                                  f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}"
+                                  f"{'' if part is None else ', true'}>")
         null = np.uint64(0)
         k((nc, nr), (256,), (x, q, s, null if qt is None else qt, null if st is None else st,
                              np.int32(rows), np.int32(cols), np.float32(fmt.max),
-                             np.float32(amax_epsilon), value_for_inf(x.dtype)))
+                             np.float32(amax_epsilon), value_for_inf(x.dtype),
+                             null if part is None else part))
     return q, s, qt, st
 
 
@@ -73,6 +99,16 @@ def _gemm_names():
                 yield G.kernel_name(*pair, out, 0, False, config, 1)
             for out in G._OUT[1:]:
                 yield G.kernel_name(*pair, out, 3, False, config, 2)
+    yield from _residual_names(False)
+
+
+def _residual_names(pipe):
+    """The residual add in the epilogue (4 none, 5 bias): forward GEMMs (E4M3 codes, 128x128
+    B: the weight) with a 16-bit output, as the layer's proj and fc2 run."""
+    for config, _ in G.DEFAULTS[True]:
+        for out in G._OUT[1:]:
+            for epi in (4, 5):
+                yield G.kernel_name("e4m3", "e4m3", out, epi, False, config, 2, pipe)
 
 
 def _pipe_names():
@@ -85,6 +121,7 @@ def _pipe_names():
                 yield G.kernel_name(*pair, out, 0, False, config, 1, True)
             for out in G._OUT[1:]:
                 yield G.kernel_name(*pair, out, 3, False, config, 2, True)
+    yield from _residual_names(True)
 
 
 loader.declare(G.FILE, list(_gemm_names()) + list(_pipe_names()), archs=("sm_90a",),
@@ -93,17 +130,24 @@ loader.declare(G.FILE, list(_gemm_names()) + list(_pipe_names()), archs=("sm_90a
 
 def _gemm_supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
                     out=None, accumulate=False, split_accumulator=True, out_scale=None,
-                    amax_out=None, gelu=False, dgelu_aux=None):
+                    amax_out=None, gelu=False, dgelu_aux=None, residual=None):
     """What the split-accumulating FP8 GEMM takes (fp8_gemm.supported: a Hopper GPU, 2-D
     CuPy codes, K % 16 == 0, N % 8 == 0, contiguous 16-byte aligned operands; a float32,
     float16 or bfloat16 output, no FP8 output, no gelu forward epilogue), with float32 CuPy
     scales in a block layout of their operand: any M, a K tail past the last 128 (TMA zero-
-    fills it), either operand's blocks 1x128 or 128x128."""
+    fills it), either operand's blocks 1x128 or 128x128. A residual: a fresh 16-bit output,
+    E4M3 codes, 128x128 B (the forward GEMMs' kernels built with it)."""
     if not (is_cupy(a_scale_inv) and is_cupy(b_scale_inv)
             and a_scale_inv.dtype == np.float32 and b_scale_inv.dtype == np.float32):
         return False
     if not G.supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out,
                        accumulate, True, out_scale, amax_out, gelu, dgelu_aux):
+        return False
+    if residual is not None and not (
+            out is None and dgelu_aux is None and not accumulate
+            and not isinstance(out_dtype, FP8Format) and np.dtype(out_dtype).itemsize == 2
+            and a_fmt.name == b_fmt.name == "e4m3"
+            and G._residual_ok(residual, out_dtype, a.shape[0], b.shape[0])):
         return False
     try:
         block_dim_of(a.shape, a_scale_inv.shape)
@@ -112,7 +156,10 @@ def _gemm_supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bia
         return False
     # 1x128 B: its factors reach shared memory by bulk copies of 16-byte aligned rows (a
     # non-contiguous array is copied into a fresh, aligned one)
-    return dim_b == 2 or not b_scale_inv.flags.c_contiguous or b_scale_inv.data.ptr % 16 == 0
+    if dim_b == 2:
+        return True
+    return residual is None and (not b_scale_inv.flags.c_contiguous
+                                 or b_scale_inv.data.ptr % 16 == 0)
 
 
 _gemm_plans = {}  # (shape, formats, B's blocks, output, epilogue, device) -> launch plan
@@ -121,15 +168,16 @@ _gemm_plans = {}  # (shape, formats, B's blocks, output, epilogue, device) -> la
 @backends.register("fp8_block_gemm", "cutlass", supports=_gemm_supported)
 def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
                    out=None, accumulate=False, split_accumulator=True, out_scale=None,
-                   amax_out=None, gelu=False, dgelu_aux=None):
+                   amax_out=None, gelu=False, dgelu_aux=None, residual=None):
     """The reference's fp8_block_gemm on the GPU: D = sum over 128-blocks kb of K of
     (a_kb . b_kb^T) * sa[m, kb] * sb[n, kb], accumulated in float32 (split accumulation
     always: split_accumulator is accepted and ignored), then bias, the output dtype,
-    accumulate into `out`, dgelu_aux as fp8_gemm's epilogue."""
+    accumulate into `out`, dgelu_aux or the residual add as fp8_gemm's epilogue."""
     import cupy
     (m, k), n = a.shape, b.shape[0]
     dim_b = block_dim_of(b.shape, b_scale_inv.shape, "fp8_block_gemm (b)")
-    act = None if dgelu_aux is None else "dgelu"
+    act = ("dgelu" if dgelu_aux is not None else None if residual is None
+           else "residual" if G.RESIDUAL_PREFETCH else "residual, no prefetch")
     key = (m, n, k, a_fmt.name, b_fmt.name, dim_b, out_dtype, bias is None, accumulate, act,
            current_device(), G.BLOCK_PIPELINE)
     plan, pipe = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b,
@@ -138,7 +186,7 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     if pipe and sa.data.ptr % 16:  # its rows go by bulk copies: 16-byte aligned
         sa = sa.copy()
     return G._run(plan, a, sa, b, cupy.ascontiguousarray(b_scale_inv), bias, out, None,
-                  None, dgelu_aux)
+                  None, residual if dgelu_aux is None else dgelu_aux)
 
 
 def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
@@ -154,7 +202,13 @@ def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act
     pipe = (G.BLOCK_PIPELINE and m % 4 == 0
             and G.smem_bytes(config, staged, dim_b, k) <= G.SMEM_MAX)
     return G._plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k,
-                   scale=dim_b, pipe=pipe), pipe
+                   scale=dim_b, pipe=pipe, pdl=GEMM_PDL), pipe
+
+
+# The block GEMM launched with PDL (its set-up overlapping the kernel before): the quickstart
+# layer's step under Float8BlockScaling was 0.2 ms slower with it (H100, session 19: 13.34
+# vs 13.14 ms graphed), where the per-tensor GEMM's step does not move. Off.
+GEMM_PDL = False
 
 
 def _a_factors(shape, scale_inv):

@@ -319,12 +319,13 @@ def _check_fp8_out(out_dtype, out_scale, amax_out):
 
 
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0,
-          pipe=False):
+          pipe=False, pdl=True):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
     M x N output, K deep; act: None, "gelu" (forward), "dgelu" (gelu's backward) or
     "residual" (the residual add; "residual, no prefetch": without the L2 prefetch); scale,
-    pipe: kernel_name's (0 per tensor, 1 or 2 block scaling; the pipelined block kernel)."""
+    pipe: kernel_name's (0 per tensor, 1 or 2 block scaling; the pipelined block kernel);
+    pdl False: launched without PDL even where launch_module.PDL is on."""
     bn, cluster = config[0], config[3]
     if -(-n // bn) % cluster:
         config = config[:3] + (1,)
@@ -346,7 +347,7 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     grid = (min(units, sm_count() // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
             (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids),
-            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=launch_module.PDL))
+            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=pdl and launch_module.PDL))
 
 
 def _kinds():

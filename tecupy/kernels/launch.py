@@ -170,10 +170,11 @@ class Launcher:
     position of kind np.uint64 takes an array too (a pointer: a raw address such as a null,
     or an array's), one of kind cupy.ndarray only an array. The struct, buffer and config
     are per thread: two threads never pack into one buffer. pdl: the kernel begins with
-    PDL_WAIT() and launches with PDL; without (PDL off, or not a Hopper GPU) a call is
-    CuPy's own launch. pdl=False: always through cuLaunchKernelEx, without the attribute
-    (the FP8 GEMM, whose 128-byte TMA descriptors are bytes here). A kind n (an int, a
-    multiple of 8) is an n-byte struct passed by value, given as bytes."""
+    PDL_WAIT() and launches with PDL (not a Hopper GPU: CuPy's own launch; PDL off, even
+    after the plan was made: without the attribute). pdl=False: always through
+    cuLaunchKernelEx, without the attribute (the FP8 GEMM, whose 128-byte TMA descriptors
+    are bytes here). A kind n (an int, a multiple of 8) is an n-byte struct passed by
+    value, given as bytes."""
 
     def __init__(self, k, grid, block, kinds, shared_mem=0, pdl=True):
         nd = _driver()[0]
@@ -195,7 +196,7 @@ class Launcher:
         return self.local.state
 
     def __call__(self, args):
-        if self.pdl and not (PDL and self.hopper):
+        if self.pdl and not self.hopper:
             return self.k(self.grid, self.block, args, shared_mem=self.shared_mem)
         try:
             st, buf, cfg, params, cfg_ptr, _ = self.local.state
@@ -204,6 +205,9 @@ class Launcher:
         _, stream, launch_ex = _cupy
         self.pack(st.pack_into, buf, args)
         cfg.stream = stream().ptr
+        # (PDL read per call: turned off after this plan was made, the launch goes without
+        # the attribute, still through cuLaunchKernelEx: CuPy's launch takes no bytes)
+        cfg.num_attrs = 1 if self.pdl and PDL else 0
         err = launch_ex(cfg_ptr, self.f, params, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {err}) for {self.k.name}: "

@@ -13,7 +13,7 @@ from ..tape import record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
 from .elementwise import add
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, fp8_dy, fp8_gemm,
-                     fp8_grads, fp8_linear_backward, linear, linear_with, residual_2d)
+                     fp8_grads, fp8_linear_backward, linear, linear_with, fusable_residual)
 from .normalization import NORMALIZATIONS, normalize
 
 
@@ -94,7 +94,7 @@ def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
 
 
 def _gemm_fp8(qx, weight, q, out_dtype, bias, residual=None, qweight=None):
-    """qx @ weight.T (+ bias) (+ residual [M, N], residual_2d's) with weight cast by
+    """qx @ weight.T (+ bias) (+ residual [M, N], fusable_residual's) with weight cast by
     q.weight (or its kept codes qweight, where given) -> (y, what its backward keeps: [qx,
     the weight's column-wise copy]; qx row-wise, a producer's codes)."""
     qw = weight_fp8(q.weight, weight, True, qweight)
@@ -238,7 +238,7 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     codes, _ = backends.dispatch(f"{activation}_fwd", h, b1, qi.scale, qi.fmt,
                                  amax_out=qi.amax_out)
     qa = qi.wrap(codes)
-    r2 = residual_2d(residual, x, x.shape, qa)
+    r2 = fusable_residual(residual, x, x.shape)
     y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2, qws[1])
     kept = [h]
     fused, own = r2 is not None, residual is x  # (own: dy is x's gradient too)
@@ -326,7 +326,7 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
                                  amax_out=qi.amax_out)  # (maxed into the amax history row)
     qa = qi.wrap(codes)
     qw = weight_fp8(q.weight, fc2_weight, True, qweight)
-    r2 = residual_2d(residual, h, h.shape[:-1] + (n,), qa)
+    r2 = fusable_residual(residual, h, h.shape[:-1] + (n,))
     y2 = fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2)
     rows = m if comm is None else comm.rows(m)
     y = as_nd(y2 if comm is None else comm.reduce(y2), (h.shape[0] * rows // m,)

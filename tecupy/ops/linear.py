@@ -8,10 +8,11 @@ the recipe in force (quantization.py): slots of the caller's FP8State under dela
 scaling, each tensor's own amax with no state or under Float8CurrentScaling.
 
 residual: y = linear(x) + residual (the residual connection). In FP8 the add runs in the
-GEMM's epilogue where the GEMM op has one (RESIDUAL_GEMMS) and the residual has y's shape,
-dtype and array type, contiguous (issue 21: no add kernel, no [M, N] pass); the epilogue
-rounds as the GEMM then the add op do, so the result is the same bits. Its gradient is dy.
-Elsewhere (high precision, other GEMMs, broadcast residuals) the op runs linear, then add.
+GEMM's epilogue (every FP8 GEMM op takes residual=) where the input's quantizer says so
+(residual_epilogue) and the residual has y's shape, dtype and array type, contiguous (issue
+21: no add kernel, no [M, N] pass); the epilogue rounds as the GEMM then the add op do, so
+the result is the same bits. Its gradient is dy.
+Elsewhere (high precision, broadcast residuals) the op runs linear, then add.
 """
 from .. import _array, _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
@@ -27,7 +28,6 @@ FP8_ALIGN = 16
 # The residual add in the FP8 GEMM's epilogue (linear's and layernorm_mlp's residual); off:
 # the GEMM, then the add op (the same bits: the GPU tests and the bench compare the two)
 RESIDUAL_EPILOGUE = True
-RESIDUAL_GEMMS = frozenset({"fp8_gemm"})  # GEMM ops whose implementations take residual=
 
 
 def check_fp8_dims(op, m, n, k):
@@ -46,7 +46,7 @@ def fp8_gemm(qa, qb, out_dtype, bias=None, split_accumulator=False, residual=Non
     """qa [M, K] @ qb [N, K].T for FP8Tensors -> [M, N] in out_dtype. split_accumulator:
     accumulate in float32 rather than the tensor cores' faster, shorter accumulator
     (Transformer Engine: off for the forward GEMM, on for dgrad and wgrad). residual: [M, N]
-    added in the epilogue (residual_2d's). epilogue: the GEMM op's other epilogue options
+    added in the epilogue (fusable_residual's). epilogue: the GEMM op's other epilogue options
     (dgelu_aux)."""
     if qa.gemm_op != qb.gemm_op:  # (a per-tensor GEMM would read one of the blocks' scales)
         raise TypeError(f"fp8_gemm: qa and qb must be of one scaling (both per tensor or both "
@@ -138,9 +138,6 @@ def fusable_residual(residual, like, shape):
     return as_2d(residual, residual.size // shape[-1], shape[-1])
 
 
-def residual_2d(residual, like, shape, qa):
-    """fusable_residual, where the GEMM op of qa (A's FP8 codes) takes a residual."""
-    return fusable_residual(residual, like, shape) if qa.gemm_op in RESIDUAL_GEMMS else None
 
 
 def _dbias(dy2, bias):
@@ -171,20 +168,18 @@ def _linear_fp8(x, weight, bias, q, residual=None, qweight=None):
     check_fp8_dims("linear", m, n, k)
     tr = keeping()  # the backward needs the transposed FP8 copies (none in a checkpoint)
     x2 = as_2d(x, m, k)
-    r2 = fusable_residual(residual, x, x.shape[:-1] + (n,))
+    r2 = (fusable_residual(residual, x, x.shape[:-1] + (n,)) if q.input.residual_epilogue
+          else None)
     key = _kept_key(x2, weight, bias, q, r2, qweight) if tr and KEPT else None
     got = None if key is None else _kept_forward(key, x2, weight, bias, q, r2, qweight)
     if got is None:
         qx = q.input.quantize(x2, transpose=tr)
         qw = weight_fp8(q.weight, weight, tr, qweight)
-        wanted = r2 is not None  # (and the key says so)
-        r2 = r2 if r2 is None else residual_2d(residual, x, x.shape[:-1] + (n,), qx)
         y2 = fp8_gemm(qx, qw, x.dtype, bias, residual=r2)
         if key is not None and key not in _kept:
             if len(_kept) > 1024:  # many shapes: start over rather than grow
                 _kept.clear()
-            _kept[key] = (_kept_plan(x2, weight, bias, q, qx, qw, r2, qweight)
-                          if r2 is not None or not wanted else False)
+            _kept[key] = _kept_plan(x2, weight, bias, q, qx, qw, r2, qweight)
     else:
         qx, qw, y2 = got
     fused = r2 is not None
@@ -264,7 +259,7 @@ def _kept_forward(key, x2, weight, bias, q, r2=None, qweight=None):
 def _kept_plan(x2, weight, bias, q, qx, qw, r2=None, qweight=None):
     """The plan of _kept_forward for inputs like these, from this call's (general path)
     codes qx and qw, or False (not the common case). r2: the residual the GEMM's epilogue
-    added (residual_2d's) or None; qweight given: no weight cast in the plan."""
+    added (fusable_residual's) or None; qweight given: no weight cast in the plan."""
     no_cast = qweight is not None or isinstance(weight, FP8Weight)
     cast = [(x2, q.input)] + ([] if no_cast else [(weight, q.weight)])
     if not all(getattr(t, "fused_ok", False) for _, t in cast):

@@ -124,6 +124,16 @@ def block_quantize(x, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0, tran
     return q, s, qt, st
 
 
+@backends.register("block_quantize_dbias", "reference")
+def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
+    """block_quantize(x, fmt, 1, power_2_scale, amax_epsilon, transpose=True) (the
+    backward's cast of dy: 1x128 blocks, both copies), and dbias = the float32 column sums
+    of x in dbias_dtype (bias_grad) -> (codes, scale_inv, codes_t, scale_inv_t, dbias)."""
+    from .colsum import bias_grad
+    return block_quantize(x, fmt, 1, power_2_scale, amax_epsilon, True) + (
+        bias_grad(x, dbias_dtype),)
+
+
 def block_dim_of(shape, scale_shape, op="fp8 block scaling"):
     """1 or 2: the blocks of codes of `shape` [rows, cols] whose scale_inv has
     `scale_shape` (where both fit, rows <= 1, they are the same blocks)."""
@@ -158,7 +168,7 @@ def fp8_block_dequantize(data, fmt, scale_inv, dtype):
 @backends.register("fp8_block_gemm", "reference")
 def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
                    out=None, accumulate=False, split_accumulator=True, out_scale=None,
-                   amax_out=None, gelu=False, dgelu_aux=None):
+                   amax_out=None, gelu=False, dgelu_aux=None, residual=None):
     """TN GEMM of block-scaled codes: a [M, K], b [N, K] (uint8, K-major, each with its
     scale_inv in a block layout of the module's docstring) -> a @ b.T [M, N].
 
@@ -170,7 +180,7 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
         acc     = acc + partial * (sa[m, kb] * sb[n, kb])     (float32, two roundings;
                   the GPU's FMA rounds once: with power-of-two scales both are exact)
     starting from acc = 0, then the epilogue as fp8_gemm's (bias added in float32, the
-    output dtype, accumulate into `out`, an FP8 output, gelu, dgelu_aux).
+    output dtype, accumulate into `out`, an FP8 output, gelu, dgelu_aux, the residual add).
     split_accumulator is accepted and always on (block scaling requires it)."""
     xp = xp_of(a)
     (m, k), (n, k2) = a.shape, b.shape
@@ -186,6 +196,6 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
         partial = xp.matmul(fa[:, ks], fb[:, ks].T)
         acc = acc + partial * (sa[:, kb:kb + 1] * sb[None, :, kb])
     return gemm_epilogue(xp, acc, out_dtype, bias, out, accumulate, out_scale, amax_out,
-                         gelu, dgelu_aux, "fp8_block_gemm")
+                         gelu, dgelu_aux, "fp8_block_gemm", residual)
 
 
