@@ -31,9 +31,25 @@
 //   from the same registers (lanes b, b + 16, then the 8 warps through shared memory, as
 //   the column amax); kernels/colsum.py's col_sum adds the partials up (dbias), as
 //   cast_transpose_dbias's.
+//   ACT (a struct of act_math.cuh, or void): x is h, and what is quantized is the
+//   activation's output act(h + abias) rounded to T, bit for bit act.cu's act_fwd with a T
+//   output (the same f, FAST where T is 16-bit) then this kernel: no [rows, cols] array of
+//   it in memory (the input of the GEMM after an activation). abias: [cols] or null.
 //   Needs rows % 8 == 0 and cols % 8 == 0 (8-byte code stores, whole 8 x 8 thread pieces);
 //   x 32-byte aligned (two 16-byte loads of float per 8 values).
+#include "act_math.cuh"
 #include "common.cuh"
+
+template <typename A> struct HasAct { static constexpr bool value = true; };
+template <> struct HasAct<void> { static constexpr bool value = false; };
+
+// v[0..7] <- act(v + bias) rounded to T (act_fwd's arithmetic with a T output)
+template <typename ACT, typename T>
+__device__ __forceinline__ void activate(float (&v)[8], const float (&b)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        v[j] = to_float(from_float<T>(ACT::template f<(sizeof(T) < 4)>(v[j] + b[j])));
+}
 
 // ---- the scale -------------------------------------------------------------------------------
 template <bool POW2>
@@ -55,12 +71,13 @@ __device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]
 }
 
 // ---- block quantize, both copies from one read -------------------------------------------------
-template <typename T, typename F8, bool TILE2D, bool POW2, bool DBIAS = false>
+template <typename T, typename F8, bool TILE2D, bool POW2, bool DBIAS = false,
+          typename ACT = void>
 __global__ void __launch_bounds__(256)
 block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
                float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
                int rows, int cols, float fp8_max, float eps, float inf_value,
-               float* __restrict__ part) {
+               float* __restrict__ part, const T* __restrict__ abias) {
     static_assert(!DBIAS || !TILE2D, "dbias: the gradient's 1x128 blocks, with qt");
     PDL_WAIT();
     __shared__ uint2 tt[128][16];      // column-wise codes: tt[col][(row / 8) ^ b]
@@ -69,7 +86,10 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
     const int r = r0 + 8 * a, c = c0 + 8 * b;
     const bool in = r < rows && c < cols;  // (rows, cols % 8 == 0: all 64 values or none)
-    float v[8][8];
+    float v[8][8], bv[8];  // bv: the activation's bias of this thread's 8 columns
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bv[j] = HasAct<ACT>::value && abias != nullptr && in
+                                            ? to_float(abias[c + j]) : 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         if (in) {
@@ -81,6 +101,7 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
             } else {
                 unpack(load_vec<8>(p), v[i]);
             }
+            if constexpr (HasAct<ACT>::value) activate<ACT, T>(v[i], bv);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; ++j) v[i][j] = 0.f;

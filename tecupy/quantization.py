@@ -14,6 +14,9 @@ and tells a fused producer (a norm or activation kernel with an FP8 output) what
     scale       float32 (1,): what the producer multiplies by (None unless fused_ok)
     amax_out    float32 (1,): where the producer maxes its output's amax (None unless fused_ok)
     wrap(codes) the FP8Tensor of the codes such a producer wrote (scale_inv from a kernel)
+    quantize_act(h, bias, name)  the FP8Tensor of act(h + bias) cast in the activation's
+                own pass (the next GEMM's input, never in memory in high precision), or
+                None where the recipe has no such cast
 
 The quantizers of one GEMM, x @ w.T with dy in backward, come together as GemmQuantizers
 (input, weight, grad_output, and what the op's tape node needs: after_backward hooks and
@@ -83,6 +86,14 @@ class DelayedQuantizer:
         out = cast(x, self.scale, self.fmt, self.amax_out, transpose, dbias_dtype)
         return _inspected(self, x, out)
 
+    def quantize_act(self, h, bias, name):
+        """The FP8Tensor (row-wise codes) of the activation `name`'s output act(h + bias),
+        cast by the activation kernel in its own pass (its amax maxed into the slot), or
+        None where there is no such cast: the caller applies the activation, then casts."""
+        codes, _ = backends.dispatch(f"{name}_fwd", h, bias, self.scale, self.fmt,
+                                     amax_out=self.amax_out)
+        return self.wrap(codes)
+
     def wrap(self, codes):
         """The FP8Tensor of `codes` that a producer wrote with self.scale, maxing their
         amax into self.amax_out. Its scale_inv is a fresh 1 / scale from a kernel (IEEE;
@@ -130,6 +141,9 @@ class CurrentQuantizer:
         out = cast(x, current_scale(amax(x), self.fmt), self.fmt, None, transpose, dbias_dtype)
         return _inspected(self, x, out)
 
+    def quantize_act(self, h, bias, name):
+        return None  # (the scale needs the activation's whole output first)
+
     def wrap(self, codes):
         raise TypeError("CurrentQuantizer.wrap: current scaling cannot cast in a producer's "
                         "pass (fused_ok is False): quantize the producer's output instead")
@@ -174,6 +188,18 @@ class BlockQuantizer:
         if dbias_dtype is None:
             return t
         return t, backends.dispatch("bias_grad", x, dbias_dtype)
+
+    def quantize_act(self, h, bias, name):
+        """The FP8BlockTensor (both copies) of act(h + bias) in h's dtype, quantized in the
+        kernel's read of h (block_quantize_act: the activation's output never in memory);
+        None for a gated activation."""
+        from .activation_table import TABLE
+        if TABLE[name].gated:
+            return None
+        q, s, qt, st = backends.dispatch("block_quantize_act", h, bias, name, self.fmt,
+                                         self.block_dim, self.power_2_scale,
+                                         self.amax_epsilon, True)
+        return FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)
 
     def wrap(self, codes):
         raise TypeError("BlockQuantizer.wrap: block scaling cannot cast in a producer's "

@@ -413,8 +413,10 @@ def test_modules_under_block_scaling_close_to_high_precision(xp, rng, which, mon
     assert calls.count("fp8_block_gemm") == gemms and "fp8_gemm" not in calls
     assert "cast_to_fp8" not in calls and "cast_transpose" not in calls
     # (x, w per GEMM; dy with its dbias from the same read, block_quantize_dbias, but fc1's,
-    # whose dbias the activation's backward gives)
-    assert calls.count("block_quantize") + calls.count("block_quantize_dbias") == gemms
+    # whose dbias the activation's backward gives; fc2's x in the activation's read of h)
+    casts = ("block_quantize", "block_quantize_dbias", "block_quantize_act")
+    assert sum(map(calls.count, casts)) == gemms
+    assert calls.count("block_quantize_act") == (0 if which == "Linear" else 1)
     assert calls.count("block_quantize_dbias") == {"Linear": 1, "LayerNormMLP": 1,
                                                    "TransformerLayer": 3}[which]
     assert "bias_grad" not in calls
@@ -510,6 +512,33 @@ def test_kernel_block_quantize_dbias(rng, shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 384), (136, 264), (8, 8), (392, 136)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_kernel_block_quantize_act(rng, shape, dtype):
+    """The activation's output quantized in the kernel's read of h: bit for bit the GPU's
+    two kernels (the activation into h's dtype, then block_quantize), with and without a
+    bias, on poisoned outputs; relu against the reference too (exact arithmetic)."""
+    import cupy
+    from conftest import poison_gpu_pool
+    h = cupy.asarray(_random(rng, shape, dtype, spread=1.0))
+    bias = cupy.asarray(rng.standard_normal(shape[1]).astype(dtype))
+    for name, b, fmt, block_dim in (("gelu", bias, E4M3, 1), ("gelu", None, E4M3, 1),
+                                    ("relu", bias, E5M2, 2), ("gelu", bias, E4M3, 2)):
+        impl = backends.candidates("block_quantize_act", h, b, name, fmt, block_dim, True,
+                                   0.0, True)[0]
+        assert impl.kind == "cuda"
+        poison_gpu_pool()
+        got = impl.fn(h, b, name, fmt, block_dim, True, 0.0, True)
+        a = backends.dispatch(f"{name}_fwd", h, b)
+        _check_equal(got, [asnp(w) for w in backends.dispatch("block_quantize", a, fmt,
+                                                               block_dim, True, 0.0, True)])
+        if name == "relu":
+            want = backends.dispatch("block_quantize_act", asnp(h), None if b is None
+                                     else asnp(b), name, fmt, block_dim, True, 0.0, True)
+            _check_equal(got, want)
+
+
+@pytest.mark.gpu
 def test_kernel_nan_inf_zero_blocks_and_extremes(rng):
     for dtype in DTYPES:
         x = np.zeros((256, 256), dtype)
@@ -561,8 +590,8 @@ def test_launcher_shapes_and_arguments_without_gpu(monkeypatch):
     assert a1[0] is x and a1[1] is q and a1[2] is s and a1[3] is qt and a1[4] is st
     assert a2[3] == 0 and a2[4] == 0 and isinstance(a2[3], np.uint64)  # null pointers
     assert [type(v) for v in a1[5:10]] == [np.int32, np.int32] + [np.float32] * 3
-    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"), 0)  # no part
-    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"), 0)
+    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"), 0, 0)  # (no
+    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"), 0, 0)  # part, no bias)
 
 
 def test_block_gemm_kernels_declared_and_fit_in_shared_memory():

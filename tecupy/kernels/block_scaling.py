@@ -29,7 +29,10 @@ loader.declare(FILE, [f"block_quantize<{CTYPE[t]}, {f}, {d}, {p}>" for t, f, d, 
                       itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"),
                                         ("false", "true"))]
                + [f"block_quantize<{CTYPE[t]}, {f}, false, {p}, true>" for t, f, p in
-                  itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"))])
+                  itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"))]
+               # the activation's output quantized in its read of h (1x128, E4M3, 16-bit)
+               + [f"block_quantize<{CTYPE[t]}, __nv_fp8_e4m3, false, {p}, false, Gelu>"
+                  for t, p in itertools.product(LOW_PRECISION[1:], ("false", "true"))])
 
 
 def _supported(x, fmt, block_dim, *args, **kwargs):
@@ -59,9 +62,32 @@ def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
         col_sum(part, dbias_dtype),)
 
 
-def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None):
+def _act_supported(h, bias, name, fmt, block_dim, *args):
+    """A plain activation (cuda/act_math.cuh's struct), block_quantize's inputs, a bias of
+    h's dtype and columns, contiguous, or none."""
+    from ..activation_table import TABLE
+    act = TABLE.get(name)
+    return (act is not None and not act.gated and _supported(h, fmt, block_dim)
+            and (bias is None or (is_cupy(bias) and bias.dtype == h.dtype
+                                  and bias.shape == (h.shape[1],)
+                                  and bias.flags.c_contiguous)))
+
+
+@backends.register("block_quantize_act", "cuda", supports=_act_supported)
+def block_quantize_act(h, bias, name, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0,
+                       transpose=False):
+    """block_quantize of the activation's output act(h + bias) (in h's dtype), computed in
+    the kernel's read of h: no array of it."""
+    from ..activation_table import TABLE
+    return _quantize(h, fmt, block_dim, power_2_scale, amax_epsilon, transpose,
+                     act=(TABLE[name].cuda, bias))
+
+
+def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None,
+              act=None):
     """block_quantize's launch; part: None, or [ceil(rows / 128), cols] float32 for the
-    tiles' column sums (1x128 blocks, transpose: the DBIAS kernel)."""
+    tiles' column sums (1x128 blocks, transpose: the DBIAS kernel); act: None, or (the
+    activation's struct, its bias or None): x is h (the ACT kernel)."""
     import cupy
     rows, cols = x.shape
     nr, nc = -(-rows // BLOCK), -(-cols // BLOCK)
@@ -74,14 +100,18 @@ def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=No
         s = cupy.empty((nc, rows), np.float32)
         st = cupy.empty((nr, cols), np.float32) if transpose else None
     if x.size:
-        k = loader.function(FILE, f"block_quantize<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, "
-                                  f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}"
-                                  f"{'' if part is None else ', true'}>")
-        null = np.uint64(0)
+        name = (f"block_quantize<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, "
+                f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}"
+                + ("" if part is None and act is None else f", {cbool(part is not None)}")
+                + ("" if act is None else f", {act[0]}") + ">")
+        if name not in loader.declared().get(FILE, ()):  # (the ACT kernels: on first use)
+            loader.declare(FILE, [name])
+        k = loader.function(FILE, name)
+        null, abias = np.uint64(0), None if act is None else act[1]
         k((nc, nr), (256,), (x, q, s, null if qt is None else qt, null if st is None else st,
                              np.int32(rows), np.int32(cols), np.float32(fmt.max),
                              np.float32(amax_epsilon), value_for_inf(x.dtype),
-                             null if part is None else part))
+                             null if part is None else part, null if abias is None else abias))
     return q, s, qt, st
 
 

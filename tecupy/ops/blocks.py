@@ -304,34 +304,35 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,
                      residual=None, qweight=None, comm=None):
-    """linear(act(h + fc1_bias)) (+ residual); where fc2's input quantizer lets a producer
-    cast (delayed scaling with a state), the activation writes its output straight to FP8
-    for fc2 and this records one node for both. comm (that node only, no bias or residual;
-    else None is returned): fc2's output is reduced inside the node by comm.reduce(y2) (a
-    row-parallel GEMM's reduce-scatter, to comm.rows(M) rows) and its gradient arrives as
-    comm.dy(dy's quantizer, dy2) (all-gathered as FP8 codes: distributed/fp8_gather.py)."""
+    """linear(act(h + fc1_bias)) (+ residual); where fc2's input quantizer casts the
+    activation's output in its pass (quantize_act: delayed scaling with a state, block
+    scaling), it goes straight to FP8 for fc2 and this records one node for both. comm
+    (that node only, no bias or residual; else None is returned): fc2's output is reduced
+    inside the node by comm.reduce(y2) (a row-parallel GEMM's reduce-scatter, to
+    comm.rows(M) rows) and its gradient arrives as comm.dy(dy's quantizer, dy2)
+    (all-gathered as FP8 codes: distributed/fp8_gather.py)."""
     q = gemm_quantizers(fp8_state, 1, xp)
     if comm is not None and (q is None or not q.input.fused_ok or fc2_bias is not None
                              or residual is not None or not comm.takes(q.grad_output)):
         return None
-    if q is None or not q.input.fused_ok:
-        a = apply_activation(h, activation, bias=fc1_bias)
-        return linear_with(a, fc2_weight, fc2_bias, q, residual, qweight)
-    check_activation(activation, h, fc1_bias)
     n, k = fc2_weight.shape
     m = h.size // h.shape[-1]
-    check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
-    h2, qi = as_2d(h, m, h.shape[-1]), q.input
-    codes, _ = backends.dispatch(f"{activation}_fwd", h2, fc1_bias, qi.scale, qi.fmt,
-                                 amax_out=qi.amax_out)  # (maxed into the amax history row)
-    qa = qi.wrap(codes)
+    qa = None
+    if q is not None:
+        check_activation(activation, h, fc1_bias)
+        check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
+        h2 = as_2d(h, m, h.shape[-1])
+        qa = q.input.quantize_act(h2, fc1_bias, activation)  # (delayed: amax maxed in)
+    if qa is None:
+        a = apply_activation(h, activation, bias=fc1_bias)
+        return linear_with(a, fc2_weight, fc2_bias, q, residual, qweight)
     qw = weight_fp8(q.weight, fc2_weight, True, qweight)
     r2 = fusable_residual(residual, h, h.shape[:-1] + (n,))
     y2 = fp8_gemm(qa, qw, h.dtype, fc2_bias, residual=r2)
     rows = m if comm is None else comm.rows(m)
     y = as_nd(y2 if comm is None else comm.reduce(y2), (h.shape[0] * rows // m,)
               + h.shape[1:-1] + (n,))
-    saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
+    saved = [qa, qw.columnwise()]  # (qa's column-wise copy: released's)
     fused = r2 is not None
     del r2, y2
 

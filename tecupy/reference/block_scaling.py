@@ -124,6 +124,15 @@ def block_quantize(x, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0, tran
     return q, s, qt, st
 
 
+@backends.register("block_quantize_act", "reference")
+def block_quantize_act(h, bias, name, fmt, block_dim, power_2_scale=True, amax_epsilon=0.0,
+                       transpose=False):
+    """block_quantize of the activation `name`'s output act(h + bias) in h's dtype (the
+    activation op's, then block_quantize)."""
+    a = backends.dispatch(f"{name}_fwd", h, bias)
+    return block_quantize(a, fmt, block_dim, power_2_scale, amax_epsilon, transpose)
+
+
 @backends.register("block_quantize_dbias", "reference")
 def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
     """block_quantize(x, fmt, 1, power_2_scale, amax_epsilon, transpose=True) (the
