@@ -88,8 +88,7 @@ class DelayedQuantizer:
 
     def quantize_act(self, h, bias, name):
         """The FP8Tensor (row-wise codes) of the activation `name`'s output act(h + bias),
-        cast by the activation kernel in its own pass (its amax maxed into the slot), or
-        None where there is no such cast: the caller applies the activation, then casts."""
+        cast by the activation kernel in its own pass (its amax maxed into the slot)."""
         codes, _ = backends.dispatch(f"{name}_fwd", h, bias, self.scale, self.fmt,
                                      amax_out=self.amax_out)
         return self.wrap(codes)

@@ -83,6 +83,9 @@ def block_quantize_act(h, bias, name, fmt, block_dim, power_2_scale=True, amax_e
                      act=(TABLE[name].cuda, bias))
 
 
+_named = set()  # kernel names _quantize has seen declared (no declared() dict per call)
+
+
 def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None,
               act=None):
     """block_quantize's launch; part: None, or [ceil(rows / 128), cols] float32 for the
@@ -104,8 +107,10 @@ def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=No
                 f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}"
                 + ("" if part is None and act is None else f", {cbool(part is not None)}")
                 + ("" if act is None else f", {act[0]}") + ">")
-        if name not in loader.declared().get(FILE, ()):  # (the ACT kernels: on first use)
-            loader.declare(FILE, [name])
+        if name not in _named:  # (a kernel not declared above, e.g. relu's: on first use)
+            if name not in loader.declared().get(FILE, ()):
+                loader.declare(FILE, [name])
+            _named.add(name)
         k = loader.function(FILE, name)
         null, abias = np.uint64(0), None if act is None else act[1]
         k((nc, nr), (256,), (x, q, s, null if qt is None else qt, null if st is None else st,

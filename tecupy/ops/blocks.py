@@ -234,15 +234,12 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q1.input)
     h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None, None, qws[0])
     del qx
-    qi = q2.input
-    codes, _ = backends.dispatch(f"{activation}_fwd", h, b1, qi.scale, qi.fmt,
-                                 amax_out=qi.amax_out)
-    qa = qi.wrap(codes)
+    qa = q2.input.quantize_act(h, b1, activation)  # (fused_ok: the activation casts)
     r2 = fusable_residual(residual, x, x.shape)
     y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2, qws[1])
     kept = [h]
     fused, own = r2 is not None, residual is x  # (own: dy is x's gradient too)
-    del h, codes, qa, r2
+    del h, qa, r2
 
     def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
