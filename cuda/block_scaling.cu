@@ -14,7 +14,7 @@
 //   q [rows, cols] and, with qt != nullptr, the column-wise copy qt [cols, rows], from ONE
 //   read of x. One CUDA block of 256 threads per 128 x 128 tile (grid: cols / 128 tiles in
 //   x, rows / 128 in y, rounded up). Thread t holds rows 8a .. 8a+7 (a = t / 16) of columns
-//   8b .. 8b+7 (b = t % 16) of its tile in registers: 64 values.
+//   8b .. 8b+7 (b = t % 16) of its tile in registers: 64 values (Piece).
 //   !TILE2D (1x128 blocks): a row's amax over the tile's 128 columns is a shuffle among the
 //     16 lanes of one a; a column's over the 128 rows is a shuffle (lanes b, b + 16), then
 //     the 8 warps' partials through shared memory.
@@ -63,6 +63,36 @@ __device__ __forceinline__ float block_scale(float amax, float fp8_max, float ep
     return s;
 }
 
+// The 8 x 8 values a thread holds: for a 16-bit T the loaded vectors themselves (32
+// registers rather than 64 floats), unpacked where a row or a column is used; for float
+// the floats. (Packed alone, ptxas unpacked them early and took more registers: see
+// kMinBlocks.)
+template <typename T> struct Piece {
+    Vec<T, 8> r[8];
+    __device__ __forceinline__ void load(int i, const T* p) { r[i] = load_vec<8>(p); }
+    __device__ __forceinline__ void row(int i, float (&f)[8]) const { unpack(r[i], f); }
+    __device__ __forceinline__ void set_row(int i, const float (&f)[8]) {  // (exact: T's)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[i].v[j] = from_float<T>(f[j]);
+    }
+};
+template <> struct Piece<float> {
+    float v[8][8];
+    __device__ __forceinline__ void load(int i, const float* p) {
+        const Vec<float, 4> lo = load_vec<4>(p), hi = load_vec<4>(p + 4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[i][j] = lo.v[j], v[i][4 + j] = hi.v[j];
+    }
+    __device__ __forceinline__ void row(int i, float (&f)[8]) const {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = v[i][j];
+    }
+    __device__ __forceinline__ void set_row(int i, const float (&f)[8]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = f[j];
+    }
+};
+
 // 8 codes (one 8-byte word pair) of v[0..7] * s[0..7]
 template <typename F8>
 __device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]) {
@@ -71,9 +101,16 @@ __device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]
 }
 
 // ---- block quantize, both copies from one read -------------------------------------------------
+// Blocks per SM asked of ptxas (H100, session 19, [8192, 4096] bf16 unless said): with 1 the
+// packed tile took 118-128 registers (2 blocks) and the dbias kernel ran 106 us against 67
+// for the float tile; with 2 every variant is at the float tile's time or better (plain 64,
+// dbias 68 us, ~2 TB/s), the activation's [8192, 16384] 312 us against 397; with 3 (80
+// registers, a few spilled) the activation's 286 but dbias 91; with 4, all slower.
+template <typename ACT> constexpr int kMinBlocks = HasAct<ACT>::value ? 3 : 2;
+
 template <typename T, typename F8, bool TILE2D, bool POW2, bool DBIAS = false,
           typename ACT = void>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, kMinBlocks<ACT>)
 block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
                float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
                int rows, int cols, float fp8_max, float eps, float inf_value,
@@ -86,25 +123,27 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
     const int r = r0 + 8 * a, c = c0 + 8 * b;
     const bool in = r < rows && c < cols;  // (rows, cols % 8 == 0: all 64 values or none)
-    float v[8][8], bv[8];  // bv: the activation's bias of this thread's 8 columns
+    Piece<T> v;
+    float bv[8];  // the activation's bias of this thread's 8 columns
 #pragma unroll
     for (int j = 0; j < 8; ++j) bv[j] = HasAct<ACT>::value && abias != nullptr && in
                                             ? to_float(abias[c + j]) : 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         if (in) {
-            const T* p = x + (long long)(r + i) * cols + c;
-            if constexpr (sizeof(T) == 4) {
-                const Vec<T, 4> lo = load_vec<4>(p), hi = load_vec<4>(p + 4);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) v[i][j] = to_float(lo.v[j]), v[i][4 + j] = to_float(hi.v[j]);
-            } else {
-                unpack(load_vec<8>(p), v[i]);
-            }
-            if constexpr (HasAct<ACT>::value) activate<ACT, T>(v[i], bv);
+            v.load(i, x + (long long)(r + i) * cols + c);
         } else {
+            const float zero[8] = {};
+            v.set_row(i, zero);
+        }
+    }
+    if constexpr (HasAct<ACT>::value) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[i][j] = 0.f;
+        for (int i = 0; i < 8; ++i) {
+            float f[8];
+            v.row(i, f);
+            activate<ACT, T>(f, bv);
+            v.set_row(i, f);
         }
     }
     PDL_TRIGGER();
@@ -112,9 +151,12 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     if constexpr (TILE2D) {
         float m = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 8; ++i) {
+            float f[8];
+            v.row(i, f);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
+        }
         const float sc = block_scale<POW2>(block_max(m), fp8_max, eps, inf_value);
 #pragma unroll
         for (int i = 0; i < 8; ++i) rs[i] = cs[i] = sc;
@@ -126,9 +168,10 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {  // row amax: the 16 lanes of this a
-            float m = 0.f;
+            float m = 0.f, f[8];
+            v.row(i, f);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[i][j]));
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
             rs[i] = block_scale<POW2>(m, fp8_max, eps, inf_value);
@@ -142,7 +185,11 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
             for (int j = 0; j < 8; ++j) {  // column amax: lanes b, b + 16, then the 8 warps
                 float m = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i][j]));
+                for (int i = 0; i < 8; ++i) {
+                    float f[8];
+                    v.row(i, f);
+                    m = fmaxf(m, fabsf(f[j]));
+                }
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
                 if ((threadIdx.x & 31) < 16) colmax[warp][8 * b + j] = m;
             }
@@ -164,7 +211,11 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
                 for (int j = 0; j < 8; ++j) {
                     float t = 0.f;
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) t += v[i][j];
+                    for (int i = 0; i < 8; ++i) {
+                        float f[8];
+                        v.row(i, f);
+                        t += f[j];
+                    }
                     t += __shfl_xor_sync(0xffffffffu, t, 16);
                     if ((threadIdx.x & 31) < 16) colmax[warp][8 * b + j] = t;
                 }
@@ -184,10 +235,11 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     if (in) {  // row-wise codes: 8 bytes per row
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            float sv[8];
+            float sv[8], f[8];
+            v.row(i, f);
 #pragma unroll
             for (int j = 0; j < 8; ++j) sv[j] = rs[i];
-            *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) = codes8<F8>(v[i], sv);
+            *reinterpret_cast<uint2*>(q + (long long)(r + i) * cols + c) = codes8<F8>(f, sv);
         }
     }
     if (qt == nullptr) return;
@@ -195,7 +247,11 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
     for (int j = 0; j < 8; ++j) {  // column 8b + j: its 8 rows' codes as one word
         float col[8], sv[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) col[i] = v[i][j], sv[i] = cs[j];
+        for (int i = 0; i < 8; ++i) {
+            float f[8];
+            v.row(i, f);
+            col[i] = f[j], sv[i] = cs[j];
+        }
         tt[8 * b + j][a ^ b] = codes8<F8>(col, sv);
     }
     __syncthreads();
