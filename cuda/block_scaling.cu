@@ -35,6 +35,9 @@
 //   activation's output act(h + abias) rounded to T, bit for bit act.cu's act_fwd with a T
 //   output (the same f, FAST where T is 16-bit) then this kernel: no [rows, cols] array of
 //   it in memory (the input of the GEMM after an activation). abias: [cols] or null.
+//   BWD (with ACT): x is dy and what is quantized is dx = dy * act'(h + abias) rounded to T,
+//   bit for bit act_bwd then this kernel (with DBIAS, dbias of dx: fc1's dy in the
+//   backward, from dy and h in one pass).
 //   Needs rows % 8 == 0 and cols % 8 == 0 (8-byte code stores, whole 8 x 8 thread pieces);
 //   x 32-byte aligned (two 16-byte loads of float per 8 values).
 #include "act_math.cuh"
@@ -106,16 +109,20 @@ __device__ __forceinline__ uint2 codes8(const float (&v)[8], const float (&s)[8]
 // for the float tile; with 2 every variant is at the float tile's time or better (plain 64,
 // dbias 68 us, ~2 TB/s), the activation's [8192, 16384] 312 us against 397; with 3 (80
 // registers, a few spilled) the activation's 286 but dbias 91; with 4, all slower.
-template <typename ACT> constexpr int kMinBlocks = HasAct<ACT>::value ? 3 : 2;
+// The activation's backward (BWD) holds h's row beside dy's: 2.
+template <typename ACT, bool BWD>
+constexpr int kMinBlocks = HasAct<ACT>::value && !BWD ? 3 : 2;
 
 template <typename T, typename F8, bool TILE2D, bool POW2, bool DBIAS = false,
-          typename ACT = void>
-__global__ void __launch_bounds__(256, kMinBlocks<ACT>)
+          typename ACT = void, bool BWD = false>
+__global__ void __launch_bounds__(256, kMinBlocks<ACT, BWD>)
 block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
                float* __restrict__ s, unsigned char* __restrict__ qt, float* __restrict__ st,
                int rows, int cols, float fp8_max, float eps, float inf_value,
-               float* __restrict__ part, const T* __restrict__ abias) {
+               float* __restrict__ part, const T* __restrict__ abias,
+               const T* __restrict__ h) {
     static_assert(!DBIAS || !TILE2D, "dbias: the gradient's 1x128 blocks, with qt");
+    static_assert(!BWD || HasAct<ACT>::value, "BWD: an activation's backward");
     PDL_WAIT();
     __shared__ uint2 tt[128][16];      // column-wise codes: tt[col][(row / 8) ^ b]
     __shared__ float colmax[8][128];   // per warp: its 16 rows' amax of each column
@@ -137,7 +144,22 @@ block_quantize(const T* __restrict__ x, unsigned char* __restrict__ q,
             v.set_row(i, zero);
         }
     }
-    if constexpr (HasAct<ACT>::value) {
+    if constexpr (BWD) {  // dx = dy * act'(h + bias) rounded to T (act.cu's act_bwd)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (!in) continue;
+            Piece<T> hp;  // (one row of it live at a time)
+            hp.load(i, h + (long long)(r + i) * cols + c);
+            float f[8], g[8];
+            v.row(i, f);
+            hp.row(i, g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                f[j] = to_float(from_float<T>(f[j] *
+                                              ACT::template df<(sizeof(T) < 4)>(g[j] + bv[j])));
+            v.set_row(i, f);
+        }
+    } else if constexpr (HasAct<ACT>::value) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float f[8];

@@ -14,9 +14,13 @@ and tells a fused producer (a norm or activation kernel with an FP8 output) what
     scale       float32 (1,): what the producer multiplies by (None unless fused_ok)
     amax_out    float32 (1,): where the producer maxes its output's amax (None unless fused_ok)
     wrap(codes) the FP8Tensor of the codes such a producer wrote (scale_inv from a kernel)
+    fuses_act   whether quantize_act and quantize_dact cast in the activation's pass
     quantize_act(h, bias, name)  the FP8Tensor of act(h + bias) cast in the activation's
                 own pass (the next GEMM's input, never in memory in high precision), or
                 None where the recipe has no such cast
+    quantize_dact(dgrad, h, bias, name, dbias_dtype, chunk)  (FP8Tensor with its
+                transposed copy, dbias or None) of the activation's backward dy * act'(h +
+                bias), dy = dgrad(c0, c1) made by column chunks (fuses_act only)
 
 The quantizers of one GEMM, x @ w.T with dy in backward, come together as GemmQuantizers
 (input, weight, grad_output, and what the op's tape node needs: after_backward hooks and
@@ -55,7 +59,7 @@ import numpy as np
 from . import backends
 from ._array import xp_of
 from .autocast import active_recipe, note_used
-from .fp8 import FP8BlockTensor, FP8Tensor, amax, cast, current_scale
+from .fp8 import FP8BlockTensor, FP8Tensor, amax, cast, current_scale, dact_cast_chunked
 from .fp8_state import update_backward
 from .inspect import ACTIVE_INSPECTOR
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
@@ -69,7 +73,7 @@ FP8_ONCE = ("FP8 ops", "(it recorded the gradients' amaxes and updated the backw
 class DelayedQuantizer:
     """Delayed scaling: one slot of an FP8State. Casts with the slot's scale (from the
     amaxes of earlier steps) and maxes the tensor's amax into the slot's history row 0."""
-    fused_ok = True
+    fused_ok = fuses_act = True
     residual_epilogue = True  # (a GEMM of its codes adds a residual in its epilogue)
 
     def __init__(self, meta, i, site=None):
@@ -92,6 +96,11 @@ class DelayedQuantizer:
         codes, _ = backends.dispatch(f"{name}_fwd", h, bias, self.scale, self.fmt,
                                      amax_out=self.amax_out)
         return self.wrap(codes)
+
+    def quantize_dact(self, dgrad, h, bias, name, dbias_dtype, chunk):
+        """fp8.dact_cast_chunked with this slot's scale and amax row."""
+        return dact_cast_chunked(dgrad, h, bias, name, self.scale, self.fmt, self.amax_out,
+                                 dbias_dtype, chunk)
 
     def wrap(self, codes):
         """The FP8Tensor of `codes` that a producer wrote with self.scale, maxing their
@@ -126,7 +135,7 @@ def quantizer_of(amax_out):
 class CurrentQuantizer:
     """Current scaling: each tensor's own amax (one pass), then the cast with
     fmt.max / amax (fp8.current_scale). No state."""
-    fused_ok = False  # the scale needs the amax of the whole tensor before any code
+    fused_ok = fuses_act = False  # the scale needs the whole tensor's amax before any code
     residual_epilogue = True
     scale = amax_out = site = None
 
@@ -155,6 +164,7 @@ class BlockQuantizer:
     (transpose=True) is quantized from x in its own blocks (1x128 along the columns), in the
     same pass on the GPU (kernels/block_scaling.py)."""
     fused_ok = False  # a block's scale needs the block's amax before its codes
+    fuses_act = True  # (its kernel reads the activation's input: block_quantize_act, _dact)
     # the block GEMM takes a residual (bit for bit the add), but its epilogue cost more than
     # the add kernel it saves (quickstart layer, H100, session 19): off
     residual_epilogue = False
@@ -199,6 +209,16 @@ class BlockQuantizer:
                                          self.block_dim, self.power_2_scale,
                                          self.amax_epsilon, True)
         return FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)
+
+    def quantize_dact(self, dgrad, h, bias, name, dbias_dtype, chunk):
+        """The activation's backward of dy = dgrad(0, cols) (whole: a column chunk's 1x128
+        blocks would need the kernel to write into wider arrays), quantized in 1x128 blocks
+        with its column-wise copy in the kernel's read of dy and h (block_quantize_dact),
+        and its dbias (None without dbias_dtype)."""
+        q, s, qt, st, db = backends.dispatch("block_quantize_dact", dgrad(0, h.shape[1]), h,
+                                             bias, name, self.fmt, self.power_2_scale,
+                                             self.amax_epsilon, dbias_dtype)
+        return FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), db
 
     def wrap(self, codes):
         raise TypeError("BlockQuantizer.wrap: block scaling cannot cast in a producer's "

@@ -413,10 +413,13 @@ def test_modules_under_block_scaling_close_to_high_precision(xp, rng, which, mon
     assert calls.count("fp8_block_gemm") == gemms and "fp8_gemm" not in calls
     assert "cast_to_fp8" not in calls and "cast_transpose" not in calls
     # (x, w per GEMM; dy with its dbias from the same read, block_quantize_dbias, but fc1's,
-    # whose dbias the activation's backward gives; fc2's x in the activation's read of h)
-    casts = ("block_quantize", "block_quantize_dbias", "block_quantize_act")
+    # the activation's backward's in the kernel's read of fc2's dgrad and h; fc2's x in the
+    # activation's read of h)
+    casts = ("block_quantize", "block_quantize_dbias", "block_quantize_act",
+             "block_quantize_dact")
     assert sum(map(calls.count, casts)) == gemms
-    assert calls.count("block_quantize_act") == (0 if which == "Linear" else 1)
+    mlp = 0 if which == "Linear" else 1
+    assert calls.count("block_quantize_act") == calls.count("block_quantize_dact") == mlp
     assert calls.count("block_quantize_dbias") == {"Linear": 1, "LayerNormMLP": 1,
                                                    "TransformerLayer": 3}[which]
     assert "bias_grad" not in calls
@@ -539,6 +542,37 @@ def test_kernel_block_quantize_act(rng, shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 384), (136, 264), (8, 8), (2056, 264)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_kernel_block_quantize_dact(rng, shape, dtype):
+    """The activation's backward quantized in the kernel's read of dy and h: codes, scales
+    and dbias bit for bit the GPU's two kernels (the activation's backward into dy's dtype,
+    then block_quantize_dbias: the same tile sums), with and without bias and dbias, on
+    poisoned outputs."""
+    import cupy
+    from conftest import poison_gpu_pool
+    h = cupy.asarray(_random(rng, shape, dtype, spread=1.0))
+    dy = cupy.asarray(_random(rng, shape, dtype))
+    bias = cupy.asarray(rng.standard_normal(shape[1]).astype(dtype))
+    for name, b, fmt, db in (("gelu", bias, E4M3, tecupy.bfloat16), ("gelu", None, E5M2, None),
+                             ("relu", bias, E4M3, np.float32)):
+        impl = backends.candidates("block_quantize_dact", dy, h, b, name, fmt, True, 0.0,
+                                   db)[0]
+        assert impl.kind == "cuda"
+        poison_gpu_pool()
+        *got, got_db = impl.fn(dy, h, b, name, fmt, True, 0.0, db)
+        dx, _ = backends.dispatch(f"{name}_bwd", dy, h, b)
+        if db is None:
+            want, want_db = backends.dispatch("block_quantize", dx, fmt, 1, True, 0.0, True), None
+        else:
+            *want, want_db = backends.dispatch("block_quantize_dbias", dx, fmt, True, 0.0, db)
+        _check_equal(got, [asnp(w) for w in want])
+        assert (got_db is None) == (want_db is None)
+        if db is not None:
+            np.testing.assert_array_equal(asnp(got_db), asnp(want_db))
+
+
+@pytest.mark.gpu
 def test_kernel_nan_inf_zero_blocks_and_extremes(rng):
     for dtype in DTYPES:
         x = np.zeros((256, 256), dtype)
@@ -590,8 +624,8 @@ def test_launcher_shapes_and_arguments_without_gpu(monkeypatch):
     assert a1[0] is x and a1[1] is q and a1[2] is s and a1[3] is qt and a1[4] is st
     assert a2[3] == 0 and a2[4] == 0 and isinstance(a2[3], np.uint64)  # null pointers
     assert [type(v) for v in a1[5:10]] == [np.int32, np.int32] + [np.float32] * 3
-    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"), 0, 0)  # (no
-    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"), 0, 0)  # part, no bias)
+    assert a1[5:] == (136, 264, 57344.0, 0.5, float.fromhex("0x1.FEp127"), 0, 0, 0)  # (no
+    assert a2[7:] == (448.0, 0.0, float.fromhex("0x1.FEp127"), 0, 0, 0)  # part, bias, h)
 
 
 def test_block_gemm_kernels_declared_and_fit_in_shared_memory():

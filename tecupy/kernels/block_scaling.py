@@ -30,9 +30,12 @@ loader.declare(FILE, [f"block_quantize<{CTYPE[t]}, {f}, {d}, {p}>" for t, f, d, 
                                         ("false", "true"))]
                + [f"block_quantize<{CTYPE[t]}, {f}, false, {p}, true>" for t, f, p in
                   itertools.product(LOW_PRECISION, FP8TYPE.values(), ("false", "true"))]
-               # the activation's output quantized in its read of h (1x128, E4M3, 16-bit)
-               + [f"block_quantize<{CTYPE[t]}, __nv_fp8_e4m3, false, {p}, false, Gelu>"
-                  for t, p in itertools.product(LOW_PRECISION[1:], ("false", "true"))])
+               # the activation's output quantized in its read of h (1x128, E4M3, 16-bit),
+               # and its backward's with dbias
+               + [f"block_quantize<{CTYPE[t]}, __nv_fp8_e4m3, false, {p}, {d}, Gelu{b}>"
+                  for t, p, (d, b) in itertools.product(
+                      LOW_PRECISION[1:], ("false", "true"),
+                      (("false", ""), ("true", ", true"), ("false", ", true")))])
 
 
 def _supported(x, fmt, block_dim, *args, **kwargs):
@@ -86,11 +89,36 @@ def block_quantize_act(h, bias, name, fmt, block_dim, power_2_scale=True, amax_e
 _named = set()  # kernel names _quantize has seen declared (no declared() dict per call)
 
 
+def _dact_supported(dy, h, bias, name, fmt, *args):
+    """block_quantize_act's inputs (h, bias, a plain activation), dy of h's shape and dtype,
+    contiguous and 16-byte aligned."""
+    return (_act_supported(h, bias, name, fmt, 1) and is_cupy(dy) and dy.shape == h.shape
+            and dy.dtype == h.dtype and dy.flags.c_contiguous and dy.data.ptr % 16 == 0)
+
+
+@backends.register("block_quantize_dact", "cuda", supports=_dact_supported)
+def block_quantize_dact(dy, h, bias, name, fmt, power_2_scale, amax_epsilon, dbias_dtype):
+    """block_quantize (1x128 blocks, both copies) of the activation's backward dx = dy *
+    act'(h + bias) in dy's dtype, computed in the kernel's read of dy and h (dx never in
+    memory), and dbias of dx where dbias_dtype (None: none) -> (codes, scale_inv, codes_t,
+    scale_inv_t, dbias or None)."""
+    import cupy
+    from ..activation_table import TABLE
+    act = (TABLE[name].cuda, bias)
+    if dbias_dtype is None or dy.size == 0:
+        db = None if dbias_dtype is None else cupy.zeros((dy.shape[1],), dbias_dtype)
+        return _quantize(dy, fmt, 1, power_2_scale, amax_epsilon, True, act=act, h=h) + (db,)
+    part = cupy.empty((-(-dy.shape[0] // BLOCK), dy.shape[1]), np.float32)
+    return _quantize(dy, fmt, 1, power_2_scale, amax_epsilon, True, part, act, h) + (
+        col_sum(part, dbias_dtype),)
+
+
 def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None,
-              act=None):
+              act=None, h=None):
     """block_quantize's launch; part: None, or [ceil(rows / 128), cols] float32 for the
     tiles' column sums (1x128 blocks, transpose: the DBIAS kernel); act: None, or (the
-    activation's struct, its bias or None): x is h (the ACT kernel)."""
+    activation's struct, its bias or None): x is h (the ACT kernel), or with h given x is
+    dy and h the activation's input (the BWD kernel: its dx quantized)."""
     import cupy
     rows, cols = x.shape
     nr, nc = -(-rows // BLOCK), -(-cols // BLOCK)
@@ -103,10 +131,11 @@ def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=No
         s = cupy.empty((nc, rows), np.float32)
         st = cupy.empty((nr, cols), np.float32) if transpose else None
     if x.size:
+        extra = ([] if part is None and act is None else [cbool(part is not None)]) + (
+            [] if act is None else [act[0]]) + ([] if h is None else ["true"])
         name = (f"block_quantize<{CTYPE[x.dtype]}, {FP8TYPE[fmt.name]}, "
                 f"{cbool(block_dim == 2)}, {cbool(power_2_scale)}"
-                + ("" if part is None and act is None else f", {cbool(part is not None)}")
-                + ("" if act is None else f", {act[0]}") + ">")
+                + "".join(", " + e for e in extra) + ">")
         if name not in _named:  # (a kernel not declared above, e.g. relu's: on first use)
             if name not in loader.declared().get(FILE, ()):
                 loader.declare(FILE, [name])
@@ -116,7 +145,8 @@ def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=No
         k((nc, nr), (256,), (x, q, s, null if qt is None else qt, null if st is None else st,
                              np.int32(rows), np.int32(cols), np.float32(fmt.max),
                              np.float32(amax_epsilon), value_for_inf(x.dtype),
-                             null if part is None else part, null if abias is None else abias))
+                             null if part is None else part, null if abias is None else abias,
+                             null if h is None else h))
     return q, s, qt, st
 
 

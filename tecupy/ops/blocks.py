@@ -6,7 +6,6 @@ two (fc1, fc2) for layernorm_mlp.
 """
 from .. import _check, backends
 from .._array import array_module, check_float, check_shape
-from ..fp8 import dact_cast_chunked
 from ..fp8_params import check_qweight, weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import record, retaining
@@ -72,7 +71,14 @@ def released(saved):
 def _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, qi):
     """The norm of x2 [M, K] written as FP8 codes by its kernel with the quantizer qi's scale
     (its amax maxed into qi's history row) -> (FP8Tensor, the statistics its backward
-    reads: (rsigma,) or (mu, rsigma))."""
+    reads: (rsigma,) or (mu, rsigma)). A quantizer that cannot cast in the norm's pass
+    (not fused_ok: block scaling) quantizes the norm's output, with its column-wise copy."""
+    if not qi.fused_ok:
+        if rms:
+            y, rsigma = backends.dispatch("rmsnorm_fwd", x2, ln_weight, eps, zcg)
+            return qi.quantize(y, transpose=True), (rsigma,)
+        y, mu, rsigma = backends.dispatch("layernorm_fwd", x2, ln_weight, ln_bias, eps, zcg)
+        return qi.quantize(y, transpose=True), (mu, rsigma)
     if rms:
         codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
                                              qi.scale, qi.fmt, amax_out=qi.amax_out)
@@ -205,27 +211,29 @@ DGELU_EPILOGUE = ()
 
 def _fused_mlp_quantizers(xp, fp8_state, activation, ret):
     """fc1's and fc2's quantizers where layernorm_mlp runs as one node (_mlp_fp8): a plain
-    activation, and the norm's, the activation's and the activation's backward's outputs
-    cast by their producers (each scale known before the data: delayed scaling); else
-    (None, None)."""
+    activation whose output and backward are cast in the activation's pass (fuses_act:
+    delayed scaling's producers, whose scale is known before the data; block scaling's
+    kernels, which read the activation's input); the norm's output cast by the norm where
+    the quantizer lets it (fused_ok); else (None, None)."""
     if ret or activation in GATED:
         return None, None
     q1 = gemm_quantizers(fp8_state, 0, xp)
-    if q1 is None or not (q1.input.fused_ok and q1.grad_output.fused_ok):
+    if q1 is None or not q1.grad_output.fuses_act:
         return None, None
     q2 = gemm_quantizers(fp8_state, 1, xp)
-    return (q1, q2) if q2.input.fused_ok else (None, None)
+    return (q1, q2) if q2.input.fuses_act else (None, None)
 
 
 def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q1, q2,
              residual=None, qws=(None, None)):
     """layernorm_mlp as one node, each cast in its producer's pass: the norm writes fc1's
-    input codes, the activation (with fc1's bias) fc2's, and in the backward the
-    activation's backward writes fc1's dy codes with their transposed copy and dbias
-    (fp8.dact_cast): dh never exists in high precision (issue 21: one pass over [M, ffn]
-    less; issue 22: h dies as soon as that cast has read it). residual: added in fc2's
-    epilogue where it can (else by the add op after this node); x itself (the pre-norm
-    block's residual) gets its dy in the norm backward's pass, as the add op's would."""
+    input codes (where fused_ok; else its output is quantized), the activation (with fc1's
+    bias) fc2's, and in the backward the activation's backward writes fc1's dy codes with
+    their transposed copy and dbias (quantize_dact): dh never exists in high precision
+    (issue 21: one pass over [M, ffn] less; issue 22: h dies as soon as that cast has read
+    it). residual: added in fc2's epilogue where it can (else by the add op after this
+    node); x itself (the pre-norm block's residual) gets its dy in the norm backward's
+    pass, as the add op's would."""
     hidden, ffn = x.shape[-1], w1.shape[0]
     m = x.size // hidden
     check_fp8_dims("layernorm_mlp", m, ffn, hidden)
@@ -234,8 +242,8 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q1.input)
     h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None, None, qws[0])
     del qx
-    qa = q2.input.quantize_act(h, b1, activation)  # (fused_ok: the activation casts)
-    r2 = fusable_residual(residual, x, x.shape)
+    qa = q2.input.quantize_act(h, b1, activation)  # (fuses_act: never None here)
+    r2 = fusable_residual(residual, x, x.shape) if q2.input.residual_epilogue else None
     y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2, qws[1])
     kept = [h]
     fused, own = r2 is not None, residual is x  # (own: dy is x's gradient too)
@@ -294,8 +302,7 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
     def dgrad(c0, c1):  # dy's columns c0:c1 = qdy @ (rows c0:c1 of w2's transposed codes).T
         return fp8_gemm(qdy, qw_t.rows(c0, c1), dtype, split_accumulator=True)
     db_dtype = None if b1 is None else b1.dtype
-    qdh, db1 = dact_cast_chunked(dgrad, h, b1, activation, g.scale, g.fmt, g.amax_out,
-                                 db_dtype, chunk)
+    qdh, db1 = g.quantize_dact(dgrad, h, b1, activation, db_dtype, chunk)
     return qdh, db1, dw2, db2
 
 

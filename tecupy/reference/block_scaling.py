@@ -133,6 +133,17 @@ def block_quantize_act(h, bias, name, fmt, block_dim, power_2_scale=True, amax_e
     return block_quantize(a, fmt, block_dim, power_2_scale, amax_epsilon, transpose)
 
 
+@backends.register("block_quantize_dact", "reference")
+def block_quantize_dact(dy, h, bias, name, fmt, power_2_scale, amax_epsilon, dbias_dtype):
+    """The activation's backward dx = dy * act'(h + bias) in dy's dtype (the activation op's
+    backward), then block_quantize_dbias of dx (dbias_dtype None: block_quantize, no dbias)
+    -> (codes, scale_inv, codes_t, scale_inv_t, dbias or None)."""
+    dx, _ = backends.dispatch(f"{name}_bwd", dy, h, bias)
+    if dbias_dtype is None:
+        return block_quantize(dx, fmt, 1, power_2_scale, amax_epsilon, True) + (None,)
+    return block_quantize_dbias(dx, fmt, power_2_scale, amax_epsilon, dbias_dtype)
+
+
 @backends.register("block_quantize_dbias", "reference")
 def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
     """block_quantize(x, fmt, 1, power_2_scale, amax_epsilon, transpose=True) (the
