@@ -56,13 +56,21 @@ def block_quantize_dbias(x, fmt, power_2_scale, amax_epsilon, dbias_dtype):
     """block_quantize (1x128 blocks, both copies) and dbias from the same read of x: the
     kernel's per 128-row tile column sums, then colsum.col_sum's sum of them in
     dbias_dtype (cast_transpose_dbias's two stages)."""
+    return _with_dbias(x, dbias_dtype, lambda part: _quantize(
+        x, fmt, 1, power_2_scale, amax_epsilon, True, part))
+
+
+def _with_dbias(x, dbias_dtype, run):
+    """run(part) + (dbias,): part the [ceil(rows / 128), cols] float32 tile sums the DBIAS
+    kernel writes (None where dbias_dtype is None, or x is empty), dbias their col_sum in
+    dbias_dtype (None without it; zeros for no rows)."""
     import cupy
+    if dbias_dtype is None:
+        return run(None) + (None,)
     if x.size == 0:  # (no launch: zero sums)
-        return _quantize(x, fmt, 1, power_2_scale, amax_epsilon, True) + (
-            cupy.zeros((x.shape[1],), dbias_dtype),)
+        return run(None) + (cupy.zeros((x.shape[1],), dbias_dtype),)
     part = cupy.empty((-(-x.shape[0] // BLOCK), x.shape[1]), np.float32)
-    return _quantize(x, fmt, 1, power_2_scale, amax_epsilon, True, part) + (
-        col_sum(part, dbias_dtype),)
+    return run(part) + (col_sum(part, dbias_dtype),)
 
 
 def _act_supported(h, bias, name, fmt, block_dim, *args):
@@ -102,15 +110,10 @@ def block_quantize_dact(dy, h, bias, name, fmt, power_2_scale, amax_epsilon, dbi
     act'(h + bias) in dy's dtype, computed in the kernel's read of dy and h (dx never in
     memory), and dbias of dx where dbias_dtype (None: none) -> (codes, scale_inv, codes_t,
     scale_inv_t, dbias or None)."""
-    import cupy
     from ..activation_table import TABLE
     act = (TABLE[name].cuda, bias)
-    if dbias_dtype is None or dy.size == 0:
-        db = None if dbias_dtype is None else cupy.zeros((dy.shape[1],), dbias_dtype)
-        return _quantize(dy, fmt, 1, power_2_scale, amax_epsilon, True, act=act, h=h) + (db,)
-    part = cupy.empty((-(-dy.shape[0] // BLOCK), dy.shape[1]), np.float32)
-    return _quantize(dy, fmt, 1, power_2_scale, amax_epsilon, True, part, act, h) + (
-        col_sum(part, dbias_dtype),)
+    return _with_dbias(dy, dbias_dtype, lambda part: _quantize(
+        dy, fmt, 1, power_2_scale, amax_epsilon, True, part, act, h))
 
 
 def _quantize(x, fmt, block_dim, power_2_scale, amax_epsilon, transpose, part=None,
