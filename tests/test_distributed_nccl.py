@@ -547,10 +547,11 @@ def test_shift_and_rings_equal_the_collectives():
 OVERLAP_LAYER = dict(hidden=256, ffn=1024, heads=8, s=256, b=2)
 
 
-def _overlap_layer(g, fp8, c=OVERLAP_LAYER):
+def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
     """The TP=2 + SP TransformerLayer (ranks 0 and 1; bf16, FP8 delayed scaling with
-    reduce_amax: two steps) with the comm-GEMM overlap off, then on -> {False/True: [y,
-    every gradient]} (NumPy float32)."""
+    reduce_amax: two steps) with overlap.<switch> (OVERLAP: the rings; BULK: the bulk
+    overlap of the plain path) off, then on -> {False/True: [y, every gradient]} (NumPy
+    float32)."""
     import tecupy
     from tecupy.distributed import overlap
     cupy = _xp(g)
@@ -562,9 +563,9 @@ def _overlap_layer(g, fp8, c=OVERLAP_LAYER):
              for _ in range(2))
     x, dy = (cupy.asarray(_cut(a, tp.rank, 2, 0)).astype(bfloat16) for a in (x, dy * 0.1))
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4, reduce_amax=True)
-    out = {}
+    out, before = {}, getattr(overlap, switch)
     for ring in (False, True):
-        overlap.OVERLAP = ring
+        setattr(overlap, switch, ring)
         layer = tecupy.nn.TransformerLayer(c["hidden"], c["ffn"], c["heads"], hidden_dropout=0.0,
                                            attention_dropout=0.0, seed=4, tp_group=tp,
                                            sequence_parallel=True, params_dtype=bfloat16,
@@ -575,7 +576,7 @@ def _overlap_layer(g, fp8, c=OVERLAP_LAYER):
                 y = layer(x)
             grads = tape.gradient(y, [x, *params.values()], output_grad=dy)
         out[ring] = [_np(a.astype(np.float32)) for a in [y, *grads]]
-    overlap.OVERLAP = True
+    setattr(overlap, switch, before)
     return out
 
 
@@ -602,6 +603,18 @@ def test_tp2_layer_overlap_equals_plain_collectives(fp8):
     got = dist.spawn(_overlap_layer, N, fp8, timeout=300)
     row(f"TP=2 +SP layer, overlap on vs off ({'fp8' if fp8 else 'bf16'})", 2, "ok",
         _on_vs_off(got))
+
+
+def test_tp2_layer_bulk_overlap_is_bit_exact():
+    """The bulk overlap (overlap.BULK: the FP8 column GEMMs' backward runs dgrad first, its
+    reduce-scatter on a side stream beside wgrad, the GEMM leaving SMs free) against the
+    plain order, FP8 (two steps): the same GEMMs and collectives, every tensor bit for
+    bit."""
+    got = dist.spawn(_overlap_layer, N, True, "BULK", timeout=300)
+    note = _on_vs_off(got)
+    total = 2 * len(got[0][True])
+    assert note.startswith(f"bit-exact {total}/{total} "), note
+    row("TP=2 +SP layer, bulk overlap on vs off (fp8)", 2, "ok", note)
 
 
 def _act_row_gpu(g, fp8):

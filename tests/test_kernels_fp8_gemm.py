@@ -375,3 +375,27 @@ def test_fp8_gemm_residual_declines_what_it_cannot_take(rng):
         assert backends.chosen("fp8_gemm", *gargs, residual=r, **kw) == "reference"
     g32 = gargs[:6] + [np.float32, None]
     assert backends.chosen("fp8_gemm", *g32, residual=r.astype(np.float32)) == "reference"
+
+
+@needs_hopper
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+def test_fp8_gemm_under_sm_margin_is_bit_exact_on_fewer_sms(rng, split):
+    """launch.sm_margin(n): the persistent GEMM's grid leaves n SMs free (a plan of its
+    own: the key holds the margin), and its output is bit for bit the full grid's (a tile's
+    sums do not depend on which CTA computes it)."""
+    from tecupy.kernels import fp8_gemm as G
+    from tecupy.kernels.launch import sm_count, sm_margin
+    m, n, k = 2048, 4096, 512  # 16 x 16+ tiles: more than any grid
+    a, sa, b, sb = _gpu(*_operands(rng, m, n, k, E4M3, E4M3))
+
+    def run():
+        return G.fp8_gemm(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, split_accumulator=split)
+    full = asnp(run())
+    grids = {}
+    for margin in (16, 40):
+        with sm_margin(margin):
+            got = asnp(run())
+        assert np.array_equal(got.view(np.uint16), full.view(np.uint16)), margin
+        grids[margin] = [p[1][0] for key, p in G._plans.items()
+                         if key[:3] == (m, n, k) and key[-1] == margin and key[5] == split]
+    assert grids[16] == [sm_count() - 16] and grids[40] == [sm_count() - 40], grids

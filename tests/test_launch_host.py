@@ -78,3 +78,23 @@ def test_struct_arguments_by_value():
     for bad in (12, 0, -8):
         with pytest.raises(TypeError, match="an n-byte struct"):
             launch._launch_state((cupy.ndarray, bad), (1,), (32,), 0)
+
+
+def test_sm_margin_is_checked_nested_and_restored():
+    """launch.sm_margin: an int >= 0 (else a ValueError naming the argument); margin() is
+    the innermost context's, 0 outside; restored after an exception too."""
+    assert launch.margin() == 0
+    for bad in (-1, 1.5, "8", None):
+        with pytest.raises(ValueError, match="sm_margin: n must be an int >= 0"):
+            with launch.sm_margin(bad):
+                pass
+    with launch.sm_margin(16):
+        assert launch.margin() == 16
+        with launch.sm_margin(0):
+            assert launch.margin() == 0
+        assert launch.margin() == 16
+        with pytest.raises(KeyError):
+            with launch.sm_margin(24):
+                raise KeyError("inside")
+        assert launch.margin() == 16
+    assert launch.margin() == 0

@@ -68,14 +68,14 @@ def _rank(g, cfg, parts):
     """This rank's measurements; parts: "all" (1-4), "dp" (3) or "tp" (single step, 4)."""
     out = {}
     if parts == "tp":
-        out["steps"] = _sweep_rows(g, cfg, single_only=True)
+        out["steps"] = _sweep_rows(g, cfg, single_only=True, graphed=True)
         out["tp"] = _tp_rows(g, cfg["layer"])
         return out
     out["bus"] = _bus(g, cfg["reduces"])
     if parts == "all":
         out["all_reduce"] = [_collective_ms(g, "all_reduce", mib) for mib in cfg["sizes"]]
         out["dp"], out["dp_bytes"], out["dp_count"] = _averaging(g, cfg["buckets"])
-    out["steps"] = _sweep_rows(g, cfg)
+    out["steps"] = _sweep_rows(g, cfg, graphed=parts == "all")
     if parts == "all":
         out["tp"] = _tp_rows(g, cfg["layer"])
     return out
@@ -193,6 +193,20 @@ def dp_steps(layer, x, dy, recipe, group, bucket_mb=25, reduce="all_reduce", opt
     return {"single": single, "after": after, "overlapped": overlapped}
 
 
+def _timed_graphed(g, layer, x, dy, recipe):
+    """(GPU ms, host ms) of the layer's step captured in a CUDA graph (make_graphed_step),
+    on rank 0 alone; None on the other ranks."""
+    import cupy
+
+    from tecupy._array import is_cupy
+    from .distributed_tp import graphed_rate
+    g.barrier()
+    got = graphed_rate(layer, x, dy, recipe) if g.rank == 0 and is_cupy(x) else None
+    cupy.get_default_memory_pool().free_all_blocks()
+    g.barrier()
+    return got
+
+
 def _timed(g, step, alone=False):
     """(GPU ms, host ms) of `step` on rank 0 (alone: the other ranks wait meanwhile)."""
     import cupy
@@ -204,9 +218,10 @@ def _timed(g, step, alone=False):
     return got
 
 
-def _sweep_rows(g, cfg, single_only=False):
+def _sweep_rows(g, cfg, single_only=False, graphed=False):
     """Part 3 on this rank: {precision: {"single": (GPU ms, host ms) or None (ranks > 0),
-    (bucket_mb, reduce, "after" | "overlapped"): (GPU ms, host ms)}}."""
+    (bucket_mb, reduce, "after" | "overlapped"): (GPU ms, host ms)}}; graphed (for part
+    4): "single graphed" too, the single step in a CUDA graph (None off a GPU)."""
     import cupy
 
     from tecupy.__main__ import build
@@ -219,6 +234,8 @@ def _sweep_rows(g, cfg, single_only=False):
         single = dp_steps(layer, x, dy, recipe, g, optimizer=cfg["optimizer"])["single"]
         rows[name] = {"single": _timed(g, single, alone=True)}
         del single
+        if graphed:  # (part 4's graphed rows compare with the single step graphed too)
+            rows[name]["single graphed"] = _timed_graphed(g, layer, x, dy, recipe)
         for mb, red in configs:
             steps = dp_steps(layer, x, dy, recipe, g, mb, red, cfg["optimizer"])
             for kind in ("after", "overlapped"):

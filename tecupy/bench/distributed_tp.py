@@ -58,6 +58,9 @@ def _tp_rows(g, layer_size):
                 g.barrier()
                 try:
                     rows.setdefault(name, {})[ring] = _tp_rate(g, layer_size, recipe)
+                    graphed = None if ring else _tp_rate(g, layer_size, recipe, True)
+                    if graphed is not None:  # the plain collectives' step in a CUDA graph
+                        rows[name]["graphed"] = graphed
                 except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
                     if not ring:
                         raise
@@ -68,17 +71,33 @@ def _tp_rows(g, layer_size):
     return rows
 
 
-def _tp_rate(g, layer_size, recipe):
-    """(GPU ms, host ms) of the TP step of a fresh layer under recipe; its memory freed."""
+def _tp_rate(g, layer_size, recipe, graphed=False):
+    """(GPU ms, host ms) of the TP step of a fresh layer under recipe, eager or captured
+    in a CUDA graph (graphed_rate; None where the layer is not on a GPU); its memory
+    freed."""
     import cupy
 
+    from tecupy._array import is_cupy
     from .layer import SIZES, _rate
     layer, x, dy = tp_build(SIZES[layer_size], g, "cuda")
     try:
-        return _rate(tp_step(layer, x, dy, recipe), cupy)
+        if not graphed:
+            return _rate(tp_step(layer, x, dy, recipe), cupy)
+        return graphed_rate(layer, x, dy, recipe) if is_cupy(x) else None
     finally:
         del layer, x, dy
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def graphed_rate(layer, x, dy, recipe):
+    """(GPU ms, host ms) of the layer's step (forward + backward, dy its output's gradient)
+    captured in a CUDA graph by make_graphed_step (NCCL's collectives are captured too)."""
+    import cupy
+
+    import tecupy
+    from .layer import _rate
+    step = tecupy.make_graphed_step(layer, (x, dy), fp8_recipe=recipe)
+    return _rate(lambda: step(x, dy), cupy)
 
 
 OVERLAPS = (False, True)  # part 4's rows: the comm-GEMM overlap off, on
@@ -95,16 +114,23 @@ def print_tp(tp_rows, step_rows, n, layer_size):
           f"; issue 25's target: {'<= %.2fx' % target if target else 'none at this size'}; "
           "overlap: the sequence-parallel collectives as rings overlapped with the GEMMs "
           "(TECUPY_TP_OVERLAP)")
+    print("graphed: the step captured in a CUDA graph (make_graphed_step), against the "
+          "single-GPU step graphed too; the others eager against eager")
     print("| precision | overlap | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_overlap in tp_rows.items():
         if name == "error":
             continue
-        one = step_rows[name]["single"][0]
         for ring, (gpu, host) in by_overlap.items():
+            graphed = ring == "graphed"
+            one = step_rows[name].get("single graphed" if graphed else "single")
+            if one is None:  # (no graphed single step to compare with)
+                continue
+            one = one[0]
             ratio = gpu / one
             verdict = "-" if target is None else ("met" if ratio <= target else "missed")
-            print(f"| {name} | {'on' if ring else 'off'} | {one:.2f} | {gpu:.2f} | "
+            kind = "off, graphed" if graphed else "on" if ring else "off"
+            print(f"| {name} | {kind} | {one:.2f} | {gpu:.2f} | "
                   f"{host:.2f} | {ratio:.2f}x | {verdict} |")
     if "error" in tp_rows:
         print(f"overlap rows left out: {tp_rows['error']}")

@@ -93,10 +93,34 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
             dx, dw, db = _ring_backward(as_2d(dy, m, n), saved, bias, q.grad_output,
                                         x_dtype, group, m_local)
             return dx.reshape(x_shape), dw, db
+        if overlap.bulk(group, dy):
+            dx, dw, db = _bulk_backward(as_2d(dy, m, n), saved, bias, q.grad_output,
+                                        x_dtype, group)
+            return dx.reshape(x_shape), dw, db
         dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
         return group.reduce_scatter(dx, 0).reshape(x_shape), dw, db
     record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
+
+
+def _bulk_backward(dy2, saved, bias, q_dy, x_dtype, group):
+    """fp8_linear_backward with dgrad first: its reduce-scatter runs on the side stream
+    while wgrad runs on the main one, leaving overlap.SM_MARGIN SMs to NCCL -> (this rank's
+    dx chunk, dw, dbias). The same GEMMs and collective as the plain order: bit for bit."""
+    from ..kernels.launch import sm_margin
+    qx_t, qw_t = saved
+    if not retaining():
+        saved.clear()
+    qdy, db = fp8_dy(q_dy, dy2, bias)
+    dx = fp8_gemm(qdy.rowwise(), qw_t, x_dtype, split_accumulator=True)  # [M, N] x [K, N]^T
+    side = overlap._Side(group)
+    local, event = side.collective(group.reduce_scatter, dx, 0)
+    del dx
+    with sm_margin(overlap.SM_MARGIN):
+        dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
+    side.wait(event)
+    side.keep.clear()
+    return local, dw, db
 
 
 def _ring_backward(dy2, saved, bias, q_dy, x_dtype, group, m_local):

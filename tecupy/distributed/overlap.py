@@ -44,7 +44,27 @@ OVERLAP = os.environ.get("TECUPY_TP_OVERLAP", "0").strip() not in ("", "0")
 # the row GEMMs' backward: dy gathered by a ring with dgrad's chunks (ring_linear.py); only
 # where OVERLAP put the row GEMM on its ring path
 OVERLAP_DY = os.environ.get("TECUPY_TP_OVERLAP_DY", "1").strip() not in ("", "0")
+# Bulk overlap (Transformer Engine's ub_bulk_dgrad idea, on NCCL): the backward of the
+# sequence-parallel column GEMM runs dgrad first, reduce-scatters it on the side stream and
+# runs wgrad meanwhile (its GEMM leaving SM_MARGIN SMs to NCCL); on the plain path (rings
+# off) of an NcclGroup. TECUPY_TP_BULK=0 / BULK = False: wgrad, dgrad, then the collective.
+BULK = os.environ.get("TECUPY_TP_BULK", "1").strip() not in ("", "0")
+# SMs the FP8 GEMMs leave free while an exchange is in flight (kernels/launch.sm_margin):
+# NCCL's send/recv kernels need SMs, and the persistent GEMM otherwise holds every one.
+SM_MARGIN = int(os.environ.get("TECUPY_TP_SM_MARGIN", "16"))
 _side_streams = {}  # device id -> the non-blocking side stream of the exchanges
+
+
+def _margin(in_flight):
+    """sm_margin(SM_MARGIN) while an exchange is in flight, else no margin."""
+    from ..kernels.launch import sm_margin
+    return sm_margin(SM_MARGIN if in_flight else 0)
+
+
+def bulk(group, *arrays):
+    """Whether the bulk-overlapped backward runs for these arrays on this group."""
+    return BULK and group.size > 1 and _nccl(group) and all(
+        is_cupy(a) for a in arrays if a is not None)
 
 
 def enabled(group, *arrays):
@@ -88,6 +108,19 @@ class _Side:
             self.group.shift(x, out)
             return self.stream.record()
 
+    def collective(self, fn, *args):
+        """fn(*args) (a collective) on the side stream after the main stream's work so far
+        -> (its result, the event the main stream waits for before reading it; None on the
+        host, where fn ran in order). args (what fn reads) are held until then."""
+        self.keep += args
+        if self.stream is None:
+            return fn(*args), None
+        self.stream.wait_event(self.main.record())
+        with self.stream:
+            out = fn(*args)
+            self.keep.append(out)
+            return out, self.stream.record()
+
     def wait(self, event):
         if event is not None:
             self.main.wait_event(event)
@@ -108,7 +141,8 @@ def ring_gather(group, local, gemm):
         c = (r - j) % n
         # (after step 0 the exchanges need only each other: back to back on the side)
         event = side.shift(chunk[c], chunk[(c - 1) % n], j == 0) if j < n - 1 else None
-        gemm(c, chunk[c])
+        with _margin(event is not None):
+            gemm(c, chunk[c])
         side.wait(event)
     side.keep.clear()  # (the main stream has waited for every exchange)
     return full
@@ -122,7 +156,8 @@ def ring_reduce_scatter(group, partial):
     side = _Side(group)
     acc = event = recv = None
     for j in range(n):
-        p = partial((r - j - 1) % n)
+        with _margin(j > 0):  # (step j - 1's sum travels)
+            p = partial((r - j - 1) % n)
         if j:
             side.wait(event)
             p += recv  # own partial + the sum received (set at step j - 1)

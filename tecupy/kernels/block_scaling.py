@@ -247,7 +247,7 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     act = ("dgelu" if dgelu_aux is not None else None if residual is None
            else "residual" if G.RESIDUAL_PREFETCH else "residual, no prefetch")
     key = (m, n, k, a_fmt.name, b_fmt.name, dim_b, out_dtype, bias is None, accumulate, act,
-           current_device(), G.BLOCK_PIPELINE)
+           current_device(), G.BLOCK_PIPELINE, G.launch_module.margin())
     plan, pipe = planned(_gemm_plans, key, _gemm_plan, m, n, k, a_fmt, b_fmt, dim_b,
                          out_dtype, bias is None, accumulate, act)
     sa = _a_factors(a.shape, a_scale_inv)

@@ -265,7 +265,8 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
     # the configuration per shape (tuned, else the default), kept with the launch plan:
     # the table's version changes with every remember()
     key = (m, n, k, a_fmt.name, b_fmt.name, split_accumulator, out_dtype, bias is None,
-           accumulate, act, current_device(), backends._env("TECUPY_CACHE_DIR"), _version[0])
+           accumulate, act, current_device(), backends._env("TECUPY_CACHE_DIR"), _version[0],
+           launch_module.margin())
     plan = planned(_plans, key, _shape_plan, m, n, k, a_fmt, b_fmt, split_accumulator,
                    out_dtype, bias is None, accumulate, act)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
@@ -302,7 +303,7 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     gelu = "gelu" if gelu else None
     (m, k), n = a.shape, b.shape[0]
     key = (config, a_fmt.name, b_fmt.name, out_dtype, bias is None, accumulate, gelu, m, n, k,
-           current_device())
+           current_device(), launch_module.margin())
     plan = planned(_plans, key, _plan, config, a_fmt, b_fmt, out_dtype, bias is None,
                    accumulate, gelu, m, n, k)
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
@@ -344,7 +345,8 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     # with K, and one plan lowering it under another's made that one's launches fail)
     opt_in_smem(fn, smem)
     units = -(-m // BM) * -(-n // bn) // cluster  # tiles, or pairs of tiles in a cluster
-    grid = (min(units, sm_count() // cluster) * cluster,)
+    sms = max(cluster, sm_count() - launch_module.margin())  # (the plan's key holds margin)
+    grid = (min(units, sms // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
             (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids),
             Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=pdl and launch_module.PDL))

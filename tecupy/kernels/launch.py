@@ -1,6 +1,8 @@
 """Launching kernels: device queries (SMs, Hopper), grid sizes and occupancy, shared memory
 beyond 48 KB, the wrappers' cache of launch plans, and the launch with programmatic
 dependent launch (PDL) through cuLaunchKernelEx."""
+import contextlib
+import contextvars
 import ctypes
 import itertools
 import struct
@@ -31,6 +33,31 @@ def sm_count():
     if dev not in _sm_counts:
         _sm_counts[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
     return _sm_counts[dev]
+
+
+# SMs the persistent GEMMs leave free (sm_margin): while a ring's exchange runs on a side
+# stream (distributed/overlap.py), NCCL's kernels need SMs that a GEMM holding all of them
+# for its whole run never frees (its CTAs take ~200 KB of shared memory each).
+_margin = contextvars.ContextVar("tecupy_sm_margin", default=0)
+
+
+@contextlib.contextmanager
+def sm_margin(n):
+    """Inside, persistent GEMMs (fp8_gemm's, the block GEMM's) launch at most SMs - n CTAs,
+    so n SMs stay free for work on another stream (Transformer Engine's comm-GEMM overlap
+    keeps SMs for its exchanges too). Per thread and context, as the tape."""
+    if not (isinstance(n, int) and 0 <= n):
+        raise ValueError(f"sm_margin: n must be an int >= 0, got {n!r}")
+    token = _margin.set(n)
+    try:
+        yield
+    finally:
+        _margin.reset(token)
+
+
+def margin():
+    """The SMs left free inside the current sm_margin (0 outside)."""
+    return _margin.get()
 
 
 def current_device():
