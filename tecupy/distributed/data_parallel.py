@@ -38,18 +38,12 @@ bit of the result on the reference communicator (sums in rank order, element by 
 NCCL's order of summation over 3+ ranks may depend on an element's place in a bucket and
 on the collective, so compare runs with the same buckets and the same `reduce`.
 """
-import os
-
 import numpy as np
 
 from .. import _check
 from .._array import is_cupy, xp_of
 
 REDUCES = ("all_reduce", "reduce_scatter")
-# SMs the persistent FP8 GEMMs of an overlapped backward leave to the buckets' collectives
-# (kernels/launch.sm_margin): without, NCCL's kernels on the side stream run only between
-# GEMMs, which hold every SM.
-SM_MARGIN = int(os.environ.get("TECUPY_DP_SM_MARGIN", "16"))
 
 
 def plan_buckets(grads, bucket_bytes):
@@ -121,11 +115,9 @@ class GradientReducer:
         on_grad=self.ready), then finish(). -> the means as tape.gradient would return the
         gradients (a dict for a module or dict, a list for a list), or ShardedGradients
         (reduce_scatter); the current stream waits for the last collective."""
-        from ..kernels.launch import sm_margin
         try:
-            with sm_margin(SM_MARGIN if self._stream is not None else 0):
-                grads = tape.gradient(outputs, self.wrt, output_grad, retain_graph,
-                                      on_grad=self.ready)
+            grads = tape.gradient(outputs, self.wrt, output_grad, retain_graph,
+                                  on_grad=self.ready)
         except BaseException:
             self.reset()
             raise

@@ -33,6 +33,14 @@ every SM, and each ring step adds a launch and an event wait. TECUPY_TP_OVERLAP_
 OVERLAP_DY = False keeps the row GEMMs' backward on the plain all-gather of dy
 (ring_linear.py) with the rest overlapped.
 
+Bulk overlap (BULK, on by default; fp8_gather._bulk_backward): without the rings, the FP8
+sequence-parallel column GEMM's backward runs dgrad first and reduce-scatters it on the
+side stream while wgrad runs on the main one, its persistent GEMM launched on SM_MARGIN
+fewer SMs (kernels/launch.sm_margin) so that NCCL's kernels find free SMs: the same GEMMs
+and collective as the plain order, bit for bit. Graphed quickstart layer on H100s (PERFLOG.md
+session 20): TP=2 FP8 6.85-7.00 -> 6.74 ms, TP=4 4.24-4.26 -> 4.13-4.20; margins 16-32 alike,
+8 and 0 less. The rings' GEMMs leave SM_MARGIN SMs too while an exchange is in flight.
+
 The side stream must not free what the main stream reuses: every array a step sends or
 receives stays referenced until the main stream has waited for the last exchange.
 """
