@@ -251,7 +251,8 @@ def reduce_amaxes(states, direction):
     """Transformer Engine's amax reduction (reduce_amax=True): this step's amaxes (row 0 of
     the `direction` histories) of the states with a group (the fp8_group of the autocast
     they were used in, else their amax_group) are maxed over that group,
-    one all-reduce per group for all its states (TE's one fused buffer), before the update;
+    one call per group for all its states (all_reduce_many, in place on each history's row
+    0: one NCCL group, one launch, as TE's one fused buffer), before the update;
     every rank then computes the same scales. Every rank of a group must update the same
     states in the same order (they do: the same modules run on every rank). Nothing is done
     (and nothing launched) for states without a group, or whose recipe says reduce_amax=False."""
@@ -262,14 +263,8 @@ def reduce_amaxes(states, direction):
         if (group is not None and meta is not None and s.recipe is not None
                 and s.recipe.reduce_amax):
             by_group.setdefault(id(group), (group, []))[1].append(meta.amax_history)
-    for group, hists in by_group.values():
-        xp = xp_of(hists[0])
-        buf = xp.concatenate([h[0] for h in hists]) if len(hists) > 1 else hists[0][0].copy()
-        group.all_reduce(buf, "max")
-        start = 0
-        for h in hists:
-            h[0] = buf[start:start + h.shape[1]]
-            start += h.shape[1]
+    for group, hists in by_group.values():  # (row 0 of a history: contiguous, in place)
+        group.all_reduce_many([h[0] for h in hists], "max")
 
 
 def _update_group(recipe, metas):

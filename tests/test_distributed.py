@@ -54,6 +54,28 @@ def test_all_reduce_in_place_and_checks():
         np.testing.assert_array_equal(x, [3.0, 3.0, 3.0])
 
 
+def test_all_reduce_many_in_place_and_checks():
+    """all_reduce_many: each array reduced in place (views too: a history's row 0), the
+    list returned; the op and every array checked as all_reduce checks them."""
+    def body(g):
+        h = np.zeros((3, 4), np.float32)
+        h[0] = np.arange(4) * (g.rank + 1)
+        y = np.array([float(g.rank), -1.0])
+        got = g.all_reduce_many([h[0], y], "max")
+        assert got[0].base is h and got[1] is y
+        with pytest.raises(ValueError, match="op must be one of"):
+            g.all_reduce_many([y], op="mean")
+        with pytest.raises(TypeError, match="all_reduce_many"):
+            g.all_reduce_many([y, [1.0, 2.0]])
+        s = g.all_reduce_many([np.full(2, g.rank + 1.0)])
+        return h, y, s[0]
+    for h, y, s in dist.run_threads(2, body):
+        np.testing.assert_array_equal(h[0], np.arange(4) * 2.0)
+        np.testing.assert_array_equal(h[1:], 0.0)
+        np.testing.assert_array_equal(y, [1.0, -1.0])
+        np.testing.assert_array_equal(s, [3.0, 3.0])
+
+
 def test_split_subgroups():
     def body(g):
         tp = g.split(color=g.rank // 2, key=g.rank)  # {0,1}, {2,3}
@@ -735,3 +757,13 @@ def test_reducer_leaves_a_gradient_the_backward_still_reads_alone():
     for r, got in enumerate(dist.run_threads(2, body, True)):
         for a, b in zip(got, want[r]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_nccl_call_description_is_written_only_when_read():
+    """NcclGroup's description of a call ("op(shape dtype, extra)") is formatted for a
+    message only (an abort, the debug check), not on every call."""
+    from tecupy.distributed.nccl import _name
+    x = np.zeros((2, 3), np.float32)
+    what = _name("all_reduce", x, "max")
+    assert not isinstance(what, str)
+    assert str(what) == f"{what}" == "all_reduce((2, 3) float32, max)"

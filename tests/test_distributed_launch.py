@@ -86,8 +86,18 @@ class OnOtherGpu(np.ndarray):
     """An array the fake says lives on another GPU."""
 
 
+class _FakeGroupCalls:  # ncclGroupStart / End: the fake's calls run as they come
+    @staticmethod
+    def groupStart():
+        pass
+
+    @staticmethod
+    def groupEnd():
+        pass
+
+
 class FakeNccl:
-    name, xp = "fake", np
+    name, xp, nccl = "fake", np, _FakeGroupCalls
 
     def set_device(self, local_rank):
         return local_rank

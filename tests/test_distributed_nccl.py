@@ -81,6 +81,10 @@ def _collectives(g):
                g.reduce_scatter(x, axis=0), g.reduce_scatter(x, axis=1, op="max"),
                g.broadcast(x.copy(), root=g.size - 1)]
         out[np.dtype(dt).name] = [_np(a) for a in res]
+    many = [cupy.asarray(_data(g.rank, dt)) for dt in DTYPES]  # one NCCL group
+    got = g.all_reduce_many([m for m in many], "max")
+    out["many"] = [_np(a) for a in got] + [_np(g.all_reduce(cupy.asarray(_data(g.rank, dt)),
+                                                            op="max")) for dt in DTYPES]
     if cupy is not np:
         with pytest.raises(TypeError, match="x must be a cupy array on this rank's GPU"):
             g.all_reduce(np.ones(3, np.float32))
@@ -105,6 +109,10 @@ def test_collectives_equal_numpy():
     dtype's tolerance (NCCL's order is not rank order); everything else bit-exact."""
     t0 = time.perf_counter()
     got = dist.spawn(_collectives, N, timeout=120)
+    for r in range(N):  # all_reduce_many (one group) = one all_reduce each (max: exact)
+        many = got[r]["many"]
+        for a, b in zip(many[:len(DTYPES)], many[len(DTYPES):]):
+            np.testing.assert_array_equal(a, b)
     worst = 0.0
     for dt in DTYPES:
         name = np.dtype(dt).name

@@ -32,6 +32,20 @@ class ProcessGroup:
         self._check_op("all_reduce", op)
         return self._all_reduce(x, op)
 
+    def all_reduce_many(self, arrays, op="sum"):
+        """all_reduce of each array in `arrays`, in place, as one call (a backend may fuse
+        them: NCCL runs them as one group, one launch); returns the list."""
+        arrays = list(arrays)
+        for x in arrays:
+            self._check_array("all_reduce_many", x)
+        self._check_op("all_reduce_many", op)
+        self._all_reduce_many(arrays, op)
+        return arrays
+
+    def _all_reduce_many(self, arrays, op):
+        for x in arrays:
+            self._all_reduce(x, op)
+
     def all_gather(self, x, axis=0):
         """The ranks' x concatenated along `axis`, in rank order (a new array)."""
         axis = self._check_axis("all_gather", x, axis)
