@@ -362,6 +362,43 @@ def test_block_tensor_copies(rng):
         FP8BlockTensor(t.data, E4M3, t.scale_inv, block_dim=2)
 
 
+def test_fused_blocks_keep_only_the_column_wise_copy(rng, monkeypatch):
+    """A fused block's forward GEMM keeps for its backward only the column-wise copy of its
+    input where the cast made one (block scaling: both copies), so the row-wise codes die
+    after the forward GEMM (fc2's input: 128 MiB at the quickstart layer); a producer's
+    row-wise codes (no copy) are kept as they are. LayerNormMLP under Float8BlockScaling:
+    its node keeps no row-wise input codes, and its saved bytes fall by theirs."""
+    from tecupy.fp8 import FP8Tensor
+    from tecupy.ops import blocks
+    from tecupy.tape_memory import saved_bytes
+    x = _random(rng, (256, 160))
+    w = BlockQuantizer(E4M3, 2, QParams()).quantize(_random(rng, (64, 160)), transpose=True)
+    t = BlockQuantizer(E4M3, 1, QParams()).quantize(x, transpose=True)
+    kept = blocks.kept_operands(t, w)
+    assert kept[0].data is t.data_t and kept[0].data_t is None and kept[2] is True
+    first = kept[0]
+    assert blocks.released(kept)[0] is first and kept == []  # (taken out of the closure)
+    row = FP8Tensor(t.data, E4M3, np.ones(1, np.float32))  # (a producer's: row-wise only)
+    kept = blocks.kept_operands(row, w)
+    assert kept[0] is row and kept[2] is False
+    np.testing.assert_array_equal(blocks.released(kept)[0].data, row.data.T)
+
+    mlp = tecupy.nn.LayerNormMLP(256, 512, device="cpu", seed=0, params_dtype=np.float32)
+    xs = _random(rng, (384, 256))
+    seen, real = [], blocks.kept_operands
+    monkeypatch.setattr(blocks, "kept_operands",
+                        lambda qx, qw: seen.append((qx, real(qx, qw))) or seen[-1][1])
+    with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        mlp(xs)
+    assert len(seen) == 2 and all(k[0].data is qx.data_t for qx, k in seen)
+    rowwise = sum(qx.data.nbytes + qx.scale_inv.nbytes for qx, _ in seen)
+    del seen[:]  # (the spy's references to the row-wise codes)
+    monkeypatch.setattr(blocks, "kept_operands", lambda qx, qw: [qx, *real(qx, qw)[1:]])
+    with tecupy.Tape() as whole, tecupy.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        mlp(xs)
+    assert saved_bytes(whole)[0][0][1] - saved_bytes(tape)[0][0][1] == rowwise
+
+
 # ---- modules under the recipe, on NumPy ------------------------------------------------------
 def _spy(monkeypatch):
     calls = []

@@ -27,7 +27,7 @@ from .._array import xp_of
 from ..fp8 import FP8Tensor
 from ..fp8_params import hp, weight_fp8
 from ..ops.activation import GATED, activation as apply_activation, check_activation
-from ..ops.blocks import released
+from ..ops.blocks import kept_operands, released
 from ..ops.linear import (_check_args, _dbias, as_2d, as_nd, check_fp8_dims, fp8_gemm,
                           fp8_linear_backward)
 from ..quantization import gemm_quantizers
@@ -164,7 +164,7 @@ def ring_act_row_linear(xp, h, fc1_bias, activation, fc2_weight, group, fp8_stat
     y = ring_reduce_scatter(group, lambda c: fp8_gemm(
         qa.rows(c * m_local, (c + 1) * m_local), qw, h.dtype))
     y = y.reshape((h.shape[0] // size,) + h.shape[1:-1] + (n,))
-    saved = [qa, qw.columnwise()]  # qa: the activation wrote row-wise codes only
+    saved = kept_operands(qa, qw)  # (qa: the activation wrote row-wise codes only)
 
     def backward(dy):
         da, dw = _row_backward(group, dy, m, n, released(saved), q.grad_output, h.dtype)

@@ -55,14 +55,15 @@ def _norm_then_linear(xp, x, ln_weight, ln_bias, weight, bias, eps, zero_centere
 
 
 def released(saved):
-    """The FP8 operands a fused block saved, [row-wise input codes, the weight's column-wise
-    copy], taken out of its closure as fp8_linear_backward takes them: [the input's
-    column-wise copy, the weight's]. The producer (norm, activation) wrote row-wise codes
-    only; they die once transposed, and both copies once the GEMMs read them, not when the
-    node's whole backward returns: its second part (the norm's or activation's backward)
-    allocates as much again (issue 22: fc2's input codes are 128 MiB at the quickstart
-    layer). Unless the tape retains the graph for another backward (current scaling)."""
-    operands = [saved[0].columnwise(), saved[1]]
+    """The FP8 operands a fused block saved (_gemm_fp8's [input codes, the weight's
+    column-wise copy, whether the first is column-wise already]), taken out of its closure
+    as fp8_linear_backward takes them: [the input's column-wise copy, the weight's]. A
+    producer (norm, activation under delayed scaling) wrote row-wise codes only; they die
+    once transposed, and both copies once the GEMMs read them, not when the node's whole
+    backward returns: its second part (the norm's or activation's backward) allocates as
+    much again (issue 22: fc2's input codes are 128 MiB at the quickstart layer). Unless
+    the tape retains the graph for another backward (current scaling)."""
+    operands = [saved[0] if saved[2] else saved[0].columnwise(), saved[1]]
     if not retaining():
         saved.clear()
     return operands
@@ -101,10 +102,22 @@ def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):
 
 def _gemm_fp8(qx, weight, q, out_dtype, bias, residual=None, qweight=None):
     """qx @ weight.T (+ bias) (+ residual [M, N], fusable_residual's) with weight cast by
-    q.weight (or its kept codes qweight, where given) -> (y, what its backward keeps: [qx,
-    the weight's column-wise copy]; qx row-wise, a producer's codes)."""
+    q.weight (or its kept codes qweight, where given) -> (y, what its backward keeps, as
+    released() reads it). The backward reads only qx's column-wise copy (wgrad): where the
+    cast made one beside the row-wise codes (block scaling, a cast with transpose), only that
+    copy is kept, so the row-wise codes die with the caller's qx after this GEMM, not at the
+    backward (fc2's input under block scaling: 128 MiB at the quickstart layer); a
+    producer's row-wise codes (delayed scaling) are kept and transposed in the backward."""
     qw = weight_fp8(q.weight, weight, True, qweight)
-    return fp8_gemm(qx, qw, out_dtype, bias, residual=residual), [qx, qw.columnwise()]
+    return fp8_gemm(qx, qw, out_dtype, bias, residual=residual), kept_operands(qx, qw)
+
+
+def kept_operands(qx, qw):
+    """What a fused block's backward keeps of a forward GEMM's FP8 operands (released()
+    takes it): [qx's column-wise copy where the cast made one, else its row-wise codes;
+    the weight's column-wise copy; whether the first is column-wise]."""
+    col = qx.data_t is not None
+    return [qx.columnwise() if col else qx, qw.columnwise(), col]
 
 
 def _norm_linear_fp8(x, ln_weight, ln_bias, weight, bias, eps, zcg, rms, q, qweight=None):
@@ -336,7 +349,7 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
     rows = m if comm is None else comm.rows(m)
     y = as_nd(y2 if comm is None else comm.reduce(y2), (h.shape[0] * rows // m,)
               + h.shape[1:-1] + (n,))
-    saved = [qa, qw.columnwise()]  # (qa's column-wise copy: released's)
+    saved = kept_operands(qa, qw)
     fused = r2 is not None
     del r2, y2
 
