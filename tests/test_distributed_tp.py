@@ -525,3 +525,27 @@ def test_bench_tp_rows_keep_the_plain_rows_when_the_overlap_raises(monkeypatch, 
     out = capsys.readouterr().out
     assert "| FP8 | off | 2.00 | 1.00 | 0.50 | 0.50x | met |" in out
     assert "overlap rows left out: HP with the overlap: RuntimeError: no send" in out
+
+
+def test_bench_tp_rows_graphed_rows_and_their_failure(monkeypatch, capsys):
+    """The plain TP step is timed in a CUDA graph too (a "graphed" row, compared with the
+    single-GPU step graphed); a capture that raises leaves those rows out and the table
+    says why, the eager rows stay."""
+    from tecupy.bench import distributed_tp as bench
+
+    def rate(g, layer_size, recipe, graphed=False):
+        if graphed and recipe is not None:
+            raise RuntimeError("not capturable")
+        return (0.5, 0.25) if graphed else (1.0, 0.5)
+    monkeypatch.setattr(bench, "_tp_rate", rate)
+    got = dist.run_threads(2, bench._tp_rows, "small")[0]
+    assert got == {"HP": {False: (1.0, 0.5), "graphed": (0.5, 0.25), True: (1.0, 0.5)},
+                   "FP8": {False: (1.0, 0.5), True: (1.0, 0.5)},
+                   "graphed error": "FP8 graphed: RuntimeError: not capturable"}
+    steps = {"HP": {"single": (2.0, 1.0), "single graphed": (2.5, 1.0)},
+             "FP8": {"single": (2.0, 1.0), "single graphed": (2.5, 1.0)}}
+    bench.print_tp(got, steps, 2, "full")
+    out = capsys.readouterr().out
+    assert "| HP | off, graphed | 2.50 | 0.50 | 0.25 | 0.20x | met |" in out
+    assert "| FP8 | off | 2.00 | 1.00 | 0.50 | 0.50x | met |" in out
+    assert "graphed rows left out: FP8 graphed: RuntimeError: not capturable" in out

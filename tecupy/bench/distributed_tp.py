@@ -44,7 +44,8 @@ def _tp_rows(g, layer_size):
     run once made the plain rows after it slower on 4 GPUs: PERFLOG.md, session 16); every
     rank runs it (its collectives need them all). Should the overlapped step raise (on
     every rank alike: a Python error before the ranks' calls differ), its rows are left
-    out, "error" says why, and the plain rows still come back."""
+    out, "error" says why, and the plain rows still come back. The plain step is timed in
+    a CUDA graph too ("graphed"; where the capture raises, "graphed error" says why)."""
     from tecupy.distributed import overlap
     from .layer import _recipe
     rows, default = {}, overlap.OVERLAP
@@ -58,9 +59,8 @@ def _tp_rows(g, layer_size):
                 g.barrier()
                 try:
                     rows.setdefault(name, {})[ring] = _tp_rate(g, layer_size, recipe)
-                    graphed = None if ring else _tp_rate(g, layer_size, recipe, True)
-                    if graphed is not None:  # the plain collectives' step in a CUDA graph
-                        rows[name]["graphed"] = graphed
+                    if not ring:
+                        _graphed_row(g, layer_size, recipe, name, rows)
                 except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
                     if not ring:
                         raise
@@ -69,6 +69,18 @@ def _tp_rows(g, layer_size):
     finally:
         overlap.OVERLAP = default
     return rows
+
+
+def _graphed_row(g, layer_size, recipe, name, rows):
+    """rows[name]["graphed"]: the plain step in a CUDA graph (none off a GPU); a capture
+    that raises (on every rank alike) leaves the row out and says why."""
+    try:
+        got = _tp_rate(g, layer_size, recipe, True)
+    except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+        rows["graphed error"] = f"{name} graphed: {type(e).__name__}: {e}"
+        return
+    if got is not None:
+        rows[name]["graphed"] = got
 
 
 def _tp_rate(g, layer_size, recipe, graphed=False):
@@ -119,7 +131,7 @@ def print_tp(tp_rows, step_rows, n, layer_size):
     print("| precision | overlap | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_overlap in tp_rows.items():
-        if name == "error":
+        if name in ("error", "graphed error"):
             continue
         for ring, (gpu, host) in by_overlap.items():
             graphed = ring == "graphed"
@@ -134,3 +146,5 @@ def print_tp(tp_rows, step_rows, n, layer_size):
                   f"{host:.2f} | {ratio:.2f}x | {verdict} |")
     if "error" in tp_rows:
         print(f"overlap rows left out: {tp_rows['error']}")
+    if "graphed error" in tp_rows:
+        print(f"graphed rows left out: {tp_rows['graphed error']}")
