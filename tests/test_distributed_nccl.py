@@ -557,11 +557,11 @@ OVERLAP_LAYER = dict(hidden=256, ffn=1024, heads=8, s=256, b=2)
 
 def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
     """The TP=2 + SP TransformerLayer (ranks 0 and 1; bf16, FP8 delayed scaling with
-    reduce_amax: two steps) with overlap.<switch> (OVERLAP: the rings; BULK: the bulk
-    overlap of the plain path) off, then on -> {False/True: [y, every gradient]} (NumPy
-    float32)."""
+    reduce_amax: two steps) with overlap.<switch> (OVERLAP: the rings, against the composed
+    plain path, fp8_blocks.FUSED off; BULK: the bulk overlap of the plain path) off, then on
+    -> {False/True: [y, every gradient]} (NumPy float32)."""
     import tecupy
-    from tecupy.distributed import overlap
+    from tecupy.distributed import fp8_blocks, overlap
     cupy = _xp(g)
     tp = g.split(color=0 if g.rank < 2 else None)
     if tp is None:
@@ -571,7 +571,8 @@ def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
              for _ in range(2))
     x, dy = (cupy.asarray(_cut(a, tp.rank, 2, 0)).astype(bfloat16) for a in (x, dy * 0.1))
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4, reduce_amax=True)
-    out, before = {}, getattr(overlap, switch)
+    out, before, fused = {}, getattr(overlap, switch), fp8_blocks.FUSED
+    fp8_blocks.FUSED = switch != "OVERLAP"
     for ring in (False, True):
         setattr(overlap, switch, ring)
         layer = tecupy.nn.TransformerLayer(c["hidden"], c["ffn"], c["heads"], hidden_dropout=0.0,
@@ -585,6 +586,7 @@ def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
             grads = tape.gradient(y, [x, *params.values()], output_grad=dy)
         out[ring] = [_np(a.astype(np.float32)) for a in [y, *grads]]
     setattr(overlap, switch, before)
+    fp8_blocks.FUSED = fused
     return out
 
 

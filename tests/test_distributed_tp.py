@@ -4,6 +4,8 @@ and 4 ranks equal the single-device module of the same seed, outputs and every g
 (each rank's shard compared with its cut of the single-device tensor), to 1e-12 in float64
 and within FP8 tolerance under fp8_autocast (delayed scaling, reduce_amax True and False);
 the FP8 sequence-parallel gather moves uint8 codes; amax reduction; option errors."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -268,6 +270,71 @@ def test_transformer_layer_fp8_equals_single_device(tp, sp, reduce_amax):
                 differs |= not np.allclose(got, exp, rtol=1e-5)
     if not reduce_amax:
         assert differs  # (each rank's weight shard has its own amax: the test can tell)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear"])
+def test_norm_blocks_sp_fp8_are_one_node(monkeypatch, kind, bulk):
+    """Under sequence parallel, FP8 delayed scaling with reduce_amax, LayerNormMLP and
+    LayerNormLinear run as one node each, as on one device (fp8_blocks.py): the norm casts in
+    its pass (the composed path: a bf16 norm output cast apart), the MLP's activation
+    backward is cast in fc2's dgrad chunks (composed: gelu_bwd, then a cast), the norm's two
+    gradients are all-reduced in one group call; within FP8 tolerance of the composed path
+    (fp8_blocks off) and of the single device's gradients. bulk: dgrad reduce-scattered
+    beside wgrad (the thread group takes that path when forced, as NCCL does)."""
+    from tecupy import backends
+    from tecupy.distributed import overlap
+    import tecupy.nn.layers as layers_mod
+    monkeypatch.setattr(overlap, "bulk", lambda group, *a: bulk)
+    x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 19))
+    if kind == "LayerNormLinear":
+        dy = np.concatenate([dy, dy[..., ::-1]], axis=-1)  # (out_features 128: 64 a rank)
+    recipe = DelayedScaling(amax_history_len=4, reduce_amax=True)
+    seen, real = {}, backends.dispatch
+
+    def counting(op, *a, **k):
+        seen.setdefault(threading.get_ident(), []).append(op)
+        return real(op, *a, **k)
+    monkeypatch.setattr(backends, "dispatch", counting)
+
+    def make(g):
+        tp = dict(seed=3, tp_group=g, sequence_parallel=g is not None, **F32)
+        if kind == "LayerNormMLP":
+            return tecupy.nn.LayerNormMLP(64, 128, **tp)
+        return tecupy.nn.LayerNormLinear(64, 128, parallel_mode="column" if g else None, **tp)
+
+    def body(g):
+        m = make(g)
+        groups = []
+        g.all_reduce_many = lambda arrays, op="sum": (
+            groups.append(len(arrays)), type(g).all_reduce_many(g, arrays, op))[1]
+        xs = _cut(x, g.rank, 2, 0)
+        dys = _cut(dy, g.rank, 2, 0) if kind == "LayerNormMLP" else _cut(dy, g.rank, 2, 2)
+        for _ in range(2):
+            seen.pop(threading.get_ident(), None)
+            groups.clear()
+            y, grads = _run(m, xs, dys, recipe)
+        return y, grads, seen.pop(threading.get_ident()), groups
+    got = dist.run_threads(2, body)
+    fused = "layernorm_mlp_sp" if kind == "LayerNormMLP" else "layernorm_linear_sp"
+    monkeypatch.setattr(layers_mod, fused, lambda module, x: None)
+    composed = dist.run_threads(2, body)
+    single = make(None)
+    for _ in range(2):
+        _, want = _run(single, x, dy, recipe)
+    for r, ((y, grads, ops, groups), (y_c, grads_c, ops_c, _)) in enumerate(
+            zip(got, composed)):
+        assert "layernorm_fwd_fp8" in ops and "layernorm_fwd" not in ops
+        assert "layernorm_fwd" in ops_c and "layernorm_fwd_fp8" not in ops_c
+        if kind == "LayerNormMLP":
+            assert "dact_cast_transpose" in ops and "dact_cast_transpose" not in ops_c
+        assert groups == [1, 2, 1]  # amaxes (forward), the norm's weight and bias, amaxes
+        _fp8_close(y, y_c, "y", True)
+        for name in grads:
+            _fp8_close(grads[name], grads_c[name], name, True)
+        _fp8_close(grads["x"], _cut(want["x"], r, 2, 0), "x", True)
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            _fp8_close(grads[name], want[name], name, True)
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["hp-weights", "fp8-weights"])

@@ -104,14 +104,25 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
 
 
 def _bulk_backward(dy2, saved, bias, q_dy, x_dtype, group):
-    """fp8_linear_backward with dgrad first: its reduce-scatter runs on the side stream
-    while wgrad runs on the main one, leaving overlap.SM_MARGIN SMs to NCCL -> (this rank's
-    dx chunk, dw, dbias). The same GEMMs and collective as the plain order: bit for bit."""
+    """fp8_linear_backward with dgrad first (bulk_grads) -> (this rank's dx chunk, dw,
+    dbias)."""
+    qdy, db = fp8_dy(q_dy, dy2, bias)
+    held = [qdy]
+    del qdy
+    local, dw = bulk_grads(held, saved, x_dtype, group)
+    return local, dw, db
+
+
+def bulk_grads(held, saved, x_dtype, group):
+    """fp8_grads with dgrad first: its reduce-scatter runs on the side stream while wgrad
+    runs on the main one, leaving overlap.SM_MARGIN SMs to NCCL; held = [dy's FP8 tensor],
+    saved = [x's column-wise copy, the weight's] (both lists emptied) -> (this rank's dx
+    chunk, dw). The same GEMMs and collective as the plain order: bit for bit."""
     from ..kernels.launch import sm_margin
     qx_t, qw_t = saved
     if not retaining():
         saved.clear()
-    qdy, db = fp8_dy(q_dy, dy2, bias)
+    qdy = held.pop()
     dx = fp8_gemm(qdy.rowwise(), qw_t, x_dtype, split_accumulator=True)  # [M, N] x [K, N]^T
     side = overlap._Side(group)
     local, event = side.collective(group.reduce_scatter, dx, 0)
@@ -120,7 +131,7 @@ def _bulk_backward(dy2, saved, bias, q_dy, x_dtype, group):
         dw = fp8_gemm(qdy.T, qx_t, x_dtype, split_accumulator=True)  # [N, M] x [K, M]^T
     side.wait(event)
     side.keep.clear()
-    return local, dw, db
+    return local, dw
 
 
 def _ring_backward(dy2, saved, bias, q_dy, x_dtype, group, m_local):

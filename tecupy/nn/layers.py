@@ -5,10 +5,11 @@ not at the first forward); forwards check that the input's last dimension is the
 width, so the error names the input rather than the layer's weight.
 """
 from .. import _check
+from ..distributed.fp8_blocks import layernorm_linear_sp, layernorm_mlp_sp
 from ..distributed.group import ProcessGroup
-from ..distributed.tensor_parallel import (act_then_row_parallel, column_parallel_linear,
-                                           replicated_grad, row_parallel_linear, shard,
-                                           shard_parts)
+from ..distributed.tensor_parallel import (act_then_row_parallel, bias_residual,
+                                           column_parallel_linear, replicated_grad,
+                                           row_parallel_linear, shard, shard_parts)
 from ..fp8_params import FIRST_MICROBATCH_DOC, check_first_microbatch, microbatch_weights
 from ..fp8_state import FP8State
 from ..ops import (add, layernorm, layernorm_linear, layernorm_mlp, linear, normalize,
@@ -230,6 +231,10 @@ class LayerNormLinear(Module):
                                     fp8_state=self.fp8_state,
                                     qweight=None if qw is None else qw[0])
         check_first_microbatch(op, is_first_microbatch)  # (TP: changes nothing)
+        if self.sequence_parallel:
+            y = layernorm_linear_sp(self, x)  # (one FP8 node, or None)
+            if y is not None:
+                return y
         ln_out = parallel_norm(self, x)
         y = column_parallel_linear(ln_out, self.weight, self.bias, self.tp_group,
                                    fp8_state=self.fp8_state,
@@ -323,6 +328,9 @@ class LayerNormMLP(Module):
         op has no place for them): norm, fc1 column parallel, act + fc2 row parallel (the
         residual added in fc2 bias's pass)."""
         g, sp, st = self.tp_group, self.sequence_parallel, self.fp8_state
+        y = layernorm_mlp_sp(self, x) if sp else None  # (one FP8 node, or None)
+        if y is not None:
+            return bias_residual(y, replicated_grad(self.fc2_bias, g), residual)
         ln_out = parallel_norm(self, x)
         h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
                                    gemm_index=0, sequence_parallel=sp)

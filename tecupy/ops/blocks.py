@@ -300,12 +300,24 @@ DACT_CHUNK_BYTES = 64 << 20
 
 
 def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
-    """fc2's backward and the activation's backward cast (fp8.dact_cast_chunked): dy cast
-    (and fc2's dbias), wgrad first (then the activation's codes die), then dgrad column
-    chunk by column chunk, each cast with its columns of h by the quantizer g (and fc1's
-    dbias) -> (FP8Tensor of dh, db1, dw2, db2)."""
+    """fc2's backward and the activation's backward cast: dy cast (and fc2's dbias), then
+    dact_grads -> (FP8Tensor of dh, db1, dw2, db2)."""
     qdy, db2 = fp8_dy(q_dy, dy2, b2)
-    qa_t, qw_t = released(saved2)
+    held = [qdy]
+    del qdy
+    qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, activation, g, dtype)
+    return qdh, db1, dw2, db2
+
+
+def dact_grads(held, saved2, h, b1, activation, g, dtype):
+    """fc2's wgrad from held = [dy's FP8 tensor] and saved2 = [its input's column-wise copy,
+    the weight's] (both lists emptied: the activation's codes die after wgrad), then its
+    dgrad column chunk by column chunk, each cast with its columns of h by the quantizer g
+    in the activation's backward (fp8.dact_cast_chunked, with fc1's dbias) -> (FP8Tensor of
+    dh, db1, dw2)."""
+    qdy = held.pop()
+    qa_t, qw_t = saved2
+    saved2.clear()
     dw2 = fp8_gemm(qdy.T, qa_t, dtype, split_accumulator=True)
     del qa_t
     qdy = qdy.rowwise()  # (dy's column-wise copy is wgrad's: dead now)
@@ -316,7 +328,7 @@ def _dgrad_dact(dy2, saved2, b2, q_dy, h, b1, activation, g, dtype):
         return fp8_gemm(qdy, qw_t.rows(c0, c1), dtype, split_accumulator=True)
     db_dtype = None if b1 is None else b1.dtype
     qdh, db1 = g.quantize_dact(dgrad, h, b1, activation, db_dtype, chunk)
-    return qdh, db1, dw2, db2
+    return qdh, db1, dw2
 
 
 def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_state,

@@ -1,0 +1,155 @@
+"""LayerNormLinear and LayerNormMLP under sequence parallel in FP8 as one node each, as on
+one device (ops.blocks._norm_linear_fp8, _mlp_fp8), with the collectives inside.
+
+The MLP: the norm writes this rank's FP8 codes in its pass, the group all-gathers them,
+fc1, the activation cast in its pass, fc2, and fc2's partial sums reduce-scattered to this
+rank's sequence chunk; the backward all-gathers dy's codes, casts the activation's backward
+in fc2's dgrad chunks (with fc1's dbias), runs fc1's dgrad and reduce-scatters it (beside
+fc1's wgrad: fp8_gather.bulk_grads), then the norm's backward on the chunk, whose two
+parameter gradients are all-reduced in one group call. The LayerNormLinear (column
+parallel: attention's qkv): the norm's codes all-gathered, the GEMM; backward: dgrad
+reduce-scattered (beside wgrad), the norm's backward on the chunk.
+
+Against the composed path (parallel norm, gather_sequence_linear, _act_then_linear's comm:
+three nodes) this makes no high-precision copy of the norm's output and no separate
+activation backward, dy cast or norm-parameter all-reduces (session 18's "work one GPU
+fuses": ~0.3 ms at TP=2 on the quickstart layer). It runs where the composed path's FP8
+node would and the norm can cast: delayed scaling with the amaxes reduced over this group
+(then every rank's norm casts with one scale, fp8_gather.shared_scale), a plain activation,
+sbhd input, no rings; else these return None and the caller composes.
+"""
+import os
+
+from .._array import xp_of
+from ..fp8 import FP8Tensor
+from ..fp8_params import weight_fp8
+from ..ops.blocks import (_fused_mlp_quantizers, _gemm_fp8, _norm_bwd, _norm_fp8, dact_grads,
+                          kept_operands, released)
+from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_grads, fp8_linear_backward
+from ..quantization import gemm_quantizers
+from ..tape import record, retaining
+from . import overlap
+from .fp8_gather import SequenceReduce, _bulk_backward, bulk_grads, shared_scale
+
+# TECUPY_TP_FUSED=0 / FUSED = False: always the composed path (A/B; the rings' tests compare
+# against it: the fused norm casts from float32, the composed one from its bf16 output)
+FUSED = os.environ.get("TECUPY_TP_FUSED", "1").strip() not in ("", "0")
+
+
+def layernorm_linear_sp(module, x):
+    """linear(norm(x)) of a sequence-parallel, column-parallel LayerNormLinear `module` on
+    this rank's chunk x [s/tp, b, in] as one FP8 node -> this rank's columns of the output
+    over the whole sequence, or None where the node does not apply (module doc)."""
+    if module.return_layernorm_output:
+        return None
+    q = gemm_quantizers(module.fp8_state, 0, xp_of(x))
+    if q is None or not _applies(module, x, q.input, q.grad_output):
+        return None
+    return _norm_linear_sp_fp8(x, module, q)
+
+
+def layernorm_mlp_sp(module, x):
+    """fc2(act(fc1(norm(x)))) of a sequence-parallel LayerNormMLP `module` on this rank's
+    chunk x [s/tp, b, hidden] as one FP8 node -> this rank's chunk of the reduce-scattered
+    output (fc2's bias not added), or None where the node does not apply (module doc)."""
+    q1, q2 = _fused_mlp_quantizers(xp_of(x), module.fp8_state, module.activation,
+                                   module.return_layernorm_output)
+    if q1 is None or not _applies(module, x, q1.input, q1.grad_output, q2.grad_output):
+        return None
+    return _mlp_sp_fp8(x, module, q1, q2)
+
+
+def _applies(module, x, q_in, *q_dys):
+    """Whether the one-node path runs: sbhd input, no rings, the norm's cast with one scale
+    on every rank (delayed scaling, amaxes reduced over the group), per-tensor dy casts."""
+    g, st = module.tp_group, module.fp8_state
+    if not FUSED or x.ndim < 2 or overlap.enabled(g, x) or not q_in.fused_ok:
+        return False
+    if not all(SequenceReduce.takes(q) for q in q_dys):
+        return False
+    # (else the ranks' scales may differ: the composed path casts with their min)
+    return shared_scale(q_in, st, g, x) is q_in.scale
+
+
+def _norm_linear_sp_fp8(x, module, q):
+    g, w, b, dtype = module.tp_group, module.weight, module.bias, x.dtype
+    ln_w, ln_b, zcg = module.layer_norm_weight, module.layer_norm_bias, module.zero_centered_gamma
+    n, k = w.shape
+    m_local = x.size // k
+    m = m_local * g.size
+    check_fp8_dims("LayerNormLinear (sequence parallel)", m, n, k)
+    x2 = as_2d(x, m_local, k)
+    qx, stats = _norm_fp8(x2, ln_w, ln_b, module.eps, zcg, module.normalization == "RMSNorm",
+                          q.input)
+    full = FP8Tensor.made(g.all_gather(qx.data, 0), q.input.fmt, qx.scale_inv)
+    del qx
+    y2, saved = _gemm_fp8(full, w, q, dtype, b)
+    del full
+    y = as_nd(y2, (x.shape[0] * g.size,) + x.shape[1:-1] + (n,))
+    del y2
+
+    def backward(dy, partial=None):
+        dy2 = as_2d(dy, m, n)
+        if overlap.bulk(g, dy):
+            d_ln, dw, db = _bulk_backward(dy2, released(saved), b, q.grad_output, dtype, g)
+        else:
+            d_ln, dw, db = fp8_linear_backward(dy2, released(saved), b, q.grad_output, dtype)
+            d_ln = g.reduce_scatter(d_ln, 0)
+        return _norm_backward(g, d_ln, x, x2, stats, module, partial) + (
+            dw.astype(w.dtype, copy=False), db)
+    record(backward, (x, ln_w, ln_b, w, b), (y,), after_backward=q.after_backward,
+           once=q.once, partial=0)
+    return y
+
+
+def _norm_backward(g, d_ln, x, x2, stats, module, partial):
+    """(dx, dgamma, dbeta) of the chunk's norm; the parameters' gradients (the chunk's
+    partial sums) all-reduced in one group call."""
+    dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, module.layer_norm_weight,
+                              module.zero_centered_gamma, partial)
+    g.all_reduce_many([a for a in (dg, dbeta) if a is not None])
+    return as_nd(dx, x.shape), dg, dbeta
+
+
+def _mlp_sp_fp8(x, module, q1, q2):
+    g = module.tp_group  # (the same steps as ops.blocks._mlp_fp8, with the collectives)
+    w1, b1, w2 = module.fc1_weight, module.fc1_bias, module.fc2_weight
+    ln_w, ln_b, dtype = module.layer_norm_weight, module.layer_norm_bias, x.dtype
+    hidden, ffn = x.shape[-1], w1.shape[0]
+    m_local = x.size // hidden
+    m = m_local * g.size
+    check_fp8_dims("LayerNormMLP (sequence parallel)", m, ffn, hidden)
+    check_fp8_dims("LayerNormMLP (sequence parallel, fc2)", m, hidden, ffn)
+    x2 = as_2d(x, m_local, hidden)
+    qx, stats = _norm_fp8(x2, ln_w, ln_b, module.eps, module.zero_centered_gamma,
+                          module.normalization == "RMSNorm", q1.input)
+    full = FP8Tensor.made(g.all_gather(qx.data, 0), q1.input.fmt, qx.scale_inv)
+    del qx
+    h, saved1 = _gemm_fp8(full, w1, q1, dtype, None)
+    del full
+    qa = q2.input.quantize_act(h, b1, module.activation)
+    qw2 = weight_fp8(q2.weight, w2, True)
+    saved2 = kept_operands(qa, qw2)
+    y = as_nd(g.reduce_scatter(fp8_gemm(qa, qw2, dtype), 0), x.shape)
+    kept = [h]
+    del h, qa, qw2
+    comm = SequenceReduce(g, module.fp8_state)
+
+    def backward(dy, partial=None):
+        h = kept[0] if retaining() else kept.pop()
+        held = [comm.dy(q2.grad_output, as_2d(dy, m_local, hidden))]
+        qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, module.activation,
+                                   q1.grad_output, dtype)
+        del h
+        held = [qdh]
+        del qdh
+        if overlap.bulk(g, dy):
+            d_ln, dw1 = bulk_grads(held, released(saved1), dtype, g)
+        else:
+            d_ln, dw1 = fp8_grads(held, released(saved1), dtype)
+            d_ln = g.reduce_scatter(d_ln, 0)
+        return _norm_backward(g, d_ln, x, x2, stats, module, partial) + (
+            dw1.astype(w1.dtype, copy=False), db1, dw2.astype(w2.dtype, copy=False))
+    record(backward, (x, ln_w, ln_b, w1, b1, w2), (y,),
+           after_backward=q1.after_backward + q2.after_backward, once=q1.once, partial=0)
+    return y
