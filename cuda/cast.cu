@@ -19,14 +19,21 @@
 // cast_transpose_tiled<T, F8, G, DBIAS, RAGGED, DACT>: the cast, also writing the transpose
 //   (below); scale_inv as in cast_to_fp8. DACT (a struct of act_math.cuh, or NoAct): the
 //   tensor cast is an activation's backward, x = T(dy * f'(h + hbias)), dy the kernel's x
-//   input (Transformer Engine's cast_transpose_dbias_dgelu).
+//   input (Transformer Engine's cast_transpose_dbias_dgelu). Fwd<A>: the tensor cast is
+//   activation A's forward of x + hbias in float, as act.cu's act_fwd casts it (no rounding
+//   to T first: the same codes and amax), with its transpose (fc2's input and wgrad's copy).
 // cast_transpose_pair<T, F8>: two plain cast_transpose_tiled casts in one launch.
 #include "act_math.cuh"
 #include "common.cuh"
 
 struct NoAct {};  // cast_transpose_tiled casts x itself
+template <typename A> struct Fwd {};  // it casts act A's forward of x (+ hbias)
 template <typename A> struct IsNoAct { static constexpr bool value = false; };
 template <> struct IsNoAct<NoAct> { static constexpr bool value = true; };
+template <typename A> struct IsFwd { static constexpr bool value = false; };
+template <typename A> struct IsFwd<Fwd<A>> { static constexpr bool value = true; };
+template <typename A> struct FwdAct { using type = A; };
+template <typename A> struct FwdAct<Fwd<A>> { using type = A; };
 
 // ---- cast ------------------------------------------------------------------------------
 // scale_inv[0] = 1 / s from the first thread of block 0 of the cast (nullptr: the caller
@@ -135,13 +142,17 @@ __device__ void store_ragged(const unsigned* tt, unsigned char* q, unsigned char
             if (r0 + i < rows) qt[(long long)(c0 + col) * rows + r0 + i] = tt_byte<G>(tt, col, i);
 }
 
-// The value cast at element j of a row's 8 columns: x itself, or with DACT the activation's
-// backward, dy f'(h + hbias) rounded to T as act.cu's act_bwd writes dx (same FAST maths).
+// The value cast at element j of a row's 8 columns: x itself; with Fwd<A> the activation's
+// forward f(x + hbias) in float (act_fwd's FP8 output: FAST maths, not rounded to T); with
+// DACT the activation's backward, dy f'(h + hbias) rounded to T as act.cu's act_bwd writes
+// dx (same FAST maths).
 template <typename DACT, typename T>
 __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>& h,
                                             const float* hb, int j) {
     if constexpr (IsNoAct<DACT>::value) {
         return to_float(x.v[j]);
+    } else if constexpr (IsFwd<DACT>::value) {
+        return FwdAct<DACT>::type::template f<true>(to_float(x.v[j]) + hb[j]);
     } else {
         const float d = DACT::template df<(sizeof(T) < 4)>(to_float(h.v[j]) + hb[j]);
         return to_float(from_float<T>(to_float(x.v[j]) * d));
@@ -158,7 +169,8 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
                     unsigned* __restrict__ slot, float* __restrict__ part, int rows, int cols,
                     const T* __restrict__ h, const T* __restrict__ hbias, long long ldh,
                     long long ldq, int blk, int nblk) {
-    constexpr bool ACT = !IsNoAct<DACT>::value;
+    constexpr bool ACT = !IsNoAct<DACT>::value;  // hbias read (forward or backward)
+    constexpr bool DH = ACT && !IsFwd<DACT>::value;  // h read: the backward's
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
     const float s = scale[0];
@@ -168,7 +180,7 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
     float m = 0.f;
     // every load of a tile issued before any is used; the next tile's as soon as this
     // one's are converted, so they are in flight while this tile's transpose is written
-    Vec<T, 8> in[G][4], hin[ACT ? G : 1][4];  // hin: h, with DACT only
+    Vec<T, 8> in[G][4], hin[DH ? G : 1][4];  // hin: h, with a backward DACT only
     auto load = [&](int tile) {
         const int r0 = tile / tiles_x * 128 * G, c = (tile % tiles_x) * 64 + 8 * b;
 #pragma unroll
@@ -178,7 +190,7 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
                 const int r = r0 + 128 * g + 4 * a + i;
                 if ((RAGGED || r < rows) && c < cols) {
                     in[g][i] = load_tile_row<RAGGED>(x, r, c, rows, cols, cols);
-                    if constexpr (ACT)
+                    if constexpr (DH)
                         hin[g][i] = load_tile_row<RAGGED>(h, r, c, rows, cols, ldh);
                 }
             }
@@ -202,7 +214,7 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
                 float f[8];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    f[j] = cast_input<DACT>(in[g][i], hin[ACT ? g : 0][i], hb, j);
+                    f[j] = cast_input<DACT>(in[g][i], hin[DH ? g : 0][i], hb, j);
                     m = fmaxf(m, fabsf(f[j]));
                     if (DBIAS) cs[j] += f[j];
                 }

@@ -15,8 +15,9 @@ and tells a fused producer (a norm or activation kernel with an FP8 output) what
     amax_out    float32 (1,): where the producer maxes its output's amax (None unless fused_ok)
     wrap(codes) the FP8Tensor of the codes such a producer wrote (scale_inv from a kernel)
     fuses_act   whether quantize_act and quantize_dact cast in the activation's pass
-    quantize_act(h, bias, name)  the FP8Tensor of act(h + bias) cast in the activation's
-                own pass (the next GEMM's input, never in memory in high precision), or
+    quantize_act(h, bias, name, transpose)  the FP8Tensor of act(h + bias) cast in the
+                activation's own pass (the next GEMM's input, never in memory in high
+                precision; with transpose its column-wise copy too, from the same pass), or
                 None where the recipe has no such cast
     quantize_dact(dgrad, h, bias, name, dbias_dtype, chunk)  (FP8Tensor with its
                 transposed copy, dbias or None) of the activation's backward dy * act'(h +
@@ -58,6 +59,7 @@ import numpy as np
 
 from . import backends
 from ._array import xp_of
+from .activation_table import TABLE
 from .autocast import active_recipe, note_used
 from .fp8 import FP8BlockTensor, FP8Tensor, amax, cast, current_scale, dact_cast_chunked
 from .fp8_state import update_backward
@@ -90,9 +92,16 @@ class DelayedQuantizer:
         out = cast(x, self.scale, self.fmt, self.amax_out, transpose, dbias_dtype)
         return _inspected(self, x, out)
 
-    def quantize_act(self, h, bias, name):
-        """The FP8Tensor (row-wise codes) of the activation `name`'s output act(h + bias),
-        cast by the activation kernel in its own pass (its amax maxed into the slot)."""
+    def quantize_act(self, h, bias, name, transpose=False):
+        """The FP8Tensor (row-wise codes; with transpose, and their column-wise copy, from
+        the same pass: a fused block's GEMM then keeps only that copy for wgrad) of the
+        activation `name`'s output act(h + bias), cast by the activation kernel in its own
+        pass (its amax maxed into the slot)."""
+        if transpose and not TABLE[name].gated:
+            inv = xp_of(h).empty((1,), np.float32)
+            q, qt, _ = backends.dispatch("act_cast_transpose", h, bias, name, self.scale,
+                                         self.fmt, amax_out=self.amax_out, scale_inv_out=inv)
+            return _inspected(self, None, FP8Tensor.made(q, self.fmt, inv, qt))
         codes, _ = backends.dispatch(f"{name}_fwd", h, bias, self.scale, self.fmt,
                                      amax_out=self.amax_out)
         return self.wrap(codes)
@@ -149,7 +158,7 @@ class CurrentQuantizer:
         out = cast(x, current_scale(amax(x), self.fmt), self.fmt, None, transpose, dbias_dtype)
         return _inspected(self, x, out)
 
-    def quantize_act(self, h, bias, name):
+    def quantize_act(self, h, bias, name, transpose=False):
         return None  # (the scale needs the activation's whole output first)
 
     def wrap(self, codes):
@@ -198,11 +207,10 @@ class BlockQuantizer:
             return t
         return t, backends.dispatch("bias_grad", x, dbias_dtype)
 
-    def quantize_act(self, h, bias, name):
-        """The FP8BlockTensor (both copies) of act(h + bias) in h's dtype, quantized in the
-        kernel's read of h (block_quantize_act: the activation's output never in memory);
-        None for a gated activation."""
-        from .activation_table import TABLE
+    def quantize_act(self, h, bias, name, transpose=True):
+        """The FP8BlockTensor (both copies, whatever transpose says) of act(h + bias) in h's
+        dtype, quantized in the kernel's read of h (block_quantize_act: the activation's
+        output never in memory); None for a gated activation."""
         if TABLE[name].gated:
             return None
         q, s, qt, st = backends.dispatch("block_quantize_act", h, bias, name, self.fmt,

@@ -206,3 +206,30 @@ def test_dy_copy_dies_after_wgrad(monkeypatch):
     # casts: w1, w2 (forward), fc2's dy, fc1's dh; GEMMs: fc1, fc2, fc2 wgrad, fc2 dgrad,
     # fc1 wgrad, fc1 dgrad
     assert alive[3][2] is False and alive[4][3] is True and alive[5][3] is False
+
+
+def test_mlp_activation_cast_writes_wgrad_copy(monkeypatch):
+    """Delayed scaling: the activation's cast writes fc2's input codes and their column-wise
+    copy in one pass (act_cast_transpose), and the node keeps only that copy: the backward
+    transposes the norm's codes only (one fp8_transpose where the row-wise path has two);
+    every gradient bit for bit the row-wise path's (quantize_act's transpose off)."""
+    from tecupy.quantization import DelayedQuantizer
+    x, g, b, w1, w2 = _mlp_inputs()
+    mlp = lambda *a, fp8_state: tecupy.layernorm_mlp(*a, fp8_state=fp8_state)  # noqa: E731
+    ops, real = [], backends.dispatch
+
+    def spy(op, *args, **kwargs):
+        ops.append(op)
+        return real(op, *args, **kwargs)
+    monkeypatch.setattr(backends, "dispatch", spy)
+    both = _step(mlp, x, g, b, w1, None, w2, None)
+    assert ops.count("act_cast_transpose") == 1 and ops.count("fp8_transpose") == 1
+    real_act = DelayedQuantizer.quantize_act
+    monkeypatch.setattr(DelayedQuantizer, "quantize_act",
+                        lambda self, h, bias, name, transpose=False:
+                        real_act(self, h, bias, name, False))
+    ops.clear()
+    rowwise = _step(mlp, x, g, b, w1, None, w2, None)
+    assert ops.count("act_cast_transpose") == 0 and ops.count("fp8_transpose") == 2
+    for got, want in zip(both, rowwise):
+        assert got.tobytes() == want.tobytes()

@@ -234,6 +234,35 @@ def test_dact_cast_transpose_matches_act_bwd_then_cast(rng, name, dtype, shape, 
     assert (np.abs(cupy.asnumpy(db).astype(np.float64) - want) <= tol).all()
 
 
+@pytest.mark.parametrize("name", [n for n, a in TABLE.items() if not a.gated])
+@pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("shape,bias", [((16, 8), True), ((272, 136), False),
+                                        ((1008, 520), True)], ids=str)
+def test_act_cast_transpose_matches_act_fwd(rng, name, dtype, fmt, shape, bias):
+    """The activation's forward cast with its transpose in one pass (fc2's input): bit for
+    bit the CUDA act_fwd's FP8 output (the same float maths, not rounded to the dtype), its
+    transpose, the same amax (maxed into a nonzero one) and scale_inv; outputs poisoned.
+    (act_fwd's own FP8 output against the float64 reference: test_kernels_act.py.)"""
+    import cupy
+    h = cupy.asarray((rng.standard_normal(shape) * 3).astype(dtype))
+    b = cupy.asarray(rng.standard_normal(shape[1]).astype(dtype)) if bias else None
+    scale = cupy.asarray([rng.uniform(0.1, 8)], np.float32)
+    amax0 = cupy.asarray([0.25], np.float32)
+    want_amax = amax0.copy()
+    q_ref, _ = tecupy.backends.dispatch(f"{name}_fwd", h, b, scale, fmt, amax_out=want_amax)
+    poison_gpu_pool()
+    inv, amax = cupy.full((1,), np.nan, np.float32), amax0.copy()
+    args = (h, b, name, scale, fmt, amax)
+    assert tecupy.backends.chosen("act_cast_transpose", *args) == "cuda"
+    q, qt, got_amax = tecupy.backends.dispatch("act_cast_transpose", *args, scale_inv_out=inv)
+    assert got_amax is amax
+    np.testing.assert_array_equal(cupy.asnumpy(q), cupy.asnumpy(q_ref))
+    np.testing.assert_array_equal(cupy.asnumpy(qt), cupy.asnumpy(q_ref).T)
+    np.testing.assert_array_equal(cupy.asnumpy(amax), cupy.asnumpy(want_amax))
+    assert float(inv[0]) == np.float32(1) / cupy.asnumpy(scale)[0]
+
+
 @pytest.mark.parametrize("dtype", [np.float16, tecupy.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_dact_cast_transpose_into_column_chunks(rng, dtype, bias):

@@ -27,7 +27,7 @@ from ..ops.blocks import (_fused_mlp_quantizers, _gemm_fp8, _norm_bwd, _norm_fp8
                           kept_operands, released)
 from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_grads, fp8_linear_backward
 from ..quantization import gemm_quantizers
-from ..tape import record, retaining
+from ..tape import keeping, record, retaining
 from . import overlap
 from .fp8_gather import SequenceReduce, _bulk_backward, bulk_grads, shared_scale
 
@@ -127,7 +127,7 @@ def _mlp_sp_fp8(x, module, q1, q2):
     del qx
     h, saved1 = _gemm_fp8(full, w1, q1, dtype, None)
     del full
-    qa = q2.input.quantize_act(h, b1, module.activation)
+    qa = q2.input.quantize_act(h, b1, module.activation, transpose=keeping())
     qw2 = weight_fp8(q2.weight, w2, True)
     saved2 = kept_operands(qa, qw2)
     y = as_nd(g.reduce_scatter(fp8_gemm(qa, qw2, dtype), 0), x.shape)

@@ -31,6 +31,8 @@ loader.declare(FILE, [f"cast_to_fp8<{t}, {f}, {v}>" for t, f in itertools.produc
     + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, {b}, false, {a.cuda}>" for d in LOW_PRECISION
        for f in FP8TYPE.values() for b in ("false", "true") for a in TABLE.values()
        if not a.gated]
+    + [f"cast_transpose_tiled<{CTYPE[d]}, {f}, 1, false, false, Fwd<{a.cuda}>>"
+       for d in LOW_PRECISION for f in FP8TYPE.values() for a in TABLE.values() if not a.gated]
     + [f"cast_transpose_pair<{CTYPE[d]}, {f}>" for d in LOW_PRECISION for f in FP8TYPE.values()])
 
 
@@ -249,9 +251,29 @@ def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_ou
     return res if dbias_dtype is not None else res + (None,)
 
 
+def _act_supported(x, bias, name, *args, **kwargs):
+    """Plain activations, 2-D contiguous x with rows % 16 and cols % 8 (the FP8 GEMMs'
+    shapes: no ragged variant is built), a bias of x's dtype or none."""
+    return (_ct_supported(x, None, None) and not TABLE[name].gated and x.flags.c_contiguous
+            and x.shape[0] % 16 == 0 and x.shape[1] % 8 == 0
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == x.shape[1:])))
+
+
+@backends.register("act_cast_transpose", "cuda", supports=_act_supported)
+def act_cast_transpose(x, bias, name, scale, fmt, amax_out=None, scale_inv_out=None):
+    """The activation `name`'s forward f(x + bias) cast to FP8 with its transpose in one
+    pass (act_fwd's codes and amax, and their transpose: fc2's input and wgrad's copy) ->
+    (q, qt, amax)."""
+    import cupy
+    act = (f"Fwd<{TABLE[name].cuda}>", None,
+           None if bias is None else cupy.ascontiguousarray(bias))
+    return _cast_transpose(x, scale, fmt, None, amax_out, scale_inv_out, act)
+
+
 def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=None, out=None):
     """act: None, or (struct of act_math.cuh, h, hbias or None): x is dy, cast is dx (h's
-    rows may be ld apart); out: None or (q, qt) to write (q's rows may be ld apart)."""
+    rows may be ld apart); or (Fwd<struct>, None, hbias or None): cast is f(x + hbias).
+    out: None or (q, qt) to write (q's rows may be ld apart)."""
     import cupy
     x = cupy.ascontiguousarray(x)
     rows, cols = x.shape
@@ -271,11 +293,12 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
         if act is None and out is None:  # (no activation, whole arrays: the plan's tail)
             run((x, scale, q, qt, inv, amax, slot, part) + tail)
         else:
-            h, hb = (_NULL, _NULL) if act is None else act[1:]
-            ldh = cols if act is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
+            h, hb = (None, None) if act is None else act[1:]
+            ldh = cols if h is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
             ldq = cols if out is None else q.strides[0]
-            run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32, h,
-                 _NULL if hb is None else hb, np.int64(ldh), np.int64(ldq)))
+            run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32,
+                 _NULL if h is None else h, _NULL if hb is None else hb, np.int64(ldh),
+                 np.int64(ldq)))
     if not dbias:
         return q, qt, amax
     if not x.size:

@@ -8,7 +8,7 @@ from .. import _check, backends
 from .._array import array_module, check_float, check_shape
 from ..fp8_params import check_qweight, weight_fp8
 from ..quantization import gemm_quantizers
-from ..tape import record, retaining
+from ..tape import keeping, record, retaining
 from .activation import ACTIVATIONS, GATED, activation as apply_activation, check_activation
 from .elementwise import add
 from .linear import (as_2d, as_nd, check_fp8_dims, check_fp8_state, fp8_dy, fp8_gemm,
@@ -255,7 +255,8 @@ def _mlp_fp8(x, ln_weight, ln_bias, w1, b1, w2, b2, eps, zcg, rms, activation, q
     qx, stats = _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, q1.input)
     h, saved1 = _gemm_fp8(qx, w1, q1, x.dtype, None, None, qws[0])
     del qx
-    qa = q2.input.quantize_act(h, b1, activation)  # (fuses_act: never None here)
+    # (fuses_act: never None here; the column-wise copy too, for wgrad: kept_operands)
+    qa = q2.input.quantize_act(h, b1, activation, transpose=keeping())
     r2 = fusable_residual(residual, x, x.shape) if q2.input.residual_epilogue else None
     y, saved2 = _gemm_fp8(qa, w2, q2, x.dtype, b2, r2, qws[1])
     kept = [h]
@@ -351,7 +352,8 @@ def _act_then_linear(xp, h, fc1_bias, activation, fc2_weight, fc2_bias, fp8_stat
         check_activation(activation, h, fc1_bias)
         check_fp8_dims("layernorm_mlp (fc2)", m, n, k)
         h2 = as_2d(h, m, h.shape[-1])
-        qa = q.input.quantize_act(h2, fc1_bias, activation)  # (delayed: amax maxed in)
+        # (delayed: amax maxed in; the column-wise copy too, for wgrad: kept_operands)
+        qa = q.input.quantize_act(h2, fc1_bias, activation, transpose=keeping())
     if qa is None:
         a = apply_activation(h, activation, bias=fc1_bias)
         return linear_with(a, fc2_weight, fc2_bias, q, residual, qweight)

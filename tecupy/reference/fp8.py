@@ -96,6 +96,16 @@ def dact_cast_transpose(dy, x, bias, name, scale, fmt, dbias_dtype=None, amax_ou
     return (*out, *res[2:])
 
 
+@backends.register("act_cast_transpose", "reference")
+def act_cast_transpose(x, bias, name, scale, fmt, amax_out=None, scale_inv_out=None):
+    """The activation `name`'s forward with an FP8 output (its <name>_fwd: the codes of
+    f(x + bias) * scale, amax of f), and their transpose -> (q, qt, amax)."""
+    q, a = backends.dispatch(f"{name}_fwd", x, bias, scale, fmt, amax_out=amax_out)
+    if scale_inv_out is not None:
+        fp8_scale_inv(scale, scale_inv_out)
+    return q, xp_of(q).ascontiguousarray(q.T), a
+
+
 @backends.register("cast_transpose_dbias", "reference")
 def cast_transpose_dbias(x, scale, fmt, dbias_dtype, amax_out=None, scale_inv_out=None):
     """cast_transpose, and dbias = the column sums of x in dbias_dtype (bias_grad): the
