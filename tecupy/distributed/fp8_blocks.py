@@ -15,7 +15,7 @@ three nodes) this makes no high-precision copy of the norm's output and no separ
 activation backward, dy cast or norm-parameter all-reduces (session 18's "work one GPU
 fuses": ~0.3 ms at TP=2 on the quickstart layer). It runs where the composed path's FP8
 node would and the norm can cast: delayed scaling with the amaxes reduced over this group
-(then every rank's norm casts with one scale, fp8_gather.shared_scale), a plain activation,
+(then every rank's norm casts with one scale, fp8_gather.scale_is_shared), a plain activation,
 sbhd input, no rings; else these return None and the caller composes.
 """
 import os
@@ -29,7 +29,7 @@ from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_grads, fp8_
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
-from .fp8_gather import SequenceReduce, _bulk_backward, bulk_grads, shared_scale
+from .fp8_gather import SequenceReduce, _bulk_backward, bulk_grads, scale_is_shared
 
 # TECUPY_TP_FUSED=0 / FUSED = False: always the composed path (A/B; the rings' tests compare
 # against it: the fused norm casts from float32, the composed one from its bf16 output)
@@ -62,13 +62,12 @@ def layernorm_mlp_sp(module, x):
 def _applies(module, x, q_in, *q_dys):
     """Whether the one-node path runs: sbhd input, no rings, the norm's cast with one scale
     on every rank (delayed scaling, amaxes reduced over the group), per-tensor dy casts."""
-    g, st = module.tp_group, module.fp8_state
-    if not FUSED or x.ndim < 2 or overlap.enabled(g, x) or not q_in.fused_ok:
-        return False
-    if not all(SequenceReduce.takes(q) for q in q_dys):
+    g = module.tp_group
+    if not FUSED or x.ndim < 2 or overlap.enabled(g, x):
         return False
     # (else the ranks' scales may differ: the composed path casts with their min)
-    return shared_scale(q_in, st, g, x) is q_in.scale
+    return (scale_is_shared(q_in, module.fp8_state, g)
+            and all(SequenceReduce.takes(q) for q in q_dys))
 
 
 def _norm_linear_sp_fp8(x, module, q):

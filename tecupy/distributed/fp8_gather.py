@@ -217,9 +217,17 @@ def shared_scale(quantizer, fp8_state, group, x):
     if not quantizer.fused_ok:  # current scaling: the whole sequence's amax
         a = group.all_reduce(amax(x), "max")
         return current_scale(a, quantizer.fmt)
-    recipe = getattr(fp8_state, "recipe", None)
-    if (fp8_state is not None and getattr(fp8_state, "amax_group", None) is group
-            and getattr(recipe, "reduce_amax", False)):
+    if scale_is_shared(quantizer, fp8_state, group):
         return quantizer.scale  # one already: the amaxes that made it were maxed over group
     neg = group.all_reduce(-quantizer.scale, "max")  # (min as a max: groups have sum, max)
     return -neg
+
+
+def scale_is_shared(quantizer, fp8_state, group):
+    """Whether the quantizer's own scale is one on every rank of `group` (delayed scaling
+    whose amaxes are maxed over that group: recipe.reduce_amax, FP8State.amax_group), so
+    its casts need no collective first."""
+    recipe = getattr(fp8_state, "recipe", None)
+    return (quantizer.fused_ok and fp8_state is not None
+            and getattr(fp8_state, "amax_group", None) is group
+            and getattr(recipe, "reduce_amax", False))
