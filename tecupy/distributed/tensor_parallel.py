@@ -17,7 +17,9 @@ Sequence parallel (Megatron-LM / Transformer Engine): activations outside the co
 pair are this rank's chunk of the sequence (axis 0, [s/tp, b, h]); the column GEMM's input
 is all-gathered (under FP8: its uint8 codes, fp8_gather.py), the row GEMM's output
 reduce-scattered. Parameters that act on sequence chunks (norm weights, the row GEMM's
-bias) get their gradients all-reduced (replicated_grad).
+bias) get their gradients all-reduced (replicated_grad). Under FP8 delayed scaling with the
+amaxes reduced over the group, LayerNormLinear and LayerNormMLP skip these compositions and
+run as one node each, the collectives inside (fp8_blocks.py).
 
 Comm-GEMM overlap (overlap.py; TECUPY_TP_OVERLAP, default on): under sequence parallel the
 column GEMM's all-gather and dgrad reduce-scatter, and the row GEMM's reduce-scatter
