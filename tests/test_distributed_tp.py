@@ -616,3 +616,32 @@ def test_bench_tp_rows_graphed_rows_and_their_failure(monkeypatch, capsys):
     assert "| HP | off, graphed | 2.50 | 0.50 | 0.25 | 0.20x | met |" in out
     assert "| FP8 | off | 2.00 | 1.00 | 0.50 | 0.50x | met |" in out
     assert "graphed rows left out: FP8 graphed: RuntimeError: not capturable" in out
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "retain_graph"])
+def test_sp_fp8_blocks_under_checkpoint_and_retain_graph(monkeypatch, how):
+    """The one-node sequence-parallel FP8 blocks (fp8_blocks.py) recomputed by
+    tecupy.checkpoint, or run with retain_graph=True (their saved codes left in place):
+    two steps bit for bit the plain steps' outputs and gradients, on each rank."""
+    from tecupy.distributed import fp8_blocks
+    calls, real = [], fp8_blocks._mlp_sp_fp8
+    x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 23))
+    recipe = DelayedScaling(amax_history_len=4, reduce_amax=True)
+
+    def body(g, variant):
+        m = _fp8_layer(g, True)
+        xs, dys = _cut(x, g.rank, 2, 0), _cut(dy, g.rank, 2, 0)
+        for _ in range(2):
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe):
+                y = tecupy.checkpoint(m, xs) if variant == "checkpoint" else m(xs)
+            grads = tape.gradient(y, dict(m.named_parameters(), x=xs), output_grad=dys,
+                                  retain_graph=variant == "retain_graph")
+        return np.asarray(y), {k: np.asarray(v) for k, v in grads.items()}
+    monkeypatch.setattr(fp8_blocks, "_mlp_sp_fp8", lambda *a: calls.append(1) or real(*a))
+    plain = dist.run_threads(2, lambda g: body(g, None))
+    assert calls  # (the one-node MLP ran)
+    other = dist.run_threads(2, lambda g: body(g, how))
+    for (y, grads), (y2, grads2) in zip(plain, other):
+        assert y.tobytes() == y2.tobytes()
+        for k in grads:
+            assert grads[k].tobytes() == grads2[k].tobytes(), k
