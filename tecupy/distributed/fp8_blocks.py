@@ -5,7 +5,7 @@ The MLP: the norm writes this rank's FP8 codes in its pass, the group all-gather
 fc1, the activation cast in its pass, fc2, and fc2's partial sums reduce-scattered to this
 rank's sequence chunk; the backward all-gathers dy's codes, casts the activation's backward
 in fc2's dgrad chunks (with fc1's dbias), runs fc1's dgrad and reduce-scatters it (beside
-fc1's wgrad: fp8_gather.bulk_grads), then the norm's backward on the chunk, whose two
+fc1's wgrad: fp8_gather.column_grads), then the norm's backward on the chunk, whose two
 parameter gradients are all-reduced in one group call. The LayerNormLinear (column
 parallel: attention's qkv): the norm's codes all-gathered, the GEMM; backward: dgrad
 reduce-scattered (beside wgrad), the norm's backward on the chunk.
@@ -25,11 +25,11 @@ from ..fp8 import FP8Tensor
 from ..fp8_params import weight_fp8
 from ..ops.blocks import (_fused_mlp_quantizers, _gemm_fp8, _norm_bwd, _norm_fp8, dact_grads,
                           kept_operands, released)
-from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm, fp8_grads, fp8_linear_backward
+from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
-from .fp8_gather import SequenceReduce, _bulk_backward, bulk_grads, scale_is_shared
+from .fp8_gather import SequenceReduce, column_backward, column_grads, scale_is_shared
 
 # TECUPY_TP_FUSED=0 / FUSED = False: always the composed path (A/B; the rings' tests compare
 # against it: the fused norm casts from float32, the composed one from its bf16 output)
@@ -89,11 +89,8 @@ def _norm_linear_sp_fp8(x, module, q):
 
     def backward(dy, partial=None):
         dy2 = as_2d(dy, m, n)
-        if overlap.bulk(g, dy):
-            d_ln, dw, db = _bulk_backward(dy2, released(saved), b, q.grad_output, dtype, g)
-        else:
-            d_ln, dw, db = fp8_linear_backward(dy2, released(saved), b, q.grad_output, dtype)
-            d_ln = g.reduce_scatter(d_ln, 0)
+        d_ln, dw, db = column_backward(dy2, released(saved), b, q.grad_output, dtype, g,
+                                       overlap.bulk(g, dy))
         return _norm_backward(g, d_ln, x, x2, stats, module, partial) + (
             dw.astype(w.dtype, copy=False), db)
     record(backward, (x, ln_w, ln_b, w, b), (y,), after_backward=q.after_backward,
@@ -142,11 +139,7 @@ def _mlp_sp_fp8(x, module, q1, q2):
         del h
         held = [qdh]
         del qdh
-        if overlap.bulk(g, dy):
-            d_ln, dw1 = bulk_grads(held, released(saved1), dtype, g)
-        else:
-            d_ln, dw1 = fp8_grads(held, released(saved1), dtype)
-            d_ln = g.reduce_scatter(d_ln, 0)
+        d_ln, dw1 = column_grads(held, released(saved1), dtype, g, overlap.bulk(g, dy))
         return _norm_backward(g, d_ln, x, x2, stats, module, partial) + (
             dw1.astype(w1.dtype, copy=False), db1, dw2.astype(w2.dtype, copy=False))
     record(backward, (x, ln_w, ln_b, w1, b1, w2), (y,),

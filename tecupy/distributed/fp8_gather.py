@@ -31,8 +31,7 @@ from .._array import xp_of
 from ..fp8 import FP8Tensor, amax, cast, current_scale
 from ..fp8_params import weight_fp8
 from ..ops import linear
-from ..ops.linear import (as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm, fp8_grads,
-                          fp8_linear_backward)
+from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm, fp8_grads
 from ..quantization import CurrentQuantizer, DelayedQuantizer, gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
@@ -93,24 +92,30 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
             dx, dw, db = _ring_backward(as_2d(dy, m, n), saved, bias, q.grad_output,
                                         x_dtype, group, m_local)
             return dx.reshape(x_shape), dw, db
-        if overlap.bulk(group, dy):
-            dx, dw, db = _bulk_backward(as_2d(dy, m, n), saved, bias, q.grad_output,
-                                        x_dtype, group)
-            return dx.reshape(x_shape), dw, db
-        dx, dw, db = fp8_linear_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype)
-        return group.reduce_scatter(dx, 0).reshape(x_shape), dw, db
+        dx, dw, db = column_backward(as_2d(dy, m, n), saved, bias, q.grad_output, x_dtype,
+                                     group, overlap.bulk(group, dy))
+        return dx.reshape(x_shape), dw, db
     record(backward, (x, weight, bias), (y,), after_backward=q.after_backward, once=q.once)
     return y
 
 
-def _bulk_backward(dy2, saved, bias, q_dy, x_dtype, group):
-    """fp8_linear_backward with dgrad first (bulk_grads) -> (this rank's dx chunk, dw,
-    dbias)."""
+def column_backward(dy2, saved, bias, q_dy, x_dtype, group, bulk):
+    """A sequence-parallel column GEMM's backward: dy cast with its transposed copy and
+    dbias, then column_grads -> (this rank's dx chunk, dw, dbias)."""
     qdy, db = fp8_dy(q_dy, dy2, bias)
     held = [qdy]
     del qdy
-    local, dw = bulk_grads(held, saved, x_dtype, group)
+    local, dw = column_grads(held, saved, x_dtype, group, bulk)
     return local, dw, db
+
+
+def column_grads(held, saved, x_dtype, group, bulk):
+    """(this rank's chunk of dx, dw) from held = [dy's FP8 tensor]: bulk_grads (bulk: dgrad
+    first, its reduce-scatter beside wgrad), else fp8_grads then the reduce-scatter."""
+    if bulk:
+        return bulk_grads(held, saved, x_dtype, group)
+    dx, dw = fp8_grads(held, saved, x_dtype)
+    return group.reduce_scatter(dx, 0), dw
 
 
 def bulk_grads(held, saved, x_dtype, group):

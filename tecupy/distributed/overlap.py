@@ -33,7 +33,7 @@ every SM, and each ring step adds a launch and an event wait. TECUPY_TP_OVERLAP_
 OVERLAP_DY = False keeps the row GEMMs' backward on the plain all-gather of dy
 (ring_linear.py) with the rest overlapped.
 
-Bulk overlap (BULK, on by default; fp8_gather._bulk_backward): without the rings, the FP8
+Bulk overlap (BULK, on by default; fp8_gather.bulk_grads): without the rings, the FP8
 sequence-parallel column GEMM's backward runs dgrad first and reduce-scatters it on the
 side stream while wgrad runs on the main one, its persistent GEMM launched on SM_MARGIN
 fewer SMs (kernels/launch.sm_margin) so that NCCL's kernels find free SMs: the same GEMMs
