@@ -36,12 +36,6 @@ template <typename A> struct FwdAct { using type = A; };
 template <typename A> struct FwdAct<Fwd<A>> { using type = A; };
 
 // ---- cast ------------------------------------------------------------------------------
-// scale_inv[0] = 1 / s from the first thread of block 0 of the cast (nullptr: the caller
-// has none)
-__device__ __forceinline__ void write_scale_inv(float* scale_inv, float s, int blk) {
-    if (scale_inv != nullptr && blk == 0 && threadIdx.x == 0) scale_inv[0] = 1.f / s;
-}
-
 template <typename T, typename F8, int VEC>
 __global__ void cast_to_fp8(const T* __restrict__ x, const float* __restrict__ scale,
                             unsigned char* __restrict__ q, float* __restrict__ scale_inv,
@@ -92,8 +86,9 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.
-// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
-// the float32 sum of the tile's rows of x, for a second pass over the row blocks.
+// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[row tile][col] =
+// the float32 sum of the tile's rows of x; with dbias (and zero strip counters) the tile
+// that completes a column strip sums them into dbias (strip_sum), else a second pass does.
 // h's and q's rows are ldh and ldq elements apart (cols, or a column chunk's of wider arrays:
 // ops/blocks.py runs fc2's dgrad and the dact cast over column chunks, issue 22).
 // Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
@@ -159,6 +154,44 @@ __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>&
     }
 }
 
+// dbias's second stage in the cast (no col_sum launch): the row tile that completes a
+// column strip (the last of its strip's tiles to count itself into strips[c0 / 64], a zero
+// counter that it leaves at zero again) sums the strip's partial column sums part[0..R-1]
+// and writes dbias[c0 .. c0 + 63] in T: the float sums in col_sum's order (8 interleaved
+// partial sums, part rows y, y + 8, ..., then added y = 0 .. 7), rounded once, so bit for
+// bit the two-stage dbias (kernels/colsum.py). Every thread of the block calls this after
+// the tile's part row was written (by threads 0-63); `sums` is the block's colsum table,
+// free again after the caller's barrier.
+template <typename T>
+__device__ void strip_sum(const float* part, T* dbias, unsigned* strips, int by, int c0,
+                          int row_tiles, int cols, int& done, float (*sums)[64]) {
+    __threadfence();  // this tile's part row lands before its count (threadFenceReduction)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        done = atomicAdd(strips + c0 / 64, 1u) == unsigned(row_tiles - 1);
+        if (done) strips[c0 / 64] = 0u;  // (no other tile of the strip counts after it)
+    }
+    __syncthreads();
+    if (!done) return;
+    __threadfence();
+    const int col = threadIdx.x & 63, y0 = threadIdx.x >> 6;  // 4 x 64 threads, y0 and y0 + 4
+    if (c0 + col < cols)
+#pragma unroll
+        for (int y = y0; y < 8; y += 4) {
+            float a = 0.f;
+            for (int r = y; r < row_tiles; r += 8)
+                a += __ldcg(part + (long long)r * cols + c0 + col);  // (L2: other SMs wrote it)
+            sums[y][col] = a;
+        }
+    __syncthreads();
+    if (threadIdx.x < 64 && c0 + col < cols) {
+        float t = 0.f;
+#pragma unroll
+        for (int y = 0; y < 8; ++y) t += sums[y][col];
+        dbias[c0 + col] = from_float<T>(t);
+    }
+}
+
 // The body of cast_transpose_tiled for block blk of nblk (a grid-stride loop over the tiles
 // with nblk blocks; cast_transpose_pair runs two in one grid).
 template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT>
@@ -166,13 +199,15 @@ __device__ __forceinline__ void
 cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                     float* __restrict__ scale_inv, float* __restrict__ amax,
-                    unsigned* __restrict__ slot, float* __restrict__ part, int rows, int cols,
+                    unsigned* __restrict__ slot, float* __restrict__ part,
+                    T* __restrict__ dbias, unsigned* __restrict__ strips, int rows, int cols,
                     const T* __restrict__ h, const T* __restrict__ hbias, long long ldh,
                     long long ldq, int blk, int nblk) {
     constexpr bool ACT = !IsNoAct<DACT>::value;  // hbias read (forward or backward)
     constexpr bool DH = ACT && !IsFwd<DACT>::value;  // h read: the backward's
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
+    __shared__ int strip_done;  // DBIAS with dbias: this tile completed its column strip
     const float s = scale[0];
     write_scale_inv(scale_inv, s, blk);
     const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
@@ -251,6 +286,9 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
             for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
             part[(long long)by * cols + c0 + threadIdx.x] = t;
         }
+        if (DBIAS && dbias != nullptr)
+            strip_sum(part, dbias, strips, by, c0, (rows + 128 * G - 1) / (128 * G), cols,
+                      strip_done, colsum);
         if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols, ldq);
 #pragma unroll
         for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
@@ -272,13 +310,14 @@ __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                      float* __restrict__ scale_inv, float* __restrict__ amax,
-                     unsigned* __restrict__ slot, float* __restrict__ part, int rows,
+                     unsigned* __restrict__ slot, float* __restrict__ part,
+                     T* __restrict__ dbias, unsigned* __restrict__ strips, int rows,
                      int cols, const T* __restrict__ h, const T* __restrict__ hbias,
                      long long ldh, long long ldq) {
     PDL_WAIT();
     cast_transpose_body<T, F8, G, DBIAS, RAGGED, DACT>(x, scale, q, qt, scale_inv, amax, slot,
-                                                       part, rows, cols, h, hbias, ldh, ldq,
-                                                       blockIdx.x, gridDim.x);
+                                                       part, dbias, strips, rows, cols, h,
+                                                       hbias, ldh, ldq, blockIdx.x, gridDim.x);
 }
 
 // cast_transpose_pair<T, F8>: two plain casts (no dbias, no activation, rows % 16 == 0,
@@ -299,6 +338,7 @@ cast_transpose_pair(const T* __restrict__ xa, const float* __restrict__ sa,
     const int cols = a ? colsa : colsb;
     cast_transpose_body<T, F8, 1, false, false, NoAct>(
         a ? xa : xb, a ? sa : sb, a ? qa : qb, a ? qta : qtb, a ? inva : invb,
-        a ? amaxa : amaxb, nullptr, nullptr, a ? rowsa : rowsb, cols, nullptr, nullptr, cols,
+        a ? amaxa : amaxb, nullptr, nullptr, nullptr, nullptr, a ? rowsa : rowsb, cols, nullptr,
+        nullptr, cols,
         cols, a ? blockIdx.x : blockIdx.x - blocks_a, a ? blocks_a : gridDim.x - blocks_a);
 }

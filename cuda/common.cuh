@@ -119,6 +119,14 @@ __device__ __forceinline__ float block_max(float v, float identity = 0.f) {
     return block_reduce(v, identity, MaxOp());
 }
 
+// scale_inv[0] = 1 / s (IEEE division) from the first thread of block `blk` 0 of a kernel
+// that writes FP8 codes with scale s (the casts, the norms): the FP8 tensor's dequantizing
+// factor, as Transformer Engine's casts write it, with no launch of its own (nullptr: the
+// caller has none)
+__device__ __forceinline__ void write_scale_inv(float* scale_inv, float s, int blk) {
+    if (scale_inv != nullptr && blk == 0 && threadIdx.x == 0) scale_inv[0] = 1.f / s;
+}
+
 // amax[0] = the largest m (every m >= 0) of all threads of the grid, written once, by the
 // last block to get here (every block must call this). The blocks merge into `slot`
 // ({max as bits, blocks done}), which is zero on entry and left zero for the next launch

@@ -1,7 +1,8 @@
 // norm_fwd.cu — LayerNorm and RMSNorm forward (maths, shapes and the kernels: norm.cuh).
 //
 // x [rows, hidden] of T -> y [rows, hidden] of OUT (T, or FP8 codes of y * scale[0] with
-// max |y| into amax: grid_amax), mu [rows] (LayerNorm) and rsigma [rows] float. Launches
+// max |y| into amax: grid_amax, and 1 / scale[0] into scale_inv where it is not null:
+// write_scale_inv), mu [rows] (LayerNorm) and rsigma [rows] float. Launches
 // (tecupy/kernels/norm.py): norm_fwd_stream, blocks of up to 16 warps in groups of G warps
 // per row, rings and gamma/beta in dynamic shared memory (Hopper, 16-byte rows of >= 4
 // KB); elsewhere norm_fwd_warp, 4 rows per block of 128 threads, or for rows of more than
@@ -19,10 +20,11 @@ norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
          OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
          long long rows, int hidden, float eps, int zero_centered,
          const float* __restrict__ scale, float* __restrict__ amax,
-         unsigned* __restrict__ slot) {
+         unsigned* __restrict__ slot, float* __restrict__ scale_inv) {
     PDL_WAIT();
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    if (Out<OUT>::fp8) write_scale_inv(scale_inv, sc, blockIdx.x);
     float m = 0.f;
     Vec<T, VEC> nxt[CHUNKS];
     if (blockIdx.x < rows) load_row(nxt, x + blockIdx.x * (long long)hidden, hidden);
@@ -61,11 +63,12 @@ norm_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __r
               OUT* __restrict__ y, float* __restrict__ mu, float* __restrict__ rsigma,
               long long rows, int hidden, float eps, int zero_centered,
               const float* __restrict__ scale, float* __restrict__ amax,
-              unsigned* __restrict__ slot) {
+              unsigned* __restrict__ slot, float* __restrict__ scale_inv) {
     PDL_WAIT();
     const int lane = threadIdx.x & 31;
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    if (Out<OUT>::fp8) write_scale_inv(scale_inv, sc, blockIdx.x);
     float m = 0.f;
     for (long long row = blockIdx.x * 4LL + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * 4LL) {
@@ -129,7 +132,8 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
                 const T* __restrict__ beta, OUT* __restrict__ y, float* __restrict__ mu,
                 float* __restrict__ rsigma, long long rows, int hidden, float eps,
                 int zero_centered, const float* __restrict__ scale, float* __restrict__ amax,
-                unsigned* __restrict__ slot, unsigned* __restrict__ counters, int slots) {
+                unsigned* __restrict__ slot, float* __restrict__ scale_inv,
+                unsigned* __restrict__ counters, int slots) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     PDL_WAIT();
@@ -144,6 +148,7 @@ norm_fwd_stream(const T* __restrict__ x, const T* __restrict__ gamma,
     const long long first = blockIdx.x * (long long)(warps / G) + group;
     const float zc = zero_centered ? 1.f : 0.f;
     const float sc = Out<OUT>::fp8 ? scale[0] : 1.f;
+    if (Out<OUT>::fp8) write_scale_inv(scale_inv, sc, blockIdx.x);
     WarpRing ring(smem, slots, bytes);
     const T* src = x + lo * VEC;  // this warp's portion of row 0
     if (lane == 0) {  // one slot filled; the rest once it has come (WarpRing)

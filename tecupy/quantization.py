@@ -111,13 +111,16 @@ class DelayedQuantizer:
         return dact_cast_chunked(dgrad, h, bias, name, self.scale, self.fmt, self.amax_out,
                                  dbias_dtype, chunk)
 
-    def wrap(self, codes):
+    def wrap(self, codes, inv=None):
         """The FP8Tensor of `codes` that a producer wrote with self.scale, maxing their
         amax into self.amax_out. Its scale_inv is a fresh 1 / scale from a kernel (IEEE;
         CuPy's own division flushes it to 0 above 2^126): the forward update at autocast
-        exit rewrites the state's scales before backward uses this tensor."""
-        inv = xp_of(codes).empty((1,), np.float32)
-        backends.dispatch("fp8_scale_inv", self.scale, inv)
+        exit rewrites the state's scales before backward uses this tensor. inv: a fresh
+        float32 (1,) the producer wrote 1 / scale into (the norms: scale_inv_out), else
+        None (written here, by a launch of its own)."""
+        if inv is None:
+            inv = xp_of(codes).empty((1,), np.float32)
+            backends.dispatch("fp8_scale_inv", self.scale, inv)
         return _inspected(self, None, FP8Tensor.made(codes, self.fmt, inv))
 
 
@@ -161,7 +164,7 @@ class CurrentQuantizer:
     def quantize_act(self, h, bias, name, transpose=False):
         return None  # (the scale needs the activation's whole output first)
 
-    def wrap(self, codes):
+    def wrap(self, codes, inv=None):
         raise TypeError("CurrentQuantizer.wrap: current scaling cannot cast in a producer's "
                         "pass (fused_ok is False): quantize the producer's output instead")
 
@@ -228,7 +231,7 @@ class BlockQuantizer:
                                              self.amax_epsilon, dbias_dtype)
         return FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), db
 
-    def wrap(self, codes):
+    def wrap(self, codes, inv=None):
         raise TypeError("BlockQuantizer.wrap: block scaling cannot cast in a producer's "
                         "pass (fused_ok is False): quantize the producer's output instead")
 

@@ -273,7 +273,7 @@ def test_transformer_layer_fp8_equals_single_device(tp, sp, reduce_amax):
 
 
 @pytest.mark.parametrize("bulk", [False, True])
-@pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear"])
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear", "LayerNormMLP+residual"])
 def test_norm_blocks_sp_fp8_are_one_node(monkeypatch, kind, bulk):
     """Under sequence parallel, FP8 delayed scaling with reduce_amax, LayerNormMLP and
     LayerNormLinear run as one node each, as on one device (fp8_blocks.py): the norm casts in
@@ -281,12 +281,16 @@ def test_norm_blocks_sp_fp8_are_one_node(monkeypatch, kind, bulk):
     backward is cast in fc2's dgrad chunks (composed: gelu_bwd, then a cast), the norm's two
     gradients are all-reduced in one group call; within FP8 tolerance of the composed path
     (fp8_blocks off) and of the single device's gradients. bulk: dgrad reduce-scattered
-    beside wgrad (the thread group takes that path when forced, as NCCL does)."""
+    beside wgrad (the thread group takes that path when forced, as NCCL does). The MLP adds
+    fc2's bias (and a residual) after its reduce-scatter in one pass; fc2's bias gradient
+    comes from dy's chunk cast (no bias_grad) and is all-reduced with the norm's."""
     from tecupy import backends
     from tecupy.distributed import overlap
     import tecupy.nn.layers as layers_mod
     monkeypatch.setattr(overlap, "bulk", lambda group, *a: bulk)
     x, dy = (a.astype(np.float32) for a in _inputs((FP8_S, FP8_B, 64), 19))
+    res = (x[::-1] * 0.5).copy() if kind.endswith("residual") else None
+    mlp = kind.startswith("LayerNormMLP")
     if kind == "LayerNormLinear":
         dy = np.concatenate([dy, dy[..., ::-1]], axis=-1)  # (out_features 128: 64 a rank)
     recipe = DelayedScaling(amax_history_len=4, reduce_amax=True)
@@ -299,9 +303,18 @@ def test_norm_blocks_sp_fp8_are_one_node(monkeypatch, kind, bulk):
 
     def make(g):
         tp = dict(seed=3, tp_group=g, sequence_parallel=g is not None, **F32)
-        if kind == "LayerNormMLP":
+        if mlp:
             return tecupy.nn.LayerNormMLP(64, 128, **tp)
         return tecupy.nn.LayerNormLinear(64, 128, parallel_mode="column" if g else None, **tp)
+
+    def run(m, xs, dys, rs):
+        if rs is None:
+            return _run(m, xs, dys, recipe)
+        params = m.named_parameters()
+        with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe):
+            y = m(xs, residual=rs)
+        grads = tape.gradient(y, [xs, rs, *params.values()], output_grad=dys)
+        return np.asarray(y), dict(zip(["x", "residual", *params], map(np.asarray, grads)))
 
     def body(g):
         m = make(g)
@@ -309,32 +322,38 @@ def test_norm_blocks_sp_fp8_are_one_node(monkeypatch, kind, bulk):
         g.all_reduce_many = lambda arrays, op="sum": (
             groups.append(len(arrays)), type(g).all_reduce_many(g, arrays, op))[1]
         xs = _cut(x, g.rank, 2, 0)
-        dys = _cut(dy, g.rank, 2, 0) if kind == "LayerNormMLP" else _cut(dy, g.rank, 2, 2)
+        dys = _cut(dy, g.rank, 2, 0) if mlp else _cut(dy, g.rank, 2, 2)
+        rs = None if res is None else _cut(res, g.rank, 2, 0)
         for _ in range(2):
             seen.pop(threading.get_ident(), None)
             groups.clear()
-            y, grads = _run(m, xs, dys, recipe)
+            y, grads = run(m, xs, dys, rs)
         return y, grads, seen.pop(threading.get_ident()), groups
     got = dist.run_threads(2, body)
-    fused = "layernorm_mlp_sp" if kind == "LayerNormMLP" else "layernorm_linear_sp"
-    monkeypatch.setattr(layers_mod, fused, lambda module, x: None)
+    fused = "layernorm_mlp_sp" if mlp else "layernorm_linear_sp"
+    monkeypatch.setattr(layers_mod, fused, lambda *a: None)
     composed = dist.run_threads(2, body)
     single = make(None)
     for _ in range(2):
-        _, want = _run(single, x, dy, recipe)
+        _, want = run(single, x, dy, res)
     for r, ((y, grads, ops, groups), (y_c, grads_c, ops_c, _)) in enumerate(
             zip(got, composed)):
         assert "layernorm_fwd_fp8" in ops and "layernorm_fwd" not in ops
         assert "layernorm_fwd" in ops_c and "layernorm_fwd_fp8" not in ops_c
-        if kind == "LayerNormMLP":
+        if mlp:
             assert "dact_cast_transpose" in ops and "dact_cast_transpose" not in ops_c
-        assert groups == [1, 2, 1]  # amaxes (forward), the norm's weight and bias, amaxes
+            assert "bias_grad" not in ops and "bias_grad" in ops_c
+            assert ops.count("add_fwd") == 1  # bias (+ residual) after the reduce-scatter
+        # amaxes (forward), the norm's weight and bias (+ fc2's bias), amaxes (backward)
+        assert groups == [1, 3 if mlp else 2, 1]
         _fp8_close(y, y_c, "y", True)
         for name in grads:
             _fp8_close(grads[name], grads_c[name], name, True)
         _fp8_close(grads["x"], _cut(want["x"], r, 2, 0), "x", True)
-        for name in ("layer_norm_weight", "layer_norm_bias"):
+        for name in ("layer_norm_weight", "layer_norm_bias") + (("fc2_bias",) if mlp else ()):
             _fp8_close(grads[name], want[name], name, True)
+        if res is not None:
+            np.testing.assert_array_equal(grads["residual"], _cut(dy, r, 2, 0))
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["hp-weights", "fp8-weights"])

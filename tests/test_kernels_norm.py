@@ -97,6 +97,35 @@ def test_norm_forward_fp8_output(rng, rms, dtype, shape):
 
 
 @gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", [(0, 4096), (33, 1001), (256, 4096), (7, 24576), (3, 5, 768)],
+                         ids=str)
+def test_norm_forward_fp8_writes_scale_inv(rng, rms, shape):
+    """scale_inv_out: the kernel writes 1 / scale (IEEE, as the casts and the reference:
+    no flush to zero above 2^126) over a poisoned value, in every kernel the shapes choose
+    (warp, block, stream), and with no rows (no kernel: written apart); the codes and amax
+    are those of the call without it."""
+    import cupy
+    from tecupy import backends
+    from tecupy.fp8 import E4M3
+    hidden = shape[-1]
+    x = cupy.asarray((rng.standard_normal(shape) * 3).astype(tecupy.bfloat16))
+    gamma = cupy.asarray(rng.uniform(-1.5, 1.5, hidden).astype(tecupy.bfloat16))
+    name = "rmsnorm" if rms else "layernorm"
+    args = (x, gamma) if rms else (x, gamma, 0 * gamma)
+    for value in (rng.uniform(1, 40), 2.0 ** 127, 3e-39):  # (a subnormal scale: inv is inf)
+        scale = cupy.asarray(np.array([value], np.float32))
+        inv = cupy.full((1,), np.nan, np.float32)
+        got = backends.dispatch(f"{name}_fwd_fp8", *args, 1e-5, False, scale, E4M3,
+                                scale_inv_out=inv)
+        plain = backends.dispatch(f"{name}_fwd_fp8", *args, 1e-5, False, scale, E4M3)
+        want = np.float32(1) / np.float32(value)
+        assert inv.get()[0] == want or (np.isinf(want) and np.isinf(inv.get()[0]))
+        np.testing.assert_array_equal(asnp(got[0]), asnp(plain[0]))
+        np.testing.assert_array_equal(asnp(got[-1]), asnp(plain[-1]))
+
+
+@gpu
 @pytest.mark.parametrize("variant", list(norm_kernels.BWD_VARIANTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

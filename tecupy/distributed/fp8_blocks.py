@@ -20,11 +20,13 @@ sbhd input, no rings; else these return None and the caller composes.
 """
 import os
 
+from .. import backends
 from .._array import xp_of
 from ..fp8 import FP8Tensor
 from ..fp8_params import weight_fp8
 from ..ops.blocks import (_fused_mlp_quantizers, _gemm_fp8, _norm_bwd, _norm_fp8, dact_grads,
                           kept_operands, released)
+from ..ops.elementwise import add
 from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
@@ -48,15 +50,22 @@ def layernorm_linear_sp(module, x):
     return _norm_linear_sp_fp8(x, module, q)
 
 
-def layernorm_mlp_sp(module, x):
-    """fc2(act(fc1(norm(x)))) of a sequence-parallel LayerNormMLP `module` on this rank's
-    chunk x [s/tp, b, hidden] as one FP8 node -> this rank's chunk of the reduce-scattered
-    output (fc2's bias not added), or None where the node does not apply (module doc)."""
+def layernorm_mlp_sp(module, x, residual=None):
+    """fc2(act(fc1(norm(x)))) + fc2's bias (+ residual) of a sequence-parallel LayerNormMLP
+    `module` on this rank's chunk x [s/tp, b, hidden] as one FP8 node -> this rank's chunk
+    of the reduce-scattered output, or None where the node does not apply (module doc).
+    The bias and a residual of x's shape, dtype and array type are added in one pass after
+    the reduce-scatter (add_fwd), inside the node (another residual: by the add op after
+    it); fc2's bias gradient comes from the cast of dy's chunk (dbias) and is summed over
+    the group in the norm's gradients' call."""
     q1, q2 = _fused_mlp_quantizers(xp_of(x), module.fp8_state, module.activation,
                                    module.return_layernorm_output)
     if q1 is None or not _applies(module, x, q1.input, q1.grad_output, q2.grad_output):
         return None
-    return _mlp_sp_fp8(x, module, q1, q2)
+    fits = residual is None or (type(residual) is type(x) and residual.shape == x.shape
+                                and residual.dtype == x.dtype)
+    y = _mlp_sp_fp8(x, module, q1, q2, residual if fits else None)
+    return y if fits else add(y, residual)
 
 
 def _applies(module, x, q_in, *q_dys):
@@ -98,18 +107,19 @@ def _norm_linear_sp_fp8(x, module, q):
     return y
 
 
-def _norm_backward(g, d_ln, x, x2, stats, module, partial):
+def _norm_backward(g, d_ln, x, x2, stats, module, partial, more=()):
     """(dx, dgamma, dbeta) of the chunk's norm; the parameters' gradients (the chunk's
-    partial sums) all-reduced in one group call."""
+    partial sums), and those of `more` (other replicated parameters' partial sums, None
+    skipped), all-reduced in one group call."""
     dx, dg, dbeta = _norm_bwd(d_ln, x2, stats, module.layer_norm_weight,
                               module.zero_centered_gamma, partial)
-    g.all_reduce_many([a for a in (dg, dbeta) if a is not None])
+    g.all_reduce_many([a for a in (dg, dbeta, *more) if a is not None])
     return as_nd(dx, x.shape), dg, dbeta
 
 
-def _mlp_sp_fp8(x, module, q1, q2):
+def _mlp_sp_fp8(x, module, q1, q2, residual=None):
     g = module.tp_group  # (the same steps as ops.blocks._mlp_fp8, with the collectives)
-    w1, b1, w2 = module.fc1_weight, module.fc1_bias, module.fc2_weight
+    w1, b1, w2, b2 = module.fc1_weight, module.fc1_bias, module.fc2_weight, module.fc2_bias
     ln_w, ln_b, dtype = module.layer_norm_weight, module.layer_norm_bias, x.dtype
     hidden, ffn = x.shape[-1], w1.shape[0]
     m_local = x.size // hidden
@@ -126,22 +136,35 @@ def _mlp_sp_fp8(x, module, q1, q2):
     qa = q2.input.quantize_act(h, b1, module.activation, transpose=keeping())
     qw2 = weight_fp8(q2.weight, w2, True)
     saved2 = kept_operands(qa, qw2)
-    y = as_nd(g.reduce_scatter(fp8_gemm(qa, qw2, dtype), 0), x.shape)
+    y2 = g.reduce_scatter(fp8_gemm(qa, qw2, dtype), 0)
+    if b2 is not None or residual is not None:  # (one pass: add_bias's kernel, no node)
+        r2 = None if residual is None else as_2d(residual, m_local, hidden)
+        y2 = backends.dispatch("add_fwd", y2, *((r2,) if b2 is None else (b2, r2)))
+    y = as_nd(y2, x.shape)
     kept = [h]
-    del h, qa, qw2
+    del h, qa, qw2, y2
     comm = SequenceReduce(g, module.fp8_state)
+    own = residual is x  # (the pre-norm block's residual: dy is x's gradient too)
 
     def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
-        held = [comm.dy(q2.grad_output, as_2d(dy, m_local, hidden))]
+        dy2 = as_2d(dy, m_local, hidden)
+        qdy, db2 = ((comm.dy(q2.grad_output, dy2), None) if b2 is None
+                    else comm.dy(q2.grad_output, dy2, b2.dtype))
+        held = [qdy]
+        del qdy
         qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, module.activation,
                                    q1.grad_output, dtype)
         del h
         held = [qdh]
         del qdh
         d_ln, dw1 = column_grads(held, released(saved1), dtype, g, overlap.bulk(g, dy))
-        return _norm_backward(g, d_ln, x, x2, stats, module, partial) + (
-            dw1.astype(w1.dtype, copy=False), db1, dw2.astype(w2.dtype, copy=False))
-    record(backward, (x, ln_w, ln_b, w1, b1, w2), (y,),
+        if own:  # the residual's dy joins x's other gradients in the norm's pass
+            partial = dy if partial is None else backends.dispatch("add_fwd", partial, dy)
+        return _norm_backward(g, d_ln, x, x2, stats, module, partial, (db2,)) + (
+            dw1.astype(w1.dtype, copy=False), db1, dw2.astype(w2.dtype, copy=False), db2) + (
+            (dy,) if residual is not None and not own else ())
+    record(backward, (x, ln_w, ln_b, w1, b1, w2, b2) + (
+        (residual,) if residual is not None and not own else ()), (y,),
            after_backward=q1.after_backward + q2.after_backward, once=q1.once, partial=0)
     return y

@@ -208,13 +208,19 @@ class SequenceReduce:
     def reduce(self, y2):
         return self.group.reduce_scatter(y2, 0)
 
-    def dy(self, q_dy, dy2):
+    def dy(self, q_dy, dy2, dbias_dtype=None):
         """dy2 (this rank's rows) cast by q_dy with the group's one scale, the codes
         all-gathered -> FP8Tensor of every rank's rows (its transposed copy made when wgrad
-        asks for it)."""
-        q = cast(dy2, shared_scale(q_dy, self.fp8_state, self.group, dy2), q_dy.fmt,
-                 q_dy.amax_out)
-        return FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv)
+        asks for it); with dbias_dtype, (it, this rank's rows' dbias) from the cast's read
+        of dy2 (cast_transpose_dbias: its chunk's transposed codes are not used), for the
+        caller to sum over the group."""
+        scale = shared_scale(q_dy, self.fp8_state, self.group, dy2)
+        if dbias_dtype is None:
+            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out), None
+        else:
+            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out, True, dbias_dtype)
+        full = FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv)
+        return full if dbias_dtype is None else (full, db)
 
 
 def shared_scale(quantizer, fp8_state, group, x):

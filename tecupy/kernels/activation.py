@@ -61,7 +61,7 @@ def _bwd(name, gated, dy, x, bias, out=None):
     dy, x = cupy.ascontiguousarray(dy), cupy.ascontiguousarray(x)
     n = x.shape[-1] // 2 if gated else x.shape[-1]
     rows = x.size // max(x.shape[-1], 1)
-    dx = cupy.empty_like(x) if out is None else _out(out, x)
+    dx = cupy.empty(x.shape, x.dtype) if out is None else _out(out, x)
     if rows * n:
         run, shape = _plan("bwd", name, rows, n, x.dtype, None, bias is not None)
         run((dy, x, x if bias is None else _aligned(bias), dx) + shape)

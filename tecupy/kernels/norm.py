@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import backends, loader
 from .._array import is_cupy
+from .cast import scale_inv_arg
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, vec_width
 from .launch import (Launcher, balanced_grid, hopper, launch, opt_in_smem, planned,
                      resident_blocks, sm_count)
@@ -121,9 +122,12 @@ def _grid(rows, threads, per_sm):
     return int(max(1, min(rows, sm_count() * max(1, per_sm // threads))))
 
 
-def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, amax_out=None):
+def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, amax_out=None,
+         scale_inv_out=None):
     """y (x's dtype), or with `fmt` the FP8 codes of y * scale and amax of y (maxed into
-    amax_out where given: pools.amax_args)."""
+    amax_out where given: pools.amax_args), and 1 / scale written into scale_inv_out where
+    given (float32 (1,): the codes' dequantizing factor, by the kernel, no launch of its
+    own)."""
     import cupy
     hidden = x.shape[-1]
     rows = x.size // hidden
@@ -133,6 +137,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
     # amax only for an FP8 output (the kernels read scale, amax and slot then only)
     amax, slot = amax_args(amax_out, rows) if fmt else (y, y)
     mu, rsigma = cupy.empty(rows, np.float32), cupy.empty(rows, np.float32)
+    inv = scale_inv_arg(scale, scale_inv_out, rows) if fmt else _NULL
     if rows:
         name = fmt and fmt.name
         run, scalars, rings = planned(
@@ -141,7 +146,7 @@ def _fwd(x, gamma, beta, eps, zero_centered_gamma, rms, scale=None, fmt=None, am
         if rings and rings[0] is None:  # rows taken from counters: a zeroed set per launch
             rings = (ring_counters(), rings[1])
         s = amax if scale is None else scale
-        run((x, gamma, beta, y, mu, rsigma) + scalars + (s, amax, slot) + rings)
+        run((x, gamma, beta, y, mu, rsigma) + scalars + (s, amax, slot, inv) + rings)
     out = _outputs(y, mu, rsigma, x.shape[:-1], rms)
     return out + (amax,) if fmt else out
 
@@ -182,8 +187,10 @@ def _fwd_plan(rows, hidden, dtype, fmt, rms, zero_centered, eps):
     else:  # ring_launch's run: the kernel, its slots and rows from counters or fixed
         k, rings = run.kernel, (None if run.counted else _NULL, np.int32(run.slots))
     nd = cupy.ndarray  # x, gamma, beta, y, mu, rsigma, rows, hidden, eps, zero_centered,
-    # scale, amax, slot (an array or a pool's address), then the rings' counters and slots
-    kinds = (nd,) * 6 + (np.int64, np.int32, np.float32, np.int32, nd, nd, np.uint64)
+    # scale, amax, slot (an array or a pool's address), scale_inv (or null), then the rings'
+    # counters and slots
+    kinds = (nd,) * 6 + (np.int64, np.int32, np.float32, np.int32, nd, nd, np.uint64,
+                         np.uint64)
     kinds += (np.uint64, np.int32)[:len(rings)]
     scalars = (np.int64(rows), np.int32(hidden), np.float32(eps), np.int32(zero_centered))
     return Launcher(k, (grid,), (threads,), kinds, smem), scalars, rings
@@ -247,8 +254,9 @@ def _bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, rms, dres=None):
     mu = rsigma if rms else cupy.ascontiguousarray(mu, np.float32)
     run, nblocks, tail, reduce = _bwd_launch(rows, hidden, x.dtype, rms, zero_centered_gamma)
     part = cupy.empty((nblocks, 2 * hidden), np.float32)
-    dx, dgamma = cupy.empty_like(x), cupy.empty_like(gamma)
-    dbeta = dgamma if rms else cupy.empty_like(gamma)
+    # (cupy.empty, not empty_like: ~2x its host cost; x and gamma are contiguous here)
+    dx, dgamma = cupy.empty(x.shape, x.dtype), cupy.empty(gamma.shape, gamma.dtype)
+    dbeta = dgamma if rms else cupy.empty(gamma.shape, gamma.dtype)
     dres = _NULL if dres is None else cupy.ascontiguousarray(dres)
     run((dy, x, mu, rsigma, gamma, dx, dres, part) + tail)
     _reduce(reduce, part, dgamma, dbeta)
@@ -358,13 +366,17 @@ def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
 
 
 @backends.register("layernorm_fwd_fp8", "cuda", supports=supported)
-def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None):
-    return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt, amax_out)
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None,
+                      scale_inv_out=None):
+    return _fwd(x, gamma, beta, eps, zero_centered_gamma, False, scale, fmt, amax_out,
+                scale_inv_out)
 
 
 @backends.register("rmsnorm_fwd_fp8", "cuda", supports=supported)
-def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None):
-    return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt, amax_out)
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None,
+                    scale_inv_out=None):
+    return _fwd(x, gamma, None, eps, zero_centered_gamma, True, scale, fmt, amax_out,
+                scale_inv_out)
 
 
 @backends.register("layernorm_bwd", "cuda", supports=supported)

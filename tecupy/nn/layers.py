@@ -7,9 +7,9 @@ width, so the error names the input rather than the layer's weight.
 from .. import _check
 from ..distributed.fp8_blocks import layernorm_linear_sp, layernorm_mlp_sp
 from ..distributed.group import ProcessGroup
-from ..distributed.tensor_parallel import (act_then_row_parallel, bias_residual,
-                                           column_parallel_linear, replicated_grad,
-                                           row_parallel_linear, shard, shard_parts)
+from ..distributed.tensor_parallel import (act_then_row_parallel, column_parallel_linear,
+                                           replicated_grad, row_parallel_linear, shard,
+                                           shard_parts)
 from ..fp8_params import FIRST_MICROBATCH_DOC, check_first_microbatch, microbatch_weights
 from ..fp8_state import FP8State
 from ..ops import (add, layernorm, layernorm_linear, layernorm_mlp, linear, normalize,
@@ -328,9 +328,9 @@ class LayerNormMLP(Module):
         op has no place for them): norm, fc1 column parallel, act + fc2 row parallel (the
         residual added in fc2 bias's pass)."""
         g, sp, st = self.tp_group, self.sequence_parallel, self.fp8_state
-        y = layernorm_mlp_sp(self, x) if sp else None  # (one FP8 node, or None)
+        y = layernorm_mlp_sp(self, x, residual) if sp else None  # (one FP8 node, or None)
         if y is not None:
-            return bias_residual(y, replicated_grad(self.fc2_bias, g), residual)
+            return y
         ln_out = parallel_norm(self, x)
         h = column_parallel_linear(ln_out, self.fc1_weight, None, g, fp8_state=st,
                                    gemm_index=0, sequence_parallel=sp)

@@ -4,8 +4,10 @@ Composed from the tecupy ops (each records its own backward); a backend with a f
 kernel can take over the pieces. FP8: `fp8_state` holds one GEMM for layernorm_linear and
 two (fc1, fc2) for layernorm_mlp.
 """
+import numpy as np
+
 from .. import _check, backends
-from .._array import array_module, check_float, check_shape
+from .._array import array_module, check_float, check_shape, xp_of
 from ..fp8_params import check_qweight, weight_fp8
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
@@ -80,13 +82,16 @@ def _norm_fp8(x2, ln_weight, ln_bias, eps, zcg, rms, qi):
             return qi.quantize(y, transpose=True), (rsigma,)
         y, mu, rsigma = backends.dispatch("layernorm_fwd", x2, ln_weight, ln_bias, eps, zcg)
         return qi.quantize(y, transpose=True), (mu, rsigma)
+    inv = xp_of(x2).empty((1,), np.float32)  # (1 / scale: the norm's kernel writes it)
     if rms:
         codes, rsigma, _ = backends.dispatch("rmsnorm_fwd_fp8", x2, ln_weight, eps, zcg,
-                                             qi.scale, qi.fmt, amax_out=qi.amax_out)
-        return qi.wrap(codes), (rsigma,)
+                                             qi.scale, qi.fmt, amax_out=qi.amax_out,
+                                             scale_inv_out=inv)
+        return qi.wrap(codes, inv), (rsigma,)
     codes, mu, rsigma, _ = backends.dispatch("layernorm_fwd_fp8", x2, ln_weight, ln_bias, eps,
-                                             zcg, qi.scale, qi.fmt, amax_out=qi.amax_out)
-    return qi.wrap(codes), (mu, rsigma)
+                                             zcg, qi.scale, qi.fmt, amax_out=qi.amax_out,
+                                             scale_inv_out=inv)
+    return qi.wrap(codes, inv), (mu, rsigma)
 
 
 def _norm_bwd(d_ln, x2, stats, ln_weight, zcg, partial):

@@ -36,12 +36,13 @@ def layernorm_fwd(x, gamma, beta, eps, zero_centered_gamma):
 
 
 @backends.register("layernorm_fwd_fp8", "reference")
-def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None):
+def layernorm_fwd_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, fmt, amax_out=None,
+                      scale_inv_out=None):
     """LayerNorm whose output goes straight to FP8: (codes of y * scale, mu, rsigma, amax of
-    y), y cast from float32 without a round trip through x's dtype; amax_out as in
-    cast_to_fp8."""
+    y), y cast from float32 without a round trip through x's dtype; amax_out and
+    scale_inv_out (1 / scale written into it) as in cast_to_fp8."""
     y, mu, rsigma = _layernorm(x, gamma, beta, eps, zero_centered_gamma)
-    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out, scale_inv_out)
     return q, mu, rsigma, amax
 
 
@@ -80,10 +81,12 @@ def rmsnorm_fwd(x, gamma, eps, zero_centered_gamma):
 
 
 @backends.register("rmsnorm_fwd_fp8", "reference")
-def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None):
-    """RMSNorm with its output cast to FP8 in the same pass: (codes, rsigma, amax)."""
+def rmsnorm_fwd_fp8(x, gamma, eps, zero_centered_gamma, scale, fmt, amax_out=None,
+                    scale_inv_out=None):
+    """RMSNorm with its output cast to FP8 in the same pass: (codes, rsigma, amax);
+    scale_inv_out as in cast_to_fp8."""
     y, rsigma = _rmsnorm(x, gamma, eps, zero_centered_gamma)
-    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out)
+    q, amax = cast_to_fp8(y.astype(np.float32), scale, fmt, amax_out, scale_inv_out)
     return q, rsigma, amax
 
 
