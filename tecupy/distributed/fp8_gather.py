@@ -27,10 +27,12 @@ Comm-GEMM overlap (overlap.py, on by default): the all-gather of the codes is a 
 chunks' GEMMs write their rows of the output as they arrive, and the backward's dgrad +
 reduce-scatter a ring whose chunks' dgrad GEMMs run while the sums travel.
 """
+from .. import backends
 from .._array import xp_of
 from ..fp8 import FP8Tensor, amax, cast, current_scale
 from ..fp8_params import weight_fp8
 from ..ops import linear
+from ..ops.elementwise import add
 from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm, fp8_grads
 from ..quantization import CurrentQuantizer, DelayedQuantizer, gemm_quantizers
 from ..tape import keeping, record, retaining
@@ -157,34 +159,54 @@ def _ring_backward(dy2, saved, bias, q_dy, x_dtype, group, m_local):
     return overlap.ring_reduce_scatter(group, partial), dw, db
 
 
-def linear_reduce_scatter(x, weight, group, fp8_state=None, gemm_index=0):
+def linear_reduce_scatter(x, weight, group, fp8_state=None, gemm_index=0, bias=None,
+                          residual=None):
     """reduce_scatter_sequence(linear(x, weight)) over `group` (a row-parallel GEMM under
-    sequence parallel, its bias added by the caller): under fp8_autocast one node whose
-    backward all-gathers dy as FP8 codes (module doc); else the two ops."""
-    from .tensor_parallel import reduce_scatter_sequence
+    sequence parallel) + bias (replicated: its gradient summed over the group) + residual
+    (this rank's chunk, or None): under fp8_autocast one node whose backward all-gathers dy
+    as FP8 codes (module doc), the bias and a residual of y's shape, dtype and array type
+    added in one pass after the reduce-scatter and the bias's gradient from the cast of
+    dy's chunk (dbias: no column sums of dy apart); else the ops."""
+    from .tensor_parallel import bias_residual, reduce_scatter_sequence, replicated_grad
     comm = SequenceReduce(group, fp8_state)
     q = gemm_quantizers(fp8_state, gemm_index, xp_of(x))
     if q is None or x.ndim < 2 or not comm.takes(q.grad_output):
-        return reduce_scatter_sequence(linear(x, weight, None, fp8_state, gemm_index), group)
+        y = reduce_scatter_sequence(linear(x, weight, None, fp8_state, gemm_index), group)
+        return bias_residual(y, replicated_grad(bias, group), residual)
     n, k = weight.shape
     m = x.size // k
     check_fp8_dims("linear (sequence-parallel reduce-scatter)", m, n, k)
+    rows = comm.rows(m)
+    shape = (x.shape[0] * rows // m,) + x.shape[1:-1] + (n,)
+    fits = residual is None or (type(residual) is type(x) and residual.shape == shape
+                                and residual.dtype == x.dtype)
+    if not fits:
+        return add(linear_reduce_scatter(x, weight, group, fp8_state, gemm_index, bias),
+                   residual)
     tr = keeping()
     qx = q.input.quantize(as_2d(x, m, k), transpose=tr)
     qw = weight_fp8(q.weight, weight, tr)
-    rows = comm.rows(m)
-    y = as_nd(comm.reduce(fp8_gemm(qx, qw, x.dtype)),
-              (x.shape[0] * rows // m,) + x.shape[1:-1] + (n,))
+    y2 = comm.reduce(fp8_gemm(qx, qw, x.dtype))
+    if bias is not None or residual is not None:  # (one pass: add_bias's kernel, no node)
+        r2 = None if residual is None else as_2d(residual, rows, n)
+        y2 = backends.dispatch("add_fwd", y2, *((r2,) if bias is None else (bias, r2)))
+    y = as_nd(y2, shape)
     if not tr:
         return y
     x_shape, x_dtype = x.shape, x.dtype
     saved = [qx.columnwise(), qw.columnwise()]
-    del qx
+    del qx, y2
 
     def backward(dy):
-        dx, dw = fp8_grads([comm.dy(q.grad_output, as_2d(dy, rows, n))], saved, x_dtype)
-        return as_nd(dx, x_shape), dw
-    record(backward, (x, weight), (y,), after_backward=q.after_backward, once=q.once)
+        dy2 = as_2d(dy, rows, n)
+        qdy, db = ((comm.dy(q.grad_output, dy2), None) if bias is None
+                   else comm.dy(q.grad_output, dy2, bias.dtype))
+        if db is not None:
+            db = group.all_reduce(db)
+        dx, dw = fp8_grads([qdy], saved, x_dtype)
+        return (as_nd(dx, x_shape), dw, db) + ((dy,) if residual is not None else ())
+    record(backward, (x, weight, bias) + ((residual,) if residual is not None else ()), (y,),
+           after_backward=q.after_backward, once=q.once)
     return y
 
 

@@ -175,8 +175,7 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel=True, fp8_stat
         y = ring_row_linear(x, weight, group, fp8_state, gemm_index)  # (overlap.py)
         return bias_residual(y, replicated_grad(bias, group), residual)
     if sequence_parallel:  # (under FP8 dy comes back as gathered FP8 codes: fp8_gather.py)
-        y = linear_reduce_scatter(x, weight, group, fp8_state, gemm_index)
-        return bias_residual(y, replicated_grad(bias, group), residual)
+        return linear_reduce_scatter(x, weight, group, fp8_state, gemm_index, bias, residual)
     return reduce_row_output(linear(x, weight, None, fp8_state, gemm_index), bias, group,
                              sequence_parallel, residual)
 
