@@ -87,8 +87,9 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.
 // DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[row tile][col] =
-// the float32 sum of the tile's rows of x; with dbias (and zero strip counters) the tile
-// that completes a column strip sums them into dbias (strip_sum), else a second pass does.
+// the float32 sum of the tile's rows of x; with dbias (and zero strip counters) the block
+// that completes a column strip sums them into dbias at its end (strip_sums), else a second
+// pass does.
 // h's and q's rows are ldh and ldq elements apart (cols, or a column chunk's of wider arrays:
 // ops/blocks.py runs fc2's dgrad and the dact cast over column chunks, issue 22).
 // Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
@@ -154,41 +155,46 @@ __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>&
     }
 }
 
-// dbias's second stage in the cast (no col_sum launch): the row tile that completes a
-// column strip (the last of its strip's tiles to count itself into strips[c0 / 64], a zero
-// counter that it leaves at zero again) sums the strip's partial column sums part[0..R-1]
-// and writes dbias[c0 .. c0 + 63] in T: the float sums in col_sum's order (8 interleaved
-// partial sums, part rows y, y + 8, ..., then added y = 0 .. 7), rounded once, so bit for
-// bit the two-stage dbias (kernels/colsum.py). Every thread of the block calls this after
-// the tile's part row was written (by threads 0-63); `sums` is the block's colsum table,
-// free again after the caller's barrier.
-template <typename T>
-__device__ void strip_sum(const float* part, T* dbias, unsigned* strips, int by, int c0,
-                          int row_tiles, int cols, int& done, float (*sums)[64]) {
-    __threadfence();  // this tile's part row lands before its count (threadFenceReduction)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        done = atomicAdd(strips + c0 / 64, 1u) == unsigned(row_tiles - 1);
-        if (done) strips[c0 / 64] = 0u;  // (no other tile of the strip counts after it)
-    }
-    __syncthreads();
-    if (!done) return;
-    __threadfence();
-    const int col = threadIdx.x & 63, y0 = threadIdx.x >> 6;  // 4 x 64 threads, y0 and y0 + 4
-    if (c0 + col < cols)
-#pragma unroll
-        for (int y = y0; y < 8; y += 4) {
-            float a = 0.f;
-            for (int r = y; r < row_tiles; r += 8)
-                a += __ldcg(part + (long long)r * cols + c0 + col);  // (L2: other SMs wrote it)
-            sums[y][col] = a;
+// dbias's second stage in the cast (no col_sum launch), after the block's tiles: for each
+// tile it cast, the block counts itself into its column strip's counter (strips[c0 / 64],
+// zero on entry; the strip's last tile leaves it at zero again), and the strip's last tile
+// sums the strip's partial column sums part[0..R-1] into dbias[c0 .. c0 + 63] in T: the
+// float sums in col_sum's order (8 interleaved partial sums, part rows y, y + 8, ..., then
+// added y = 0 .. 7), rounded once, so bit for bit the two-stage dbias (kernels/colsum.py).
+// At the end, not per tile: the fence that makes the block's part rows visible before its
+// counts would stall every tile's pipeline (measured: the dbias casts 20% slower).
+// Every thread of the block calls this; `sums` is the block's colsum table (free here).
+template <typename T, int G>
+__device__ void strip_sums(const float* part, T* dbias, unsigned* strips, int rows, int cols,
+                           int blk, int nblk, float (*sums)[64]) {
+    __shared__ int done;
+    const int tiles_x = (cols + 63) / 64, row_tiles = (rows + 128 * G - 1) / (128 * G);
+    __threadfence();  // this block's part rows land before its counts (threadFenceReduction)
+    for (int tile = blk; tile < tiles_x * row_tiles; tile += nblk) {
+        const int strip = tile % tiles_x, c0 = strip * 64;
+        __syncthreads();  // (every thread has read the last `done` and is done with sums)
+        if (threadIdx.x == 0) {
+            done = atomicAdd(strips + strip, 1u) == unsigned(row_tiles - 1);
+            if (done) strips[strip] = 0u;  // (no other tile of the strip counts after it)
         }
-    __syncthreads();
-    if (threadIdx.x < 64 && c0 + col < cols) {
-        float t = 0.f;
+        __syncthreads();
+        if (!done) continue;  // (uniform)
+        const int col = threadIdx.x & 63, y0 = threadIdx.x >> 6;  // 4 x 64: y0 and y0 + 4
+        if (c0 + col < cols)
 #pragma unroll
-        for (int y = 0; y < 8; ++y) t += sums[y][col];
-        dbias[c0 + col] = from_float<T>(t);
+            for (int y = y0; y < 8; y += 4) {
+                float a = 0.f;
+                for (int r = y; r < row_tiles; r += 8)
+                    a += __ldcg(part + (long long)r * cols + c0 + col);  // (other SMs' rows)
+                sums[y][col] = a;
+            }
+        __syncthreads();
+        if (threadIdx.x < 64 && c0 + col < cols) {
+            float t = 0.f;
+#pragma unroll
+            for (int y = 0; y < 8; ++y) t += sums[y][col];
+            dbias[c0 + col] = from_float<T>(t);
+        }
     }
 }
 
@@ -207,7 +213,6 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
     constexpr bool DH = ACT && !IsFwd<DACT>::value;  // h read: the backward's
     __shared__ __align__(16) unsigned tt[64 * 32 * G];
     __shared__ float colsum[DBIAS ? 8 : 1][64];  // per warp: its 16 rows' column sums
-    __shared__ int strip_done;  // DBIAS with dbias: this tile completed its column strip
     const float s = scale[0];
     write_scale_inv(scale_inv, s, blk);
     const int tiles_x = (cols + 63) / 64, tiles = tiles_x * ((rows + 128 * G - 1) / (128 * G));
@@ -286,9 +291,6 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
             for (int w = 0; w < 8; ++w) t += colsum[w][threadIdx.x];
             part[(long long)by * cols + c0 + threadIdx.x] = t;
         }
-        if (DBIAS && dbias != nullptr)
-            strip_sum(part, dbias, strips, by, c0, (rows + 128 * G - 1) / (128 * G), cols,
-                      strip_done, colsum);
         if (RAGGED) store_ragged<G>(tt, q, qt, r0, c0, rows, cols, ldq);
 #pragma unroll
         for (int h = 0; h < 2 * G && (!RAGGED || rows % 16 == 0); ++h) {
@@ -301,6 +303,8 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
         }
         __syncthreads();  // tt and colsum are the next tile's
     }
+    if (DBIAS && dbias != nullptr) strip_sums<T, G>(part, dbias, strips, rows, cols, blk, nblk,
+                                                   colsum);
     PDL_TRIGGER();
     grid_amax(m, amax, slot);  // (a slot counts the whole grid's blocks: null in the pair)
 }

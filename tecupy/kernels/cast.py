@@ -285,8 +285,9 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     inv = scale_inv_arg(scale, scale_inv_out, x.size)
     dbias = dbias_dtype is not None
     part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
-    # dbias summed in the cast's last tile of each column strip (strip_sum: no col_sum
-    # launch) where it is of x's dtype and the strips fit a pool slot's counters
+    # dbias summed at the end of the cast by the block that completes each column strip
+    # (strip_sums: no col_sum launch) where it is of x's dtype and the strips fit a pool
+    # slot's counters
     fold = (dbias and FOLD_DBIAS and x.size and np.dtype(dbias_dtype) == x.dtype
             and -(-cols // 64) <= STRIP_COUNTERS)
     db, strips = (cupy.empty((cols,), x.dtype), strip_counters()) if fold else (_NULL, _NULL)
@@ -313,7 +314,7 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     return q, qt, amax, col_sum(part, dbias_dtype)  # (in dbias_dtype: no astype launch)
 
 
-# dbias's second stage in the cast kernel (strip_sum, cast.cu): off, col_sum's launch after
+# dbias's second stage in the cast kernel (strip_sums, cast.cu); off: col_sum's launch after
 # it (the same bits: the GPU tests compare the two)
 FOLD_DBIAS = True
 

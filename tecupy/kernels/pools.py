@@ -1,6 +1,6 @@
 """Zeroed slots without a memset: the {max, count} pairs of kernels that end in grid_amax
 (common.cuh), the ring kernels' row counters (RowTaker, bulk.cuh) and the casts' column-strip
-counters (strip_sum, cast.cu), from per-device pools;
+counters (strip_sums, cast.cu), from per-device pools;
 the amax arguments and grid of a grid_amax kernel."""
 import threading
 
@@ -57,8 +57,8 @@ def _pool_slot(kind, slots, words):
     return np.uint64(buf.data.ptr + 4 * words * i)  # (CuPy indexing costs ~5 us)
 
 
-# Column-strip counters (cast.cu's strip_sum: dbias summed by the tile that completes each
-# 64-column strip, which leaves its counter at zero again): STRIP_COUNTERS per launch.
+# Column-strip counters (cast.cu's strip_sums: dbias summed by the block that completes
+# each 64-column strip, which leaves its counter at zero again): STRIP_COUNTERS a launch.
 STRIP_SLOTS, STRIP_COUNTERS = 1 << 10, 512  # 2 MB, made at the first such launch
 
 
