@@ -155,45 +155,54 @@ __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>&
     }
 }
 
-// dbias's second stage in the cast (no col_sum launch), after the block's tiles: for each
-// tile it cast, the block counts itself into its column strip's counter (strips[c0 / 64],
-// zero on entry; the strip's last tile leaves it at zero again), and the strip's last tile
-// sums the strip's partial column sums part[0..R-1] into dbias[c0 .. c0 + 63] in T: the
-// float sums in col_sum's order (8 interleaved partial sums, part rows y, y + 8, ..., then
-// added y = 0 .. 7), rounded once, so bit for bit the two-stage dbias (kernels/colsum.py).
-// At the end, not per tile: the fence that makes the block's part rows visible before its
-// counts would stall every tile's pipeline (measured: the dbias casts 20% slower).
-// Every thread of the block calls this; `sums` is the block's colsum table (free here).
+// dbias's second stage in the cast (no col_sum launch), after the block's tiles: the block
+// counts each tile it cast into its column strip's counter (strips[c0 / 64], zero on
+// entry; the strip's last tile leaves it at zero again), all of them at once (a thread per
+// tile: the round trips overlap), and for each strip it completed sums the strip's partial
+// column sums part[0..R-1] into dbias[c0 .. c0 + 63] in T: the float sums in col_sum's
+// order (8 interleaved partial sums, part rows y, y + 8, ..., then added y = 0 .. 7),
+// rounded once, so bit for bit the two-stage dbias (kernels/colsum.py). At the end, not
+// per tile: a fence per tile (its part row visible before its count) stalled every tile's
+// pipeline (measured: the dbias casts 20% slower), and counts made one after another cost
+// a round trip each. Every thread of the block calls this; `sums` is the block's colsum
+// table (free here).
 template <typename T, int G>
 __device__ void strip_sums(const float* part, T* dbias, unsigned* strips, int rows, int cols,
                            int blk, int nblk, float (*sums)[64]) {
-    __shared__ int done;
+    __shared__ int done[256], ndone;  // the strips this block completed, in one round
     const int tiles_x = (cols + 63) / 64, row_tiles = (rows + 128 * G - 1) / (128 * G);
+    const int tiles = tiles_x * row_tiles, col = threadIdx.x & 63, y0 = threadIdx.x >> 6;
     __threadfence();  // this block's part rows land before its counts (threadFenceReduction)
-    for (int tile = blk; tile < tiles_x * row_tiles; tile += nblk) {
-        const int strip = tile % tiles_x, c0 = strip * 64;
-        __syncthreads();  // (every thread has read the last `done` and is done with sums)
-        if (threadIdx.x == 0) {
-            done = atomicAdd(strips + strip, 1u) == unsigned(row_tiles - 1);
-            if (done) strips[strip] = 0u;  // (no other tile of the strip counts after it)
+    for (int first = blk; first < tiles; first += 256 * nblk) {
+        if (threadIdx.x == 0) ndone = 0;
+        __syncthreads();  // (ndone zero; the last round's sums read)
+        const int tile = first + threadIdx.x * nblk;
+        if (tile < tiles) {
+            const int strip = tile % tiles_x;
+            if (atomicAdd(strips + strip, 1u) == unsigned(row_tiles - 1)) {
+                strips[strip] = 0u;  // (no other tile of the strip counts after it)
+                done[atomicAdd(&ndone, 1)] = strip;
+            }
         }
         __syncthreads();
-        if (!done) continue;  // (uniform)
-        const int col = threadIdx.x & 63, y0 = threadIdx.x >> 6;  // 4 x 64: y0 and y0 + 4
-        if (c0 + col < cols)
+        for (int i = 0; i < ndone; ++i) {
+            const int c0 = done[i] * 64;
+            if (c0 + col < cols)
 #pragma unroll
-            for (int y = y0; y < 8; y += 4) {
-                float a = 0.f;
-                for (int r = y; r < row_tiles; r += 8)
-                    a += __ldcg(part + (long long)r * cols + c0 + col);  // (other SMs' rows)
-                sums[y][col] = a;
+                for (int y = y0; y < 8; y += 4) {
+                    float a = 0.f;
+                    for (int r = y; r < row_tiles; r += 8)
+                        a += __ldcg(part + (long long)r * cols + c0 + col);  // (other SMs')
+                    sums[y][col] = a;
+                }
+            __syncthreads();
+            if (threadIdx.x < 64 && c0 + col < cols) {
+                float t = 0.f;
+#pragma unroll
+                for (int y = 0; y < 8; ++y) t += sums[y][col];
+                dbias[c0 + col] = from_float<T>(t);
             }
-        __syncthreads();
-        if (threadIdx.x < 64 && c0 + col < cols) {
-            float t = 0.f;
-#pragma unroll
-            for (int y = 0; y < 8; ++y) t += sums[y][col];
-            dbias[c0 + col] = from_float<T>(t);
+            __syncthreads();  // (sums are the next strip's)
         }
     }
 }
