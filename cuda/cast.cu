@@ -86,10 +86,8 @@ __global__ void fp8_dequantize(const unsigned char* __restrict__ q,
 // Each thread then copies 2 G 16-byte chunks of tt rows to qt: a warp writes whole 128-byte
 // runs of qt rows. The 16-byte chunks of a tt row are XOR-swizzled by (col / 8) % 8, which
 // makes both the word stores and the 16-byte loads conflict-free.
-// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[row tile][col] =
-// the float32 sum of the tile's rows of x; with dbias (and zero strip counters) the block
-// that completes a column strip sums them into dbias at its end (strip_sums), else a second
-// pass does.
+// DBIAS (dbias fused, Transformer Engine's cast_transpose_dbias): part[blockIdx.y][col] =
+// the float32 sum of the tile's rows of x, for a second pass over the row blocks.
 // h's and q's rows are ldh and ldq elements apart (cols, or a column chunk's of wider arrays:
 // ops/blocks.py runs fc2's dgrad and the dact cast over column chunks, issue 22).
 // Needs rows % 16 == 0, cols % 8 == 0, unless RAGGED (any shape; where cols % 8 != 0:
@@ -155,58 +153,6 @@ __device__ __forceinline__ float cast_input(const Vec<T, 8>& x, const Vec<T, 8>&
     }
 }
 
-// dbias's second stage in the cast (no col_sum launch), after the block's tiles: the block
-// counts each tile it cast into its column strip's counter (strips[c0 / 64], zero on
-// entry; the strip's last tile leaves it at zero again), all of them at once (a thread per
-// tile: the round trips overlap), and for each strip it completed sums the strip's partial
-// column sums part[0..R-1] into dbias[c0 .. c0 + 63] in T: the float sums in col_sum's
-// order (8 interleaved partial sums, part rows y, y + 8, ..., then added y = 0 .. 7),
-// rounded once, so bit for bit the two-stage dbias (kernels/colsum.py). At the end, not
-// per tile: a fence per tile (its part row visible before its count) stalled every tile's
-// pipeline (measured: the dbias casts 20% slower), and counts made one after another cost
-// a round trip each. Every thread of the block calls this; `sums` is the block's colsum
-// table (free here).
-template <typename T, int G>
-__device__ void strip_sums(const float* part, T* dbias, unsigned* strips, int rows, int cols,
-                           int blk, int nblk, float (*sums)[64]) {
-    __shared__ int done[256], ndone;  // the strips this block completed, in one round
-    const int tiles_x = (cols + 63) / 64, row_tiles = (rows + 128 * G - 1) / (128 * G);
-    const int tiles = tiles_x * row_tiles, col = threadIdx.x & 63, y0 = threadIdx.x >> 6;
-    __threadfence();  // this block's part rows land before its counts (threadFenceReduction)
-    for (int first = blk; first < tiles; first += 256 * nblk) {
-        if (threadIdx.x == 0) ndone = 0;
-        __syncthreads();  // (ndone zero; the last round's sums read)
-        const int tile = first + threadIdx.x * nblk;
-        if (tile < tiles) {
-            const int strip = tile % tiles_x;
-            if (atomicAdd(strips + strip, 1u) == unsigned(row_tiles - 1)) {
-                strips[strip] = 0u;  // (no other tile of the strip counts after it)
-                done[atomicAdd(&ndone, 1)] = strip;
-            }
-        }
-        __syncthreads();
-        for (int i = 0; i < ndone; ++i) {
-            const int c0 = done[i] * 64;
-            if (c0 + col < cols)
-#pragma unroll
-                for (int y = y0; y < 8; y += 4) {
-                    float a = 0.f;
-                    for (int r = y; r < row_tiles; r += 8)
-                        a += __ldcg(part + (long long)r * cols + c0 + col);  // (other SMs')
-                    sums[y][col] = a;
-                }
-            __syncthreads();
-            if (threadIdx.x < 64 && c0 + col < cols) {
-                float t = 0.f;
-#pragma unroll
-                for (int y = 0; y < 8; ++y) t += sums[y][col];
-                dbias[c0 + col] = from_float<T>(t);
-            }
-            __syncthreads();  // (sums are the next strip's)
-        }
-    }
-}
-
 // The body of cast_transpose_tiled for block blk of nblk (a grid-stride loop over the tiles
 // with nblk blocks; cast_transpose_pair runs two in one grid).
 template <typename T, typename F8, int G, bool DBIAS, bool RAGGED, typename DACT>
@@ -214,8 +160,7 @@ __device__ __forceinline__ void
 cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
                     unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                     float* __restrict__ scale_inv, float* __restrict__ amax,
-                    unsigned* __restrict__ slot, float* __restrict__ part,
-                    T* __restrict__ dbias, unsigned* __restrict__ strips, int rows, int cols,
+                    unsigned* __restrict__ slot, float* __restrict__ part, int rows, int cols,
                     const T* __restrict__ h, const T* __restrict__ hbias, long long ldh,
                     long long ldq, int blk, int nblk) {
     constexpr bool ACT = !IsNoAct<DACT>::value;  // hbias read (forward or backward)
@@ -312,8 +257,6 @@ cast_transpose_body(const T* __restrict__ x, const float* __restrict__ scale,
         }
         __syncthreads();  // tt and colsum are the next tile's
     }
-    if (DBIAS && dbias != nullptr) strip_sums<T, G>(part, dbias, strips, rows, cols, blk, nblk,
-                                                   colsum);
     PDL_TRIGGER();
     grid_amax(m, amax, slot);  // (a slot counts the whole grid's blocks: null in the pair)
 }
@@ -323,14 +266,13 @@ __global__ void __launch_bounds__(256)
 cast_transpose_tiled(const T* __restrict__ x, const float* __restrict__ scale,
                      unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                      float* __restrict__ scale_inv, float* __restrict__ amax,
-                     unsigned* __restrict__ slot, float* __restrict__ part,
-                     T* __restrict__ dbias, unsigned* __restrict__ strips, int rows,
+                     unsigned* __restrict__ slot, float* __restrict__ part, int rows,
                      int cols, const T* __restrict__ h, const T* __restrict__ hbias,
                      long long ldh, long long ldq) {
     PDL_WAIT();
     cast_transpose_body<T, F8, G, DBIAS, RAGGED, DACT>(x, scale, q, qt, scale_inv, amax, slot,
-                                                       part, dbias, strips, rows, cols, h,
-                                                       hbias, ldh, ldq, blockIdx.x, gridDim.x);
+                                                       part, rows, cols, h, hbias, ldh, ldq,
+                                                       blockIdx.x, gridDim.x);
 }
 
 // cast_transpose_pair<T, F8>: two plain casts (no dbias, no activation, rows % 16 == 0,
@@ -351,7 +293,6 @@ cast_transpose_pair(const T* __restrict__ xa, const float* __restrict__ sa,
     const int cols = a ? colsa : colsb;
     cast_transpose_body<T, F8, 1, false, false, NoAct>(
         a ? xa : xb, a ? sa : sb, a ? qa : qb, a ? qta : qtb, a ? inva : invb,
-        a ? amaxa : amaxb, nullptr, nullptr, nullptr, nullptr, a ? rowsa : rowsb, cols, nullptr,
-        nullptr, cols,
+        a ? amaxa : amaxb, nullptr, nullptr, a ? rowsa : rowsb, cols, nullptr, nullptr, cols,
         cols, a ? blockIdx.x : blockIdx.x - blocks_a, a ? blocks_a : gridDim.x - blocks_a);
 }

@@ -168,11 +168,9 @@ def test_cast_transpose_plan(monkeypatch, fake_driver):
     assert made == [run.k.name] == [name]
     assert run.grid == (min(2 * 64, 400),) and run.block == (256,)
     assert (type(rows), rows, type(cols), cols) == (np.int32, 256, np.int32, 4096)
-    # the plain kernel's arguments from dbias on: null dbias and strips (col_sum sums the
-    # partials), rows, cols, null h and hbias, ldh, ldq
-    assert tail[:4] == (0, 0, rows, cols) and tail[4:] == (0, 0, 4096, 4096)
-    assert list(map(type, tail)) == ([np.uint64] * 2 + [np.int32] * 2 + [np.uint64] * 2
-                                     + [np.int64] * 2)
+    # the plain kernel's arguments from rows on: rows, cols, null h and hbias, ldh, ldq
+    assert tail[:2] == (rows, cols) and tail[2:] == (0, 0, 4096, 4096)
+    assert list(map(type, tail)) == [np.int32] * 2 + [np.uint64] * 2 + [np.int64] * 2
     run, _, _, _ = cast_kernels._ct_plan(24, 40, np.dtype(np.float32), "e4m3",
                                       False)  # a tail: 40 % 16
     assert run.k.name.endswith("false, true>") and run.grid == (1,)
@@ -549,8 +547,8 @@ def test_cast_transpose_call_allocates_the_codes_only(fake_cupy, fake_driver, mo
     assert len(fake_cupy) == 1 and len(cast_kernels._plans) == 1
     raw = fake_driver[-1][4]
     want = (x.data.ptr, scale.data.ptr, q.data.ptr, qt.data.ptr, inv.data.ptr, amax.data.ptr,
-            0, amax.data.ptr, 0, 0, 256, 4096, 0, 0)
-    assert _packed(raw, "Q" * 10 + "i4xi4xQQ") == want
+            0, amax.data.ptr, 256, 4096, 0, 0)
+    assert _packed(raw, "Q" * 8 + "i4xi4xQQ") == want
 
 
 def test_cast_transpose_checks_what_its_common_case_skips(fake_cupy, fake_driver,
@@ -770,8 +768,8 @@ def test_kept_plan_pair_casts_what_the_two_casts_cast(monkeypatch):
                                                      "cast_transpose_tiled", "tc::fp8_gemm_tn",
                                                      "delayed_scaling_update"]
     (name, grid, block, shared, words), cx, cw = paired[0], general[0], general[1]
-    assert words[:6] + words[6:8] == cx[4][:6] + cx[4][10:12]  # x: arrays, rows, cols
-    assert words[8:14] + words[14:16] == cw[4][:6] + cw[4][10:12]  # the weight's
+    assert words[:6] + words[6:8] == cx[4][:6] + cx[4][8:10]  # x: arrays, rows, cols
+    assert words[8:14] + words[14:16] == cw[4][:6] + cw[4][8:10]  # the weight's
     assert (grid[0], block, shared) == (cx[1][0] + cw[1][0], (256, 1, 1), 0)
     assert words[16] == cx[1][0] and name == cx[0].replace("tiled", "pair").split(", 1,")[0] + ">"
     assert paired[1:] == general[2:]

@@ -1,5 +1,5 @@
 """The lean eager path (issue 21) of the small kernels, no GPU needed: the dbias column sums
-(both stages, or the second in the cast's launch), scale_inverse and fp8_transpose launch through a Launcher kept in a launch
+(both stages), scale_inverse and fp8_transpose launch through a Launcher kept in a launch
 plan, and dbias comes in its own type from the sums' kernel (no astype launch). Kernel
 lookups and cuLaunchKernelEx are faked (tests/test_host_path.py's fixtures)."""
 import struct
@@ -90,15 +90,10 @@ def test_bias_grad_sums_into_the_bias_type(launches):
                                           "col_sum<float, __nv_bfloat16>"]
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["folded", "col_sum"])
-def test_cast_transpose_dbias_sums_its_partials_into_dbias(launches, monkeypatch, fold):
-    """cast_transpose_dbias: the cast kernel writes one float32 partial row per 128 rows;
-    folded (cast.FOLD_DBIAS), the tile that completes each column strip sums them into
-    dbias in the same launch (strip counters from the pool: one launch), else
-    col_sum<float, bf16> sums them after it. The cast's arguments as the general path packs
-    them (ld = cols, no activation)."""
-    monkeypatch.setattr(cast_kernels, "FOLD_DBIAS", fold)
-    monkeypatch.setattr(cast_kernels, "strip_counters", lambda: np.uint64(7 << 40))
+def test_cast_transpose_dbias_sums_its_partials_into_dbias(launches):
+    """cast_transpose_dbias: the cast kernel writes one float32 partial row per 128 rows,
+    col_sum<float, bf16> sums them into dbias; the cast's arguments from its plan (ld =
+    cols, no activation) as the general path packs them."""
     x = FakeArray((256, 4096), tecupy.bfloat16)
     scale, amax, inv = (FakeArray((1,), np.float32) for _ in range(3))
     before = len(FakeArray.made)
@@ -107,16 +102,11 @@ def test_cast_transpose_dbias_sums_its_partials_into_dbias(launches, monkeypatch
     part = FakeArray.made[before + 2]
     assert (part.shape, part.dtype) == ((2, 4096), np.float32) and got_amax is amax
     assert (db.shape, db.dtype) == ((4096,), tecupy.bfloat16)
-    cast_name, _, _, _, raw = launches()[0]
+    (cast_name, _, _, _, raw), (sum_name, grid, _, _, sums) = launches()
     assert cast_name.startswith("cast_transpose_tiled<__nv_bfloat16, __nv_fp8_e4m3, 1, true")
-    folded = (db.data.ptr, 7 << 40) if fold else (0, 0)
-    assert _unpack(raw, "Q" * 10 + "i4xi4xQQqq") == (
+    assert _unpack(raw, "Q" * 8 + "i4xi4xQQqq") == (
         x.data.ptr, scale.data.ptr, q.data.ptr, qt.data.ptr, inv.data.ptr, amax.data.ptr, 0,
-        part.data.ptr) + folded + (256, 4096, 0, 0, 4096, 4096)
-    if fold:
-        assert len(launches()) == 1
-        return
-    (sum_name, grid, _, _, sums), = launches()[1:]
+        part.data.ptr, 256, 4096, 0, 0, 4096, 4096)
     assert (sum_name, grid) == ("col_sum<float, __nv_bfloat16>", (128, 1, 1))
     assert _unpack(sums, "QQqi4xq") == (part.data.ptr, db.data.ptr, 2, 4096, 2)
 

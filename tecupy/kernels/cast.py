@@ -13,7 +13,7 @@ from ..activation_table import TABLE
 from .colsum import col_sum
 from .dtypes import CTYPE, FP8TYPE, LOW_PRECISION, cbool, on_gpu, vec_width
 from .launch import Launcher, current_device, grid_1d, planned, resident_blocks, sm_count
-from .pools import STRIP_COUNTERS, amax_args, amax_grid, strip_counters
+from .pools import amax_args, amax_grid
 from .scaling import scale_inverse
 
 FILE = "cast.cu"
@@ -285,38 +285,25 @@ def _cast_transpose(x, scale, fmt, dbias_dtype, amax_out, scale_inv_out, act=Non
     inv = scale_inv_arg(scale, scale_inv_out, x.size)
     dbias = dbias_dtype is not None
     part = cupy.empty((-(-rows // 128), cols), np.float32) if dbias else amax
-    # dbias summed at the end of the cast by the block that completes each column strip
-    # (strip_sums: no col_sum launch) where it is of x's dtype and the strips fit a pool
-    # slot's counters
-    fold = (dbias and FOLD_DBIAS and x.size and np.dtype(dbias_dtype) == x.dtype
-            and -(-cols // 64) <= STRIP_COUNTERS)
-    db, strips = (cupy.empty((cols,), x.dtype), strip_counters()) if fold else (_NULL, _NULL)
     if x.size:
         name = None if act is None else act[0]
         run, rows32, cols32, tail = planned(
             _plans, (rows, cols, x.dtype, fmt.name, dbias, name, current_device()), _ct_plan, rows,
             cols, x.dtype, fmt.name, dbias, name)
-        if act is None and out is None and not fold:  # (the plan's tail: no activation,
-            run((x, scale, q, qt, inv, amax, slot, part) + tail)  # whole arrays, no dbias)
+        if act is None and out is None:  # (no activation, whole arrays: the plan's tail)
+            run((x, scale, q, qt, inv, amax, slot, part) + tail)
         else:
             h, hb = (None, None) if act is None else act[1:]
             ldh = cols if h is None else h.strides[0] // h.itemsize  # (uint8 q: bytes)
             ldq = cols if out is None else q.strides[0]
-            run((x, scale, q, qt, inv, amax, slot, part, db, strips, rows32, cols32,
+            run((x, scale, q, qt, inv, amax, slot, part, rows32, cols32,
                  _NULL if h is None else h, _NULL if hb is None else hb, np.int64(ldh),
                  np.int64(ldq)))
     if not dbias:
         return q, qt, amax
     if not x.size:
         return q, qt, amax, cupy.zeros((cols,), dbias_dtype)
-    if fold:
-        return q, qt, amax, db
     return q, qt, amax, col_sum(part, dbias_dtype)  # (in dbias_dtype: no astype launch)
-
-
-# dbias's second stage in the cast kernel (strip_sums, cast.cu); off: col_sum's launch after
-# it (the same bits: the GPU tests compare the two)
-FOLD_DBIAS = True
 
 
 _plans = {}  # launch plans (launch.planned): the kernel and grid per call shape
@@ -335,10 +322,9 @@ def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
                               f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
     grid = (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
-    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, dbias and strips
-    # (or null), rows, cols, h, hb, ldh, ldq
-    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.uint64, np.uint64, np.int32,
-                         np.int32, np.uint64, np.uint64, np.int64, np.int64)
+    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb,
+    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,  # ldh,
+                         np.uint64, np.int64, np.int64)                                # ldq
     rows32, cols32, ld = np.int32(rows), np.int32(cols), np.int64(cols)
-    return Launcher(k, grid, (256,), kinds), rows32, cols32, (_NULL, _NULL, rows32, cols32,
-                                                              _NULL, _NULL, ld, ld)
+    return Launcher(k, grid, (256,), kinds), rows32, cols32, (rows32, cols32, _NULL, _NULL,
+                                                              ld, ld)

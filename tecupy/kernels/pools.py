@@ -1,6 +1,5 @@
 """Zeroed slots without a memset: the {max, count} pairs of kernels that end in grid_amax
-(common.cuh), the ring kernels' row counters (RowTaker, bulk.cuh) and the casts' column-strip
-counters (strip_sums, cast.cu), from per-device pools;
+(common.cuh) and the ring kernels' row counters (RowTaker, bulk.cuh), from per-device pools;
 the amax arguments and grid of a grid_amax kernel."""
 import threading
 
@@ -55,16 +54,6 @@ def _pool_slot(kind, slots, words):
         if capturing:
             kept.add(i)
     return np.uint64(buf.data.ptr + 4 * words * i)  # (CuPy indexing costs ~5 us)
-
-
-# Column-strip counters (cast.cu's strip_sums: dbias summed by the block that completes
-# each 64-column strip, which leaves its counter at zero again): STRIP_COUNTERS a launch.
-STRIP_SLOTS, STRIP_COUNTERS = 1 << 10, 512  # 2 MB, made at the first such launch
-
-
-def strip_counters():
-    """STRIP_COUNTERS zero uint32 counters, one per 64-column strip, for one launch."""
-    return _pool_slot("strips", STRIP_SLOTS, STRIP_COUNTERS)
 
 
 def amax_slot():
