@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from .memory import GIB, OPT_ABOVE, OPT_PEER, print_report, step_memory, torch_step_peak
-from .timing import gpu_name
+from .timing import gpu_name, host_speed
 
 STEPS, ROUNDS = 20, 3
 SIZES = {  # hidden, ffn, heads, seq, batch (issue 21's sizes; full: TE's quickstart layer)
@@ -209,6 +209,9 @@ def header(args, what=""):
     print(f"GPU: {gpu_name()}; TransformerLayer {size} (hidden, ffn, heads, seq, batch) = "
           f"{shape}, bf16{what}, forward + backward; {STEPS} steps back to back, median of "
           f"{ROUNDS}")
+    empty, launch = host_speed()
+    print(f"host: cupy.empty {empty:.1f} us, a kernel launch {launch:.1f} us (the eager rows "
+          "and host ms move with these; lent hosts seen: 2.1-5.7 and 6.0-10.5)")
     return size, shape
 
 

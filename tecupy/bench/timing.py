@@ -101,6 +101,37 @@ def gpu_name():
     return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
+def host_speed(calls=100, rounds=8):
+    """(us per cupy.empty of one float32, us per launch of an empty kernel through
+    kernels.launch's Launcher: cuLaunchKernelEx), each the best of `rounds` rounds of
+    `calls`, the GPU held busy by a kernel that spins so nothing waits (and no more launches
+    than the driver queues without blocking): the host's own costs, which an eager step pays
+    dozens of times (the lent hosts' ranged 2.1-5.7 and 6.0-10.5 us: the eager rows and host
+    ms move with them, the graphed rows do not)."""
+    import cupy
+    from ..kernels.launch import Launcher
+    k = cupy.RawKernel('extern "C" __global__ void nop(float* p) {}\n'
+                       'extern "C" __global__ void spin(long long n) { long long t = clock64();'
+                       ' while (clock64() - t < n) {} }', "nop")
+    spin = cupy.RawKernel(k.code, "spin")
+    k.compile()  # (the Launcher reads k.kernel: the loaded function)
+    run = Launcher(k, (1,), (32,), (cupy.ndarray,), pdl=False)
+    one = cupy.empty((1,), np.float32)
+    run((one,))  # (compiled and loaded before timing)
+    best = {}
+    spin((1,), (1,), (np.int64(2_000_000_000),))  # (~1 s: longer than the rounds below)
+    for name, fn in (("empty", lambda: cupy.empty((1,), np.float32)),
+                     ("launch", lambda: run((one,)))):
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            dt = (time.perf_counter() - t0) / calls * 1e6
+            best[name] = min(best.get(name, dt), dt)
+    cupy.cuda.Device().synchronize()
+    return best["empty"], best["launch"]
+
+
 def _synchronize(xp):
     if xp.__name__ == "torch":
         xp.cuda.synchronize()
