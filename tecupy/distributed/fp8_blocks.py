@@ -31,7 +31,8 @@ from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm
 from ..quantization import gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
-from .fp8_gather import SequenceReduce, column_backward, column_grads, scale_is_shared
+from .fp8_gather import (SequenceReduce, column_backward, column_grads, residual_fits,
+                         scale_is_shared)
 
 # TECUPY_TP_FUSED=0 / FUSED = False: always the composed path (A/B; the rings' tests compare
 # against it: the fused norm casts from float32, the composed one from its bf16 output)
@@ -62,8 +63,7 @@ def layernorm_mlp_sp(module, x, residual=None):
                                    module.return_layernorm_output)
     if q1 is None or not _applies(module, x, q1.input, q1.grad_output, q2.grad_output):
         return None
-    fits = residual is None or (type(residual) is type(x) and residual.shape == x.shape
-                                and residual.dtype == x.dtype)
+    fits = residual_fits(residual, x, x.shape)
     y = _mlp_sp_fp8(x, module, q1, q2, residual if fits else None)
     return y if fits else add(y, residual)
 
@@ -136,21 +136,17 @@ def _mlp_sp_fp8(x, module, q1, q2, residual=None):
     qa = q2.input.quantize_act(h, b1, module.activation, transpose=keeping())
     qw2 = weight_fp8(q2.weight, w2, True)
     saved2 = kept_operands(qa, qw2)
-    y2 = g.reduce_scatter(fp8_gemm(qa, qw2, dtype), 0)
-    if b2 is not None or residual is not None:  # (one pass: add_bias's kernel, no node)
-        r2 = None if residual is None else as_2d(residual, m_local, hidden)
-        y2 = backends.dispatch("add_fwd", y2, *((r2,) if b2 is None else (b2, r2)))
+    comm = SequenceReduce(g, module.fp8_state)
+    y2 = comm.reduce(fp8_gemm(qa, qw2, dtype), b2,
+                     None if residual is None else as_2d(residual, m_local, hidden))
     y = as_nd(y2, x.shape)
     kept = [h]
     del h, qa, qw2, y2
-    comm = SequenceReduce(g, module.fp8_state)
     own = residual is x  # (the pre-norm block's residual: dy is x's gradient too)
 
     def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
-        dy2 = as_2d(dy, m_local, hidden)
-        qdy, db2 = ((comm.dy(q2.grad_output, dy2), None) if b2 is None
-                    else comm.dy(q2.grad_output, dy2, b2.dtype))
+        qdy, db2 = comm.dy_dbias(q2.grad_output, as_2d(dy, m_local, hidden), b2)
         held = [qdy]
         del qdy
         qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, module.activation,

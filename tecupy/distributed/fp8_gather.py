@@ -178,18 +178,14 @@ def linear_reduce_scatter(x, weight, group, fp8_state=None, gemm_index=0, bias=N
     check_fp8_dims("linear (sequence-parallel reduce-scatter)", m, n, k)
     rows = comm.rows(m)
     shape = (x.shape[0] * rows // m,) + x.shape[1:-1] + (n,)
-    fits = residual is None or (type(residual) is type(x) and residual.shape == shape
-                                and residual.dtype == x.dtype)
-    if not fits:
+    if not residual_fits(residual, x, shape):
         return add(linear_reduce_scatter(x, weight, group, fp8_state, gemm_index, bias),
                    residual)
     tr = keeping()
     qx = q.input.quantize(as_2d(x, m, k), transpose=tr)
     qw = weight_fp8(q.weight, weight, tr)
-    y2 = comm.reduce(fp8_gemm(qx, qw, x.dtype))
-    if bias is not None or residual is not None:  # (one pass: add_bias's kernel, no node)
-        r2 = None if residual is None else as_2d(residual, rows, n)
-        y2 = backends.dispatch("add_fwd", y2, *((r2,) if bias is None else (bias, r2)))
+    y2 = comm.reduce(fp8_gemm(qx, qw, x.dtype), bias,
+                     None if residual is None else as_2d(residual, rows, n))
     y = as_nd(y2, shape)
     if not tr:
         return y
@@ -198,9 +194,7 @@ def linear_reduce_scatter(x, weight, group, fp8_state=None, gemm_index=0, bias=N
     del qx, y2
 
     def backward(dy):
-        dy2 = as_2d(dy, rows, n)
-        qdy, db = ((comm.dy(q.grad_output, dy2), None) if bias is None
-                   else comm.dy(q.grad_output, dy2, bias.dtype))
+        qdy, db = comm.dy_dbias(q.grad_output, as_2d(dy, rows, n), bias)
         if db is not None:
             db = group.all_reduce(db)
         dx, dw = fp8_grads([qdy], saved, x_dtype)
@@ -227,22 +221,39 @@ class SequenceReduce:
     def rows(self, m):
         return m // self.group.size
 
-    def reduce(self, y2):
-        return self.group.reduce_scatter(y2, 0)
+    def reduce(self, y2, bias=None, residual=None):
+        """y2 [M, N] reduce-scattered to this rank's rows, + bias (a row, replicated) +
+        residual (this rank's rows, 2-D) in one pass where given (add_fwd: add_bias's
+        kernel, no tape node)."""
+        y2 = self.group.reduce_scatter(y2, 0)
+        if bias is None and residual is None:
+            return y2
+        return backends.dispatch("add_fwd", y2, *((residual,) if bias is None
+                                                  else (bias, residual)))
 
-    def dy(self, q_dy, dy2, dbias_dtype=None):
+    def dy(self, q_dy, dy2):
         """dy2 (this rank's rows) cast by q_dy with the group's one scale, the codes
         all-gathered -> FP8Tensor of every rank's rows (its transposed copy made when wgrad
-        asks for it); with dbias_dtype, (it, this rank's rows' dbias) from the cast's read
-        of dy2 (cast_transpose_dbias: its chunk's transposed codes are not used), for the
-        caller to sum over the group."""
+        asks for it)."""
+        return self.dy_dbias(q_dy, dy2, None)[0]
+
+    def dy_dbias(self, q_dy, dy2, bias):
+        """(dy's FP8Tensor as dy gives it, the dbias of this rank's rows of dy2 or None
+        without a bias): dbias from the cast's read of dy2 (cast_transpose_dbias; its
+        chunk's transposed codes are not used), for the caller to sum over the group."""
         scale = shared_scale(q_dy, self.fp8_state, self.group, dy2)
-        if dbias_dtype is None:
+        if bias is None:
             q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out), None
         else:
-            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out, True, dbias_dtype)
-        full = FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv)
-        return full if dbias_dtype is None else (full, db)
+            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out, True, bias.dtype)
+        return FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv), db
+
+
+def residual_fits(residual, x, shape):
+    """Whether a reduce-scattering FP8 node adds `residual` in its bias's pass: none, or an
+    array of x's type and dtype of the node's output `shape` (else the add op after it)."""
+    return residual is None or (type(residual) is type(x) and residual.shape == shape
+                                and residual.dtype == x.dtype)
 
 
 def shared_scale(quantizer, fp8_state, group, x):
