@@ -1,7 +1,10 @@
 """The 12 FP8 GEMMs of one TransformerLayer step (forward, dgrad, wgrad of qkv, proj, fc1,
 fc2) at the bench's sizes: each candidate configuration timed (tecupy.gemm.tune), the
-default's time against the best's, and the layer's sum. The tuned table is written to a
-scratch TECUPY_CACHE_DIR copy and deleted: later runs keep the defaults.
+default's time against the best's, and the layer's sum. --tp N: one rank's GEMMs under
+tensor parallel of N (qkv and fc1 column-parallel: their outputs split; proj and fc2
+row-parallel: their inputs split; every rank's GEMMs see the whole sequence). The tuned
+table is written to a scratch TECUPY_CACHE_DIR copy and deleted: later runs keep the
+defaults.
 
     python scripts/gemm_layer_tune.py [--sizes medium full]
 """
@@ -14,11 +17,12 @@ from tecupy.bench.layer import SIZES
 from tecupy.kernels.fp8_gemm import default_config
 
 
-def layer_gemms(hidden, ffn, tokens):
-    """[(name, m, n, k, a_fmt, split)] of one layer step."""
+def layer_gemms(hidden, ffn, tokens, tp=1):
+    """[(name, m, n, k, a_fmt, split)] of one layer step (one rank's, tp > 1)."""
     h, f, t = hidden, ffn, tokens
     out = []
-    for name, n_out, k_in in (("qkv", 3 * h, h), ("proj", h, h), ("fc1", f, h), ("fc2", h, f)):
+    for name, n_out, k_in in (("qkv", 3 * h // tp, h), ("proj", h, h // tp),
+                              ("fc1", f // tp, h), ("fc2", h, f // tp)):
         out += [(f"{name} fwd", t, n_out, k_in, "e4m3", False),
                 (f"{name} dgrad", t, k_in, n_out, "e5m2", True),
                 (f"{name} wgrad", n_out, k_in, t, "e5m2", True)]
@@ -28,6 +32,7 @@ def layer_gemms(hidden, ffn, tokens):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["medium", "full"])
+    p.add_argument("--tp", type=int, default=1, help="one rank's GEMMs under TP of this size")
     a = p.parse_args()
     table = pathlib.Path(os.environ.get("TECUPY_CACHE_DIR", "")) / "fp8_gemm_tuned.json"
     existed = table.exists()
@@ -35,8 +40,9 @@ def main():
         for size in a.sizes:
             hidden, ffn, _, seq, batch = SIZES[size]
             tot_d = tot_b = 0.0
-            print(f"{size}: {'GEMM':12s}{'M':>7s}{'N':>7s}{'K':>7s}  default ms  best ms  best")
-            for name, m, n, k, fa, split in layer_gemms(hidden, ffn, seq * batch):
+            tag = size if a.tp == 1 else f"{size} TP={a.tp}"
+            print(f"{tag}: {'GEMM':12s}{'M':>7s}{'N':>7s}{'K':>7s}  default ms  best ms  best")
+            for name, m, n, k, fa, split in layer_gemms(hidden, ffn, seq * batch, a.tp):
                 times = gemm.tune(m, n, k, fa, "e4m3", split, calls=20)
                 d = default_config(m, n, split)
                 best = min(times, key=times.get)

@@ -45,11 +45,12 @@ def _index(nodes):
     function of its own: its loop variables, which hold arrays, are gone when references
     are counted."""
     index = {}
+    get = index.get
     kinds = _ARRAY_KINDS if _cupy is None else (np.ndarray, _cupy.ndarray)
     for node in nodes:  # (one isinstance of a tuple and one lookup per array: every
         for a in node.inputs + node.outputs:  # record's sweep pays this, issue 21)
             if isinstance(a, kinds):  # (not None, not a _Released, not an FP8 weight)
-                entry = index.get(id(a))
+                entry = get(id(a))
                 if entry is None:
                     index[id(a)] = [a, [node]]
                 else:
@@ -58,7 +59,7 @@ def _index(nodes):
 
 
 def _ids(node):
-    return [id(a) for a in (*node.inputs, *node.outputs)]
+    return list(map(id, node.inputs + node.outputs))
 
 
 def _bases(index, keys):
@@ -83,16 +84,23 @@ def _release(index, keys, grads=None):
     that saved it, a view's .base, a node not indexed, another tape's) keeps it. Repeats on
     the bases of what was freed: freeing a view can leave its base alone. grads: a running
     backward's {id: gradient}, whose keys move to the placeholders."""
-    while keys:
-        dead = {k: _Released(index[k][0]) for k in keys
-                if k in index and _refs(index[k]) - len(index[k][1]) == _ALONE}
+    get = index.get
+    while keys:  # (loops, not comprehensions: each backward node runs this, issue 21)
+        dead = {}
+        for k in keys:
+            entry = get(k)
+            if entry is not None and _refs(entry) - len(entry[1]) == _ALONE:
+                dead[k] = _Released(entry[0])
+        if not dead:  # (the common case: every array of the node is held elsewhere)
+            return
         holders = {id(n): n for k in dead for n in index[k][1]}
         for node in holders.values():  # (the dead arrays are alive here: their ids are theirs)
             node.inputs = _swapped(node.inputs, dead)
             node.outputs = _swapped(node.outputs, dead)
-        for k, placeholder in dead.items():
-            if grads is not None and k in grads:
-                grads[id(placeholder)] = grads.pop(k)
+        if grads is not None:
+            for k, placeholder in dead.items():
+                if k in grads:
+                    grads[id(placeholder)] = grads.pop(k)
         keys = _bases(index, dead)
         for k in dead:
             del index[k]  # the last reference: the array is freed
