@@ -44,7 +44,7 @@ def main():
             print(f"{tag}: {'GEMM':12s}{'M':>7s}{'N':>7s}{'K':>7s}  default ms  best ms  best")
             for name, m, n, k, fa, split in layer_gemms(hidden, ffn, seq * batch, a.tp):
                 times = gemm.tune(m, n, k, fa, "e4m3", split, calls=20)
-                d = default_config(m, n, split)
+                d = default_config(m, n, split, k=k)
                 best = min(times, key=times.get)
                 dt = times.get(d, float("nan"))
                 tot_d, tot_b = tot_d + dt, tot_b + times[best]

@@ -77,3 +77,17 @@ def test_default_config_follows_the_waves(m, n, split, want):
     config = K.default_config(m, n, split, sms=132)
     assert config[0] == want and config[2] == split
     assert config in K.CANDIDATES[split] and config in dict(K.DEFAULTS[split])
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    (8192, 4096, 4096, 256),    # short K: 8 waves of 256-wide tiles against 11 of 192
+    (8192, 4096, 3072, 256), (6144, 2048, 4096, 256),  # (a tie of 3 x 256 and 4 x 192)
+    (8192, 4096, 6144, 192),    # long K: the 0.96 model
+    (8192, 16384, 4096, 192), (4096, 4096, 8192, 256)])
+def test_default_config_short_k(m, n, k, want):
+    """Split GEMMs with K <= SHORT_K take the 256-wide tile at its measured speed (1.0, ties
+    to the wider tile); longer K and callers that give no K keep the 0.96 model."""
+    from tecupy.kernels import fp8_gemm as K
+    config = K.default_config(m, n, True, sms=132, k=k)
+    assert config[0] == want and config in dict(K.DEFAULTS[True])
+    assert K.default_config(8192, 4096, True, sms=132)[0] == 192  # (no K: as before)

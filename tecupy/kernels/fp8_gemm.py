@@ -41,6 +41,13 @@ CONFIGS = {False: (256, 3, False, 1), True: (192, 4, True, 1)}
 # split runs 704 tiles of 128 x 192 (5.33 waves, 89% used) or 512 of 128 x 256 (3.88, 97%).
 DEFAULTS = {False: [(CONFIGS[False], 1.0)],
             True: [(CONFIGS[True], 1.0), ((256, 3, True, 1), 0.96)]}
+# Short K (<= SHORT_K): the 256-wide split tiles' speed is that of the 192-wide ones, and a
+# tie goes to the wider tile (fewer tiles, fewer epilogues). Measured on an H100 at the
+# layer's split GEMMs (scripts/gemm_layer_tune.py, PERFLOG.md session 23): with K 3072-4096
+# the 256-wide tiles ran 0-6% faster where the 0.96 model chose 192 (tensor-parallel ranks'
+# dgrads at 8192 x 4096, the medium layer's qkv wgrad); with K >= 6144 the 192-wide ones won
+# as modelled. The per-tensor GEMM passes K; block scaling's GEMMs keep the model above.
+SHORT_K, SHORT_K_SPEED = 4096, {(256, 3, True, 1): 1.0}
 CANDIDATES = {False: [(256, 3, False, 1), (256, 3, False, 2), (128, 6, False, 2)],
               True: [(192, 4, True, 1), (256, 3, True, 1), (128, 6, True, 1),
                      (256, 3, True, 2)]}
@@ -276,22 +283,26 @@ def fp8_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias=None,
 def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, act):
     config = tuple(_tuned().get(_tune_key(m, n, k, a_fmt.name, b_fmt.name, split), ()))
     if config not in CANDIDATES[split]:  # not tuned, or a stale table entry
-        config = default_config(m, n, split)
+        config = default_config(m, n, split, k=k)
     return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k)
 
 
 _defaults = {}  # (M, N, split, SMs) -> config
 
 
-def default_config(m, n, split, sms=None):
-    """The default configuration for an M x N output (see DEFAULTS)."""
+def default_config(m, n, split, sms=None, k=None):
+    """The default configuration for an M x N output (see DEFAULTS), with K where the
+    caller knows it (SHORT_K)."""
     sms = sms or sm_count()
-    key = (m, n, split, sms)
+    short = k is not None and k <= SHORT_K
+    key = (m, n, split, sms, short)
     if key not in _defaults:
         def cost(item):
-            (bn, *_), speed = item
-            tiles = -(-m // BM) * -(-n // bn)
-            return -(-tiles // sms) * bn / speed
+            config, speed = item
+            if short:
+                speed = SHORT_K_SPEED.get(config, speed)
+            tiles = -(-m // BM) * -(-n // config[0])
+            return -(-tiles // sms) * config[0] / speed, -config[0]
         _defaults[key] = min(DEFAULTS[split], key=cost)[0]
     return _defaults[key]
 
