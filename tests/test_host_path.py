@@ -22,6 +22,7 @@ from tecupy.kernels import scaling as scaling_kernels
 from tecupy.recipe import DelayedScaling
 
 linear_op = importlib.import_module("tecupy.ops.linear")  # (tecupy.ops.linear: the function)
+blocks_op = importlib.import_module("tecupy.ops.blocks")
 
 
 def _count_dispatches(monkeypatch, fn):
@@ -78,6 +79,47 @@ def test_common_case_check_refuses_what_the_full_check_refuses(args):
     assert not linear_op._plain(*args)
     with pytest.raises((TypeError, ValueError)):
         linear_op._check_args("linear", *args)
+
+
+def _norm_args(hidden=8, dt=np.float32, norm="LayerNorm"):
+    """(x, ln_weight, ln_bias, eps, zero_centered_gamma, normalization,
+    return_layernorm_output, linear arrays) of a plain layernorm_linear call."""
+    return (np.ones((4, hidden), dt), np.ones(hidden, dt),
+            np.zeros(hidden, dt) if norm == "LayerNorm" else None, 1e-5, False, norm, False,
+            {"weight": np.ones((3, hidden), dt), "bias": None})
+
+
+@pytest.mark.parametrize("norm, dt", [("LayerNorm", np.float32), ("RMSNorm", np.float16),
+                                      ("LayerNorm", np.float64)])
+def test_norm_common_case_check_agrees_with_the_full_one(monkeypatch, norm, dt):
+    """The norm blocks' fast path gives what the full checks give (they run when it
+    declines: made to decline here)."""
+    *args, arrays = _norm_args(dt=dt, norm=norm)
+    fast = blocks_op._check_norm("layernorm_linear", *args, **arrays)
+    assert blocks_op._plain_norm(*args, arrays) is np
+    monkeypatch.setattr(blocks_op, "_plain_norm", lambda *a: None)
+    assert blocks_op._check_norm("layernorm_linear", *args, **arrays) == fast
+
+
+@pytest.mark.parametrize("change", [
+    {0: np.ones((4, 8), np.float16)},           # x's dtype is not the weights'
+    {3: 1}, {3: 0.0}, {3: float("nan")},        # eps an int, zero, not finite
+    {4: 1}, {6: np.bool_(False)},               # flags not exactly bool
+    {5: "BatchNorm"}, {5: ["LayerNorm"]},       # normalization
+    {2: None},                                  # LayerNorm without its bias
+    {1: np.ones(7, np.float32)},                # ln_weight's shape
+    {0: np.ones((4, 0), np.float32)},           # hidden 0
+    {"weight": None}, {"weight": np.ones((3, 8), np.float16)}])
+def test_norm_common_case_check_declines(change):
+    """Anything but the common case goes to the full checks (their errors, or an answer
+    they give after converting: an int eps, a NumPy bool)."""
+    *args, arrays = _norm_args()
+    for k, v in change.items():
+        if isinstance(k, int):
+            args[k] = v
+        else:
+            arrays[k] = v
+    assert blocks_op._plain_norm(*args, arrays) is None
 
 
 class _Kernel:
