@@ -85,12 +85,20 @@ class Module:
                                           preserve))
 
     def named_parameters(self, prefix=""):
-        out = {prefix + n: getattr(self, n) for n in self._param_names
-               if getattr(self, n) is not None}
+        out = {}
+        self._named_parameters(prefix, out)
+        return out
+
+    def _named_parameters(self, prefix, out):
+        """named_parameters into `out`, children's after this module's own, in attribute
+        order (one dict for the whole tree: a training loop asks for it every step)."""
+        for n in self._param_names:
+            p = getattr(self, n)
+            if p is not None:
+                out[prefix + n] = p
         for name, child in vars(self).items():
             if isinstance(child, Module):
-                out.update(child.named_parameters(prefix + name + "."))
-        return out
+                child._named_parameters(prefix + name + ".", out)
 
     def parameters(self):
         return list(self.named_parameters().values())
