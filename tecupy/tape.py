@@ -116,7 +116,8 @@ def discarding():
 
 def keeping():
     """True when a recorded op's backward may run: a Tape records (not discarding())."""
-    return any(t is not _DISCARD for t in _active.get())
+    tapes = _active.get()  # (discarding() puts _DISCARD first, Tapes opened in it follow:
+    return len(tapes) > 1 or (len(tapes) == 1 and tapes[0] is not _DISCARD)  # no generator)
 
 
 def retaining():
