@@ -287,7 +287,7 @@ def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, ac
     return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k)
 
 
-_defaults = {}  # (M, N, split, SMs) -> config
+_defaults = {}  # (M, N, split, SMs, K <= SHORT_K) -> config
 
 
 def default_config(m, n, split, sms=None, k=None):
