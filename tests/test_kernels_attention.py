@@ -26,6 +26,9 @@ CASES = {  # (b, sq, skv, h, hk, d, dropout), each under every mask type; tiles:
     "mqa-d128-long": (1, 300, 333, 2, 1, 128, 0.0),
     "gqa-d128-dropout": (2, 77, 131, 4, 2, 128, 0.1),
     "mha-d64-dropout": (2, 131, 77, 2, 2, 64, 0.1),
+    # 18 (head, batch) pairs: causal blocks run longest first in groups of 8 pairs
+    # (attention_common.cuh's longest_first), two whole groups and a part
+    "mha-d128-pairs": (3, 140, 140, 6, 6, 128, 0.0),
 }
 UNPADDED = [name for name, mask in MASKS.items() if not mask.padding]
 
