@@ -216,9 +216,7 @@ attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     T* sK = sQ + BM * D;   // [2][BN][D]
     T* sV = sK + 2 * BN * D;
     // causal: the last query blocks have the most keys; they start first
-    const BlockPlace at = CAUSAL && ATTN_LONGEST_FIRST
-                              ? longest_first()
-                              : BlockPlace{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    const BlockPlace at = fwd_place<CAUSAL>();
     const int m0 = (CAUSAL ? gridDim.x - 1 - at.rank : at.rank) * BM;
     const int head = at.y, b = at.z, kvh = head / (h / hk);
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
@@ -467,12 +465,7 @@ attention_bwd(const T* __restrict__ dout, const T* __restrict__ q, const T* __re
     extern __shared__ __align__(128) unsigned char smem[];
     T* sm = reinterpret_cast<T*>(smem);
     float* sf = reinterpret_cast<float*>(sm + S::END);
-    // DET keeps the index order: an earlier turn must be a lower index (see DET)
-    const BlockPlace at = CAUSAL && !DET && ATTN_LONGEST_FIRST
-                              ? longest_first()
-                              : BlockPlace{int(DET && CAUSAL ? gridDim.x - 1 - blockIdx.x
-                                                             : blockIdx.x),
-                                           int(blockIdx.y), int(blockIdx.z)};
+    const BlockPlace at = bwd_place<CAUSAL, DET>();  // (DET: see there)
     const int nb = at.rank;
     const int n0 = nb * BN, kvh = at.y, b = at.z, group = h / hk;
     // lengths past the sequence (not checked on the GPU) are clamped: no row out of bounds,

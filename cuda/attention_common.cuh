@@ -183,6 +183,20 @@ __device__ __forceinline__ BlockPlace longest_first() {
     const int p = g0 + r % size;
     return {r / size, p % gridDim.y, p / gridDim.y};
 }
+// The forward's place: rank 0 is the pair's last query block when causal (it meets every
+// KV block).
+template <bool CAUSAL> __device__ __forceinline__ BlockPlace fwd_place() {
+    if (CAUSAL && ATTN_LONGEST_FIRST) return longest_first();
+    return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+}
+// The backward's: rank = the KV block (the first meets every query block when causal).
+// DET keeps the index order, backwards when causal: an earlier turn must be a lower index
+// (see DET below).
+template <bool CAUSAL, bool DET> __device__ __forceinline__ BlockPlace bwd_place() {
+    if (CAUSAL && !DET && ATTN_LONGEST_FIRST) return longest_first();
+    return {int(DET && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x), int(blockIdx.y),
+            int(blockIdx.z)};
+}
 
 // ---- deterministic dQ: KV blocks add in turns ---------------------------------------------
 // Both backward kernels run one block per (KV block nb of BN keys, KV head, batch) and add

@@ -232,9 +232,7 @@ attention_fwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
     // causal: the last query blocks have the most keys; they start first
-    const BlockPlace at = CAUSAL && ATTN_LONGEST_FIRST
-                              ? longest_first()
-                              : BlockPlace{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    const BlockPlace at = fwd_place<CAUSAL>();
     const int m0 = (CAUSAL ? gridDim.x - 1 - at.rank : at.rank) * BM;
     const int head = at.y, b = at.z, kvh = head / (h / hk);
     const int q_len = seqlens_q ? seqlens_q[b] : sq, kv_len = seqlens_kv ? seqlens_kv[b] : skv;
@@ -499,12 +497,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
-    // DET keeps the index order: an earlier turn must be a lower index (see DET)
-    const BlockPlace at = CAUSAL && !DET && ATTN_LONGEST_FIRST
-                              ? longest_first()
-                              : BlockPlace{int(DET && CAUSAL ? gridDim.x - 1 - blockIdx.x
-                                                             : blockIdx.x),
-                                           int(blockIdx.y), int(blockIdx.z)};
+    const BlockPlace at = bwd_place<CAUSAL, DET>();  // (DET: see there)
     const int nb = at.rank;
     const int n0 = nb * kBwdSm90BN, kvh = at.y, b = at.z;
     // lengths past the sequence (not checked on the GPU) are clamped: no row out of bounds,
