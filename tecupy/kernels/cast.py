@@ -322,9 +322,11 @@ def _ct_plan(rows, cols, dtype, fmt, dbias, act=None):
                               f"{tail}>")
     tiles = -(-rows // 128) * -(-cols // 64)
     grid = (min(tiles, sm_count() * resident_blocks(k, 256, 0)),)
-    nd = _array_type()  # x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb,
-    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,  # ldh,
-                         np.uint64, np.int64, np.int64)                                # ldq
+    # the arguments: x, scale, q, qt, inv (or null), amax, slot, part, rows, cols, h, hb,
+    # ldh, ldq
+    nd = _array_type()
+    kinds = (nd,) * 4 + (np.uint64, nd, np.uint64, nd, np.int32, np.int32, np.uint64,
+                         np.uint64, np.int64, np.int64)
     rows32, cols32, ld = np.int32(rows), np.int32(cols), np.int64(cols)
     return Launcher(k, grid, (256,), kinds), rows32, cols32, (rows32, cols32, _NULL, _NULL,
                                                               ld, ld)
