@@ -14,8 +14,9 @@
 //   attention_bwd_prep_sm90  lse2 = lse log2(e), delta = rowsum(dO O), padded rows; zeroes
 //                            the turn counters of the deterministic dQ.
 //   attention_bwd_sm90       grid (ceil(skv / 128), hk, b): 128 keys per block, steps of 64
-//                            queries; see the kernel. DET: dQ added in a fixed order
-//                            (attention_common.cuh), the causal grid runs backwards.
+//                            queries; see the kernel. dQ added into dq_acc by TMA reductions
+//                            from shared memory; DET: by float reductions from registers in
+//                            a fixed order (attention_common.cuh), the causal grid backwards.
 //
 // Shared tiles are TMA boxes of 64 columns (128 bytes) x rows with the 128-byte swizzle, one
 // box ("panel") per 64 columns of d: row r of a panel lies at r * 128 bytes with its 16-byte
@@ -37,6 +38,26 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc& d, unsi
                  " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
                  ::"r"(dst), "l"(&d), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
+}
+// shared `src` (one box, laid out as a load of `d` would leave it) added element-wise into
+// the tensor at (c0 .. c3) by the TMA; one bulk group per thread's commit. Rows past the
+// tensor's bounds are dropped.
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc& d, unsigned src, int c0,
+                                                  int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"(&d), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// this thread's bulk groups have read their shared sources (the writes may be in flight)
+__device__ __forceinline__ void bulk_wait_read0() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// ... and are complete
+__device__ __forceinline__ void bulk_wait0() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // ---- wgmma -------------------------------------------------------------------------------
@@ -357,7 +378,20 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
                  "f"(c), "f"(d) : "memory");
 }
 
+// dQ by TMA reductions (FlashAttention-3's): each step's dQ goes from the accumulators to a
+// float32 staging tile in shared memory, from which the TMA adds it into dq_acc while dK's
+// product runs, instead of float vector reductions from registers once both products are
+// done. Not in the deterministic backward (its turns order each thread's reductions).
+// ATTN_DQ_TMA=0 compiles the old path (to time it; the kernel then takes no tdq).
+#ifndef ATTN_DQ_TMA
+#define ATTN_DQ_TMA 1
+#endif
 constexpr int kDsBar = 1;  // named barrier: both consumer warpgroups wrote dS^T
+// (kDqBar, kDqBox: enumerators, and BwdSm90SmemDq a type of its own, as with
+// -default-device every namespace-scope constant and static member of an instantiated
+// struct is a __device__ variable in the cubin: the other kernels' cubins stay as they were)
+enum : int { kDqBar = 2 };  // named barriers 2, 3: a warpgroup's dQ is staged (TMA dQ)
+enum : unsigned { kDqBox = 64 * 128 };  // bytes of a dq_acc box: 64 rows x 32 floats
 
 // Shared memory (bytes from a 1024-aligned base): K and V of the block (128 rows), rings of
 // 2 Q and dO tiles (64 rows), 2 dS^T tiles ([128 keys][64 queries], one panel), 2 x 64
@@ -367,6 +401,20 @@ template <int D> struct BwdSm90Smem {
                               K = 0, V = TKV, Q = 2 * TKV, DO = Q + 2 * TQ, DS = DO + 2 * TQ,
                               LSE = DS + 2 * TDS, DELTA = LSE + 2 * 256, BAR = DELTA + 2 * 256,
                               BYTES = BAR + 5 * 8 + 1024;
+};
+// TMA dQ: 2 dQ staging tiles after the dS^T tiles (one per warpgroup: its D / 2 columns as
+// D / 64 boxes of dq_acc), then lse2, delta and the barriers as above.
+template <int D> struct BwdSm90SmemDq : BwdSm90Smem<D> {
+    using B = BwdSm90Smem<D>;
+    static constexpr unsigned TDQ = (D / 64) * kDqBox, DQ = B::DS + 2 * B::TDS,
+                              LSE = DQ + 2 * TDQ, DELTA = LSE + 2 * 256, BAR = DELTA + 2 * 256,
+                              BYTES = BAR + 5 * 8 + 1024;
+};
+template <int D, bool TMA_DQ> struct BwdSm90Layout {  // the backward's layout, by its dQ path
+    using type = BwdSm90Smem<D>;
+};
+template <int D> struct BwdSm90Layout<D, true> {
+    using type = BwdSm90SmemDq<D>;
 };
 
 // The query blocks this KV block meets: the group's heads x blocks qb0 .. qb1 - 1.
@@ -380,13 +428,12 @@ struct BwdWork {
     }
 };
 
-template <int D>
+template <int D, typename S>  // S: the shared memory's layout
 __device__ __forceinline__ void bwd_produce(const TmaDesc& tq, const TmaDesc& tk,
                                             const TmaDesc& tv, const TmaDesc& tdo,
                                             const float* lse2, const float* delta,
                                             unsigned base, int n0, int kvh, int b, int h,
                                             int sq_pad, const BwdWork& w) {
-    using S = BwdSm90Smem<D>;
     const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
     mbar_expect_tx(bar_kv, 2 * S::TKV);
 #pragma unroll
@@ -473,13 +520,33 @@ __device__ __forceinline__ void bwd_add_dq(float* dqb, const float (&dq)[D / 16]
                      odd ? dq[n][2] : r0, odd ? dq[n][3] : r1);
     }
 }
+// TMA dQ: this warpgroup's dQ [64 queries x D / 2 columns] (the thread's rows r, r + 8 of the
+// tile) -> its staging tile, as the TMA loads dq_acc's boxes (64 rows x 32 floats, 128
+// bytes a row): the 16-byte chunk c of row r at c ^ (r % 8). 8-byte stores: a warp's 8 rows
+// x 32 bytes fall on each bank twice, the least for 256 bytes.
+template <int D>
+__device__ __forceinline__ void stage_dq(unsigned tile, const float (&dq)[D / 16][4], int r,
+                                         int t) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i, r += 8)
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {  // columns 8 n + 2 t, + 1: box n / 4, chunk below
+            const int chunk = 2 * (n % 4) + (t >> 1);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                         ::"r"(tile + (n / 4) * kDqBox + r * 128 + ((chunk ^ (r & 7)) << 4) +
+                               8 * (t & 1)),
+                         "f"(dq[n][2 * i]), "f"(dq[n][2 * i + 1]));
+        }
+}
 
 // grid (ceil(skv / 128), hk, b), 384 threads: warpgroup 0 produces (K and V once, then Q, dO,
 // lse2, delta per query block of 64 rows into a ring of 2); warpgroups 1 and 2 each own 64
 // keys: S^T = K Q^T and dP^T = V dO^T (wgmma, shared operands), P^T = exp2(S^T scale log2 e
 // - lse2), dS^T = P^T (dP^T - delta) scale, dV += P^T dO and dK += dS^T Q (wgmma with P^T and
 // dS^T from registers); dS^T goes to shared memory and each warpgroup computes half of the
-// columns of dQ = dS K, added into dq_acc by vector float32 reductions. DET: in turns
+// columns of dQ = dS K, added into dq_acc by float32 reductions: TMA reductions from a
+// staging tile in shared memory (ATTN_DQ_TMA, not DET; tdq: dq_acc's float32 TMA descriptor,
+// boxes of 32 columns x 64 rows), else vector reductions from registers. DET: in turns
 // (dq_sem: [b h, sq_pad / 64] counters; attention_common.cuh): each warp reads its turn's
 // counter at the step's start (again while dQ = dS K runs if it was not its turn yet), waits
 // before adding, and counts itself in once the next step's dK product is issued (its
@@ -492,8 +559,13 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                    float* __restrict__ dq_acc, int* __restrict__ dq_sem, T* __restrict__ dk,
                    T* __restrict__ dv, const int* __restrict__ seqlens_q,
                    const int* __restrict__ seqlens_kv, int sq, int sq_pad, int skv, int h,
-                   int hk, float scale, const BwdSm90Strides st) {
-    using S = BwdSm90Smem<D>;
+                   int hk, float scale, const BwdSm90Strides st
+#if ATTN_DQ_TMA
+                   , const __grid_constant__ TmaDesc tdq
+#endif
+                   ) {
+    constexpr bool kTmaDq = !DET && ATTN_DQ_TMA;
+    using S = typename BwdSm90Layout<D, kTmaDq>::type;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const unsigned bar_kv = base + S::BAR, bar_q = bar_kv + 8, bar_e = bar_q + 16;
@@ -518,7 +590,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0 && w.total > 0)
-            bwd_produce<D>(tq, tk, tv, tdo, lse2, delta, base, n0, kvh, b, h, sq_pad, w);
+            bwd_produce<D, S>(tq, tk, tv, tdo, lse2, delta, base, n0, kvh, b, h, sq_pad, w);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
@@ -575,6 +647,46 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                 dp[n][e] = st_[n][e] * (dp[n][e] - (e & 1 ? dl.y : dl.x)) * scale;
         }
         to_a<T, 64>(da, dp);
+#if ATTN_DQ_TMA
+        if constexpr (kTmaDq) {
+            // FlashAttention-3's order: dQ's product, then dK's; dQ is staged while dK's
+            // runs, then added into dq_acc by the TMA, off this warpgroup's path
+            const bool issuer = warp == 0 && lane == 0;  // this warpgroup's bulk groups
+            const unsigned dq_t = base + S::DQ + c * S::TDQ;
+            store_ds(ds_t, da, 64 * c + 16 * warp + g, t);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            if (issuer) bulk_wait_read0();  // the last step's reductions have read dq_t
+            bar_sync(kDsBar, 256);  // both warpgroups' dS^T written, dq_t free to write
+            float dq[D / 16][4];
+            wg_fence();
+            bwd_dq<T, D>(dq, ds_t, base + S::K + c * (D == 128 ? kPanel : 64));
+            wg_commit();
+            bwd_rs<T, D>(dkr, da, q_t);  // dK += dS^T Q
+            wg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // dQ is done
+            reg_fence(dq);
+            stage_dq<D>(dq_t, dq, 16 * warp + g, t);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // for the TMA
+            // the issuing warp waits for the warpgroup's stores, the others go on (to dK)
+            if (warp == 0) {
+                bar_sync(kDqBar + c, 128);
+                if (issuer) {
+#pragma unroll
+                    for (int p = 0; p < D / 64; ++p)  // this warpgroup's columns, 32 a box
+                        tma_reduce_add_4d(tdq, dq_t + p * kDqBox, c * (D / 2) + 32 * p, hh,
+                                          q0, b);
+                    bulk_commit();
+                }
+            } else {
+                bar_arrive(kDqBar + c, 128);
+            }
+            wg_wait0();
+            reg_fence(dvr);
+            reg_fence(dkr);
+            warp_release(bar_e + 8 * s);  // this warp is done with Q, dO of `it`
+            continue;  // (below: the other paths' dK, dQ and reductions from registers)
+        }
+#endif
         wg_fence();
         bwd_rs<T, D>(dkr, da, q_t);  // dK += dS^T Q
         wg_commit();
@@ -599,4 +711,5 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
     }
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
     if (DET && w.total > 0) turn_release(counter);  // (its fence waits for dK, dV too)
+    if (kTmaDq && threadIdx.x % 128 == 0) bulk_wait0();  // the TMA dQ's last reductions
 }

@@ -358,6 +358,39 @@ def test_backward_launches_without_gpu(monkeypatch, det):
         assert isinstance(sem, np.uint64) and sem == 0
 
 
+# Shared bytes of the Hopper backward, as attention_sm90.cu lays them out: d -> (BwdSm90Smem,
+# BwdSm90SmemDq: the TMA dQ's 2 float32 staging tiles of 64 rows x d / 2 added)
+SM90_BWD_SMEM = {64: (100392, 116776), 128: (165928, 198696)}
+
+
+@pytest.mark.parametrize("d", kernel.HEAD_DIMS)
+@pytest.mark.parametrize("options", [(), ("-DATTN_DQ_TMA=0",)], ids=["tma-dq", "red-dq"])
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
+def test_sm90_backward_plan_without_gpu(monkeypatch, det, options, d):
+    """The Hopper backward's plan, the loader and Launcher faked: its shared bytes and its
+    last argument (dq_acc's TMA descriptor) follow ATTN_DQ_TMA and the mode as the kernel
+    declares them, and CONFIG["sm90_options"] reaches attention_sm90.cu's kernels only."""
+    from tecupy import loader
+    made = []
+    monkeypatch.setattr(loader, "function", lambda file, name, options=(): (
+        made.append((file, options)) or name))
+    monkeypatch.setattr(kernel, "opt_in_smem", lambda fn, smem: None)
+    monkeypatch.setattr(kernel, "Launcher", lambda fn, grid, block, kinds, smem=0, pdl=True: (
+        fn, kinds, smem))
+    monkeypatch.setattr(kernel, "grid_1d", lambda *a, **kw: 1)
+    monkeypatch.setitem(kernel.CONFIG, "sm90_options", options)
+    b, sq, skv, h, hk = 2, 130, 200, 4, 2
+    q, do, o, dq = (np.zeros((b, sq, h, d), tecupy.bfloat16) for _ in range(4))
+    k, dk = (np.zeros((b, skv, hk, d), tecupy.bfloat16) for _ in range(2))
+    dq_acc = np.zeros(q.shape, np.float32)
+    name, kinds, smem = kernel._bwd_plan(do, q, k, o, dq_acc, dq, dk, 0.1, True, det)[2]
+    tma = not options
+    assert name == kernel._sm90_bwd_name("__nv_bfloat16", d, True, det)
+    assert smem == SM90_BWD_SMEM[d][tma and not det] and smem <= 227 * 1024
+    assert len(kinds) == 19 + tma and (kinds[-1] is bytes) == tma
+    assert sorted(set(made)) == sorted({(kernel.FILE, ()), (kernel.SM90_FILE, options)})
+
+
 def test_every_backward_mode_is_declared():
     from tecupy import loader
     for det in (False, True):

@@ -10,12 +10,13 @@ take each operand's batch and sequence strides, so sbhd views and the q/k/v slic
 packed projection are read in place (no copies); outputs are laid out in memory as the
 matching input is (sequence-major for sbhd).
 
-The backward adds each KV block's part of dQ into a float32 buffer with float reductions,
-whose order varies between runs: dq is not bit-reproducible at large sizes (dk and dv are).
-deterministic() picks the kernels' deterministic mode instead, where the KV blocks add in a
-fixed order (turn counters, FlashAttention-3's deterministic backward): dq bit-identical
-from run to run and between eager calls and CUDA-graph replays, for a slower backward
-(predicted 5-15%, not yet measured).
+The backward adds each KV block's part of dQ into a float32 buffer with float reductions
+(on Hopper, TMA reductions from shared memory), whose order varies between runs: dq is not
+bit-reproducible at large sizes (dk and dv are). deterministic() picks the kernels'
+deterministic mode instead, where the KV blocks add in a fixed order (turn counters,
+FlashAttention-3's deterministic backward): dq bit-identical from run to run and between
+eager calls and CUDA-graph replays, for a slower backward (predicted 5-15%, not yet
+measured).
 """
 import itertools
 
@@ -41,8 +42,12 @@ FWD_VARIANTS = ("sm90", (64, 2, False), (64, 1, True))
 BWD_WARPS = 8  # warps of 16 KV rows per backward block (4 was 10% slower)
 # Backward: "sm90" (attention_sm90.cu; Hopper, no dropout) or "mma" (attention.cu).
 BWD_VARIANTS = ("sm90", "mma")
-# "deterministic": None follows the environment (deterministic()), True / False overrides it
-CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0], "deterministic": None}
+# "deterministic": None follows the environment (deterministic()), True / False overrides it.
+# "sm90_options": extra NVRTC options of attention_sm90.cu's kernels, e.g. ("-DATTN_DQ_TMA=0",)
+# (the backward's dQ by reductions from registers) to time a variant against the default in
+# one process; the plans are keyed by them.
+CONFIG = {"fwd": FWD_VARIANTS[0], "bwd": BWD_VARIANTS[0], "deterministic": None,
+          "sm90_options": ()}
 SM90_BM, SM90_STAGES = 128, 2  # query rows per forward block, K/V buffers (3 was 5% slower)
 # causal? -> keys per forward tile (176 was 0-4% faster than 128 without a mask, H200)
 SM90_BN = {False: 176, True: 128}
@@ -116,9 +121,21 @@ def _supports_bwd(do, q, k, v, o, lse, scale, *rest):
 
 
 def _function(name, smem, file=FILE):
-    fn = loader.function(file, name)
+    fn = loader.function(file, name, _options(file))
     opt_in_smem(fn, smem)
     return fn
+
+
+def _options(file):
+    """CONFIG["sm90_options"] for attention_sm90.cu's kernels, none for the others."""
+    return tuple(CONFIG["sm90_options"]) if file == SM90_FILE else ()
+
+
+def _dq_tma():
+    """Whether attention_sm90.cu's backward takes dq_acc's TMA descriptor as its last
+    argument and, unless deterministic, adds dQ by TMA reductions from shared staging tiles
+    (its ATTN_DQ_TMA: on unless CONFIG["sm90_options"] turns it off)."""
+    return "-DATTN_DQ_TMA=0" not in CONFIG["sm90_options"]
 
 
 def _lengths(mask, seqlens_q, seqlens_kv):
@@ -185,12 +202,14 @@ def _dropout_args(p, seed):
 
 def _tma(t, rows):
     """TMA descriptor of a bshd-shaped operand: dims (d, heads, sequence, batch), boxes of
-    64 columns x `rows` rows of one head. A dim of size 1 may have stride 0 (x[None]): only
-    its index 0 is read, so it gets the head stride instead (TMA takes no zero stride)."""
+    128 bytes of columns (64 16-bit values, 32 float32) x `rows` rows of one head. A dim of
+    size 1 may have stride 0 (x[None]): only its index 0 is read, so it gets the head stride
+    instead (TMA takes no zero stride)."""
     b, s, h, d = t.shape
     head = d * t.itemsize
     strides = [st if n > 1 else head for n, st in ((s, t.strides[1]), (b, t.strides[0]))]
-    return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (head, *strides), (64, 1, rows, 1))
+    return tma_desc(t.data.ptr, t.dtype, (d, h, s, b), (head, *strides),
+                    (128 // t.itemsize, 1, rows, 1))
 
 
 # Launch plans of the Hopper kernels (issue 21: the wrappers' Python was 80 us per forward
@@ -231,7 +250,7 @@ def _fwd_plan(q, k, o, scale, causal):
 
 def _fwd_sm90(q, k, v, o, lse, scale, causal, lq, lkv):
     key = (q.shape, k.shape, q.strides, k.strides, v.strides, o.strides, q.dtype, scale,
-           causal, current_device())
+           causal, CONFIG["sm90_options"], current_device())
     run, bn, tail, pid = planned(_plans, ("fwd",) + key, _fwd_plan, q, k, o, scale, causal)
     run(_sm90_descs(pid, ((q, SM90_BM), (k, bn), (v, bn))) + (o, lse, lq, lkv) + tail)
     return o, lse
@@ -322,7 +341,8 @@ def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
     b, sq, h, d = q.shape
     t, pad = CTYPE[q.dtype], -(-sq // SM90_BWD_BM) * SM90_BWD_BM
     rows = b * h * pad
-    prep = loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>")
+    prep = loader.function(SM90_FILE, f"attention_bwd_prep_sm90<{t}, {d}>",
+                           _options(SM90_FILE))
     nd, u64, i32, i64 = cupy.ndarray, np.uint64, np.int32, np.int64
     prep = Launcher(prep, (-(-rows // 8),), (256,),
                     (nd, nd, nd, nd, nd, u64, u64, i32, i32, i32, i64) + (i64,) * 4
@@ -330,12 +350,16 @@ def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
     prep_tail = (np.int32(sq), np.int32(pad), np.int32(h), np.int64(rows), *_strides(do),
                  *_strides(o))
     tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
-    smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + 4 * 256 + 5 * 8 + 1024
+    # (the kernel's BwdSm90Smem; with the TMA dQ, BwdSm90SmemDq: + 2 float32 staging tiles
+    # of 64 rows x d / 2, 16 KB each at d = 128)
+    staging = 2 * SM90_BWD_BM * (d // 2) * 4 if _dq_tma() and not det else 0
+    smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + staging + 4 * 256 + 5 * 8 + 1024
     fn = _function(_sm90_bwd_name(t, d, causal, det), smem, SM90_FILE)
     st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).tobytes()  # BwdSm90Strides
     main = Launcher(fn, (-(-k.shape[1] // SM90_BWD_BN), k.shape[2], b), (384,),
                     (bytes,) * 4 + (nd,) * 3 + (u64, nd, nd, u64, u64) + (i32,) * 5
-                    + (np.float32, len(st)), smem, pdl=False)
+                    + (np.float32, len(st)) + ((bytes,) if _dq_tma() else ()), smem,
+                    pdl=False)
     tail = (np.int32(sq), np.int32(pad), np.int32(k.shape[1]), np.int32(h),
             np.int32(k.shape[2]), np.float32(scale), st)
     fn, grid, convert_tail = _convert_args(dq_acc, dq)
@@ -351,14 +375,15 @@ def _bwd_sm90(do, q, k, v, o, lse, scale, mask, seqlens_q, seqlens_kv, det):
     dq, dk, dv = _grad_buffers(q, k, v)  # the kernel writes dk and dv alike
     key = ("bwd", q.shape, k.shape, do.strides, q.strides, k.strides, v.strides, o.strides,
            dq_acc.strides, dq.strides, dk.strides, q.dtype, scale, mask.causal, det,
-           current_device())
+           CONFIG["sm90_options"], current_device())
     prep, prep_tail, main, tail, convert, convert_tail, lse_shape, blocks, pid = planned(
         _plans, key, _bwd_plan, do, q, k, o, dq_acc, dq, dk, scale, mask.causal, det)
     lse2, delta = cupy.empty(lse_shape, np.float32)  # rows padded to whole blocks
     sem = _turn_counters(blocks, det)
     prep((do, o, lse, lse2, delta, sem, lq) + prep_tail + (dq_acc,) + _strides(dq_acc))
-    main(_sm90_descs(pid, ((q, SM90_BWD_BM), (k, SM90_BWD_BN), (v, SM90_BWD_BN),
-                           (do, SM90_BWD_BM)))
-         + (lse2, delta, dq_acc, sem, dk, dv, lq, lkv) + tail)
+    descs = _sm90_descs(pid, ((q, SM90_BWD_BM), (k, SM90_BWD_BN), (v, SM90_BWD_BN),
+                              (do, SM90_BWD_BM))
+                        + (((dq_acc, SM90_BWD_BM),) if _dq_tma() else ()))
+    main(descs[:4] + (lse2, delta, dq_acc, sem, dk, dv, lq, lkv) + tail + descs[4:])
     convert((dq_acc, dq) + convert_tail)
     return dq, dk, dv

@@ -5,7 +5,8 @@ import collections
 import numpy as np
 
 _descs = collections.OrderedDict()  # encoding arguments -> TMA descriptor (V128)
-_TMA_DTYPES = {"uint8": "UINT8", "bfloat16": "BFLOAT16", "float16": "FLOAT16"}
+_TMA_DTYPES = {"uint8": "UINT8", "bfloat16": "BFLOAT16", "float16": "FLOAT16",
+               "float32": "FLOAT32"}
 
 
 def tma_desc(ptr, dtype, dims, strides, box):
