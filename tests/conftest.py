@@ -3,6 +3,7 @@ cleanly where CuPy sees no CUDA device; `aot` tests run only when selected."""
 import contextlib
 import importlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -135,3 +136,53 @@ def fp8_step(values, fmt):
     normal): two casts of nearly equal floats may differ by one step."""
     v = np.maximum(np.abs(values), 2.0 ** (1 - fmt.bias))
     return 2.0 ** (np.floor(np.log2(v)) - fmt.mbits)
+
+
+# ---- the FP8 GEMMs' split accumulator (test_kernels_fp8_gemm.py, _fp8_block_gemm.py) -----
+
+SPLIT_ROUNDING = 2.0 ** -11  # four roundings at 2^-13 of a k-block's partial sum
+MAX_SHARE = 2e-3  # of the largest |want|: the whole-output check of assert_split_gemm_close
+
+
+def gemm_absdot(a64, b64):
+    """(A B^T, |A| |B|^T) of the dequantized FP8 operands a64 [M, K], b64 [N, K] in float64:
+    the product and the sum of its absolute terms (which bounds the rounding of the sum in
+    any order and precision)."""
+    return a64 @ b64.T, np.abs(a64) @ np.abs(b64).T
+
+
+def assert_split_gemm_close(got, want, ref_lp, absdot, name, roundings=1, atol=0.0):
+    """flash-attention's 2x rule against the float32-accumulating reference ref_lp, element
+    by element, plus the split accumulator's share: the tensor cores sum each 128 of K with
+    fewer bits than float32 (DeepSeek-V3 sec. 3.3), an error bounded by a constant times the
+    sum of the absolute products, absdot = |A| |B|^T (gemm_absdot; the usual bound of a
+    sum's rounding). The constant: 2^-11 (four roundings at 2^-13 per k-block); measured at
+    most 3.3e-4 over 1000 fresh draws of test_block_gemm's shapes (PERFLOG, session 24). The
+    bound used before, 5e-4 of the largest |want| for every element, failed on 1 draw in 50
+    of one block case and reached 0.97 of itself in a per-tensor one (K = 256). A wrong
+    factor (a block's, a row's, a scale) or a lost k-block still shows: its error is a
+    partial sum's size, not 2^-11 of it. Then the output's rounding: half its dtype's epsilon
+    of the value, `roundings` times (elementwise, the reference's own rounding can be near
+    zero where the kernel's is not). An epilogue that scales the sum (gelu's backward) passes
+    absdot times that factor's magnitude; atol (scalar or [M, N]) is any error of its own.
+    got is float32, float16 or bfloat16 (an FP8 output's step is not an epsilon)."""
+    got = asnp(got)
+    half_ulp = float(ml_dtypes.finfo(got.dtype).eps) / 2
+    got, ref_lp = got.astype(np.float64), asnp(ref_lp).astype(np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values (unwritten output?)"
+    err, err_ref = np.abs(got - want), np.abs(ref_lp - want)
+    split = SPLIT_ROUNDING * absdot
+    excess = err - (2 * err_ref + split + roundings * half_ulp * (np.abs(want) + split) + atol)
+    i = np.unravel_index(np.argmax(excess), excess.shape)
+    assert excess[i] <= 0, (f"{name}: error {err[i]:.3e} at {i} vs reference {err_ref[i]:.3e}"
+                            f" (|A| |B|^T there {absdot[i]:.3e})")
+    # and against the output's largest magnitude: |A| |B|^T grows as K while the real error
+    # grows far slower, so at K = 4112 the bound above alone would pass a 1% error in the
+    # largest column. MAX_SHARE is 4x the old rule's 5e-4 (whose worst draws reached 0.97 and
+    # 1.11 of it): a wide margin, and a 0.2% error at the largest values still fails.
+    excess = err - (2 * err_ref + MAX_SHARE * np.abs(want).max()
+                    + roundings * half_ulp * np.abs(want) + atol)
+    i = np.unravel_index(np.argmax(excess), excess.shape)
+    assert excess[i] <= 0, (f"{name}: error {err[i]:.3e} at {i} vs reference {err_ref[i]:.3e}"
+                            f" (largest |want| {np.abs(want).max():.3e})")

@@ -8,7 +8,6 @@ running through it; the main cases and both tiles also with fp8_gemm.BLOCK_PIPEL
 pipelined kernel, fp8_block_gemm_pipe_tn, for either B where M % 4 == 0; the others fall
 back to fp8_block_gemm_tn). Every kernel call runs under TECUPY_STRICT=1 on a poisoned
 pool."""
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,7 +17,7 @@ from tecupy.fp8 import E4M3, E5M2
 from tecupy.recipe import Float8BlockScaling
 from tecupy.reference.block_scaling import row_scales
 from tecupy.reference.fp8 import _decode_table
-from conftest import HAVE_GPU, asnp, poison_gpu_pool
+from conftest import HAVE_GPU, asnp, assert_split_gemm_close, gemm_absdot, poison_gpu_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -71,35 +70,9 @@ def _strict_kernel(monkeypatch, op_args, **kwargs):
     return backends.dispatch("fp8_block_gemm", *op_args, **kwargs)
 
 
-def _check(got, want, ref_lp, absdot, name):
-    """flash-attention's 2x rule against the float32-accumulating reference, element by
-    element, plus the split accumulator's share: the tensor cores sum each 128 of K with
-    fewer bits than float32 (DeepSeek-V3 sec. 3.3), an error bounded by a constant times the
-    sum of the absolute products, absdot = |A| |B|^T (the usual bound of a sum's rounding).
-    The constant: 2^-11 (four roundings at 2^-13 per k-block); measured at most 3.3e-4 over
-    1000 fresh draws of test_block_gemm's shapes (PERFLOG, session 24). The bound that was
-    here before, 5e-4 of the largest |want| for every element, failed on 1 draw in 50 of
-    one case. A wrong factor (a block's, a row's) still shows: its error is a partial sum's
-    size, not 2^-11 of it. Then the output's rounding: half its dtype's epsilon of the
-    value (elementwise, the reference's own rounding can be near zero where the kernel's is
-    not)."""
-    got = asnp(got)
-    half_ulp = float(ml_dtypes.finfo(got.dtype).eps) / 2
-    got, ref_lp = got.astype(np.float64), asnp(ref_lp).astype(np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert np.all(np.isfinite(got)), f"{name}: non-finite values (unwritten output?)"
-    err, err_ref = np.abs(got - want), np.abs(ref_lp - want)
-    split = 2.0 ** -11 * absdot
-    excess = err - (2 * err_ref + split + half_ulp * (np.abs(want) + split))
-    i = np.unravel_index(np.argmax(excess), excess.shape)
-    assert excess[i] <= 0, (f"{name}: error {err[i]:.3e} at {i} vs reference {err_ref[i]:.3e}"
-                            f" (|A| |B|^T there {absdot[i]:.3e})")
-
-
 def _absdot(a, fa, sa, b, fb, sb):
     """(A . B^T, |A| . |B|^T) of the dequantized operands, in float64."""
-    a64, b64 = _dequant64(a, fa, sa), _dequant64(b, fb, sb)
-    return a64 @ b64.T, np.abs(a64) @ np.abs(b64).T
+    return gemm_absdot(_dequant64(a, fa, sa), _dequant64(b, fb, sb))
 
 
 def _run_case(monkeypatch, rng, m, n, k, fa, fb, dim_a, dim_b, out_dtype, bias, p2=True):
@@ -113,7 +86,7 @@ def _run_case(monkeypatch, rng, m, n, k, fa, fb, dim_a, dim_b, out_dtype, bias, 
     if bias:
         want = want + bvec.astype(np.float64)
     ref_lp = backends.dispatch("fp8_block_gemm", *args)  # NumPy: float32 accumulation
-    _check(got, want, ref_lp, absdot, f"{(m, n, k)} B {dim_b}")
+    assert_split_gemm_close(got, want, ref_lp, absdot, f"{(m, n, k)} B {dim_b}")
 
 
 def _pipeline(monkeypatch, on):
@@ -231,7 +204,7 @@ def test_block_gemm_accumulates_into_float32(monkeypatch, rng):
     want = want + start
     ref = backends.dispatch("fp8_block_gemm", a, E5M2, sa, b, E4M3, sb, np.float32, None,
                             out=start.copy(), accumulate=True)
-    _check(out, want, ref, absdot, "accumulate")
+    assert_split_gemm_close(out, want, ref, absdot, "accumulate")
 
 
 @needs_hopper
