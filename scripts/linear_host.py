@@ -9,9 +9,11 @@
       at the start of the held autocast (TE's weight caching: no weight cast per call);
 and where (a) goes: cProfile's top functions by own time over --calls calls.
 
-    python scripts/linear_host.py [--top 30] [--calls 300] [--parts] [--ab]
+    python scripts/linear_host.py [--top 30] [--calls 300] [--parts] [--ab] [--stubs]
     python scripts/linear_host.py --fake      # no GPU: CuPy faked, the Python only
 
+--stubs: (b) again with CuPy's allocations and / or the launches replaced by stand-ins,
+alternated: how much of (b) each is (PERFLOG.md session 25).
 --ab: (a)-(e) again with the FP8 linear's kept plan off (ops/linear.py KEPT, every call
 dispatched), then on, in the same run: the plan's gain on this machine. --parts on a GPU also
 times CuPy's own primitives the forward pays (an allocation, a view carved from one, a
@@ -170,6 +172,35 @@ def ab(lin, lin8, x, r, a, sync):
     ops_linear._kept.clear()
 
 
+def stubs(lin, x, r, a, sync):
+    """(b) with CuPy's allocations and / or the Launchers' launches stubbed (GPU only; timing
+    only, the outputs are garbage): where (b)'s host time goes. An allocation is replaced by
+    an array held per (shape, dtype) (no pool allocation, no free), a launch by nothing."""
+    import cupy
+    import numpy as np
+    from tecupy.kernels import launch
+    real_call, real_empty, held = launch.Launcher.__call__, cupy.empty, {}
+
+    def held_empty(shape, dtype=float, order="C"):
+        key = (shape if type(shape) is tuple else (shape,), np.dtype(dtype))
+        if key not in held:
+            held[key] = real_empty(*key)
+        return held[key]
+    times = {}
+    try:
+        for _ in range(3):
+            for name, stub_launch, stub_alloc in (("real", 0, 0), ("no launches", 1, 0),
+                                                  ("no allocations", 0, 1), ("neither", 1, 1)):
+                launch.Launcher.__call__ = (lambda self, args: None) if stub_launch else real_call
+                cupy.empty = held_empty if stub_alloc else real_empty
+                times.setdefault(name, []).extend(
+                    rounds(lambda: lin(x), a.held, sync, n=3, held=held_context(r)))
+    finally:
+        launch.Launcher.__call__, cupy.empty = real_call, real_empty
+    for name, best in times.items():
+        report(f"  (b), {name}", best)
+
+
 def cupy_parts(cupy, rounds_=40, calls=100):
     """us per call of CuPy's primitives in the forward (GPU only): allocations of scale_inv's
     and the transposed codes' sizes, a pool allocation alone, an array carved from one (what
@@ -207,6 +238,8 @@ def main():
     p.add_argument("--parts", action="store_true", help="also time each wrapper alone")
     p.add_argument("--fake", action="store_true", help="no GPU: CuPy faked (FakeCupy)")
     p.add_argument("--ab", action="store_true", help="(a)-(d) with the kept plan off, then on")
+    p.add_argument("--stubs", action="store_true",
+                   help="(b) with allocations and / or launches stubbed (GPU only)")
     a = p.parse_args()
     with FakeCupy() if a.fake else contextlib.nullcontext():
         import cupy
@@ -243,6 +276,8 @@ def main():
             parts(lin, x)
             if not a.fake:
                 cupy_parts(cupy)
+        if a.stubs and not a.fake:
+            stubs(lin, x, r, a, sync)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(a.calls):
