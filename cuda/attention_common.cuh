@@ -204,9 +204,9 @@ template <bool CAUSAL, bool DET> __device__ __forceinline__ BlockPlace bwd_place
 // default with float reductions, whose order (so the sum's rounding) varies between runs.
 // DET: one int32 counter per (batch, query head, query block), zeroed by the kernel before
 // the backward (prep / dot); the block whose turn at that counter is t waits until it reads
-// NW t (NW: the warps that add dQ in a block), adds, and each warp counts itself in (a
-// release add) later in the next step, so the adds to every element come in the turns'
-// order.
+// A t (A: the adders of a block: its warps, or the threads issuing its TMA reductions),
+// adds, and each adder counts itself in (a release add) later in the next step, so the adds
+// to every element come in the turns' order.
 // Turns: the blocks that add into query block qb are nb = 0 .. nc - 1 (blocks at or past
 // kv_len add nothing; causal: block nb meets qb iff nb BN <= qb BM). No mask: turn = nb.
 // Causal: turn = nc - 1 - nb (the diagonal block first) and the grid runs nb backwards

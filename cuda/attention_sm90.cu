@@ -15,8 +15,8 @@
 //                            the turn counters of the deterministic dQ.
 //   attention_bwd_sm90       grid (ceil(skv / 128), hk, b): 128 keys per block, steps of 64
 //                            queries; see the kernel. dQ added into dq_acc by TMA reductions
-//                            from shared memory; DET: by float reductions from registers in
-//                            a fixed order (attention_common.cuh), the causal grid backwards.
+//                            from shared memory; DET: in a fixed order (attention_common.cuh),
+//                            the causal grid backwards.
 //
 // Shared tiles are TMA boxes of 64 columns (128 bytes) x rows with the 128-byte swizzle, one
 // box ("panel") per 64 columns of d: row r of a panel lies at r * 128 bytes with its 16-byte
@@ -58,6 +58,12 @@ __device__ __forceinline__ void bulk_wait_read0() {
 // ... and are complete
 __device__ __forceinline__ void bulk_wait0() {
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// DET with TMA dQ: this thread's reductions are complete; count one adder in (release)
+__device__ __forceinline__ void bulk_turn_release(int* counter) {
+    bulk_wait0();
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // (their writes, then the add)
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
 
 // ---- wgmma -------------------------------------------------------------------------------
@@ -545,12 +551,14 @@ __device__ __forceinline__ void stage_dq(unsigned tile, const float (&dq)[D / 16
 // - lse2), dS^T = P^T (dP^T - delta) scale, dV += P^T dO and dK += dS^T Q (wgmma with P^T and
 // dS^T from registers); dS^T goes to shared memory and each warpgroup computes half of the
 // columns of dQ = dS K, added into dq_acc by float32 reductions: TMA reductions from a
-// staging tile in shared memory (ATTN_DQ_TMA, not DET; tdq: dq_acc's float32 TMA descriptor,
-// boxes of 32 columns x 64 rows), else vector reductions from registers. DET: in turns
-// (dq_sem: [b h, sq_pad / 64] counters; attention_common.cuh): each warp reads its turn's
-// counter at the step's start (again while dQ = dS K runs if it was not its turn yet), waits
-// before adding, and counts itself in once the next step's dK product is issued (its
-// reductions have landed by then: the fence is cheap).
+// staging tile in shared memory (ATTN_DQ_TMA; tdq: dq_acc's float32 TMA descriptor, boxes of
+// 32 columns x 64 rows), else vector reductions from registers. DET: in turns (dq_sem: [b h,
+// sq_pad / 64] counters; attention_common.cuh). With the TMA, each warpgroup's issuing thread
+// waits for the turn before issuing its reductions and counts itself in (kAdders = 2 a
+// block) at the next step, once they are complete; from registers, each warp reads its
+// turn's counter at the step's start (again while dQ = dS K runs if it was not its turn
+// yet), waits before adding, and counts itself in once the next step's dK product is issued
+// (its reductions have landed by then: the fence is cheap).
 template <typename T, int D, bool CAUSAL, bool DET>
 __global__ void __launch_bounds__(384, 1)
 attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk,
@@ -564,7 +572,8 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                    , const __grid_constant__ TmaDesc tdq
 #endif
                    ) {
-    constexpr bool kTmaDq = !DET && ATTN_DQ_TMA;
+    constexpr bool kTmaDq = ATTN_DQ_TMA;
+    constexpr int kAdders = kTmaDq ? 2 : 8;  // DET: who adds a block's dQ (issuers or warps)
     using S = typename BwdSm90Layout<D, kTmaDq>::type;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -610,7 +619,7 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
         if (DET) {  // read the turn's counter now: by the adds its latency is long past
             last = counter;
             counter = dq_sem + (long long)(b * h + hh) * (sq_pad / kBwdSm90BM) + qb;
-            want = 8 * dq_turn<kBwdSm90BM, kBwdSm90BN, CAUSAL>(nb, qb, kv_len);  // 8 warps
+            want = kAdders * dq_turn<kBwdSm90BM, kBwdSm90BN, CAUSAL>(nb, qb, kv_len);
             seen = ld_relaxed(counter);
         }
         float st_[8][4], dp[8][4];  // S^T and dP^T: this warpgroup's 64 keys x 64 queries
@@ -655,7 +664,8 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
             const unsigned dq_t = base + S::DQ + c * S::TDQ;
             store_ds(ds_t, da, 64 * c + 16 * warp + g, t);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            if (issuer) bulk_wait_read0();  // the last step's reductions have read dq_t
+            if (issuer && !DET) bulk_wait_read0();  // the last step's reductions read dq_t
+            if (issuer && DET && it > 0) bulk_turn_release(last);  // ... and are complete
             bar_sync(kDsBar, 256);  // both warpgroups' dS^T written, dq_t free to write
             float dq[D / 16][4];
             wg_fence();
@@ -671,6 +681,10 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
             if (warp == 0) {
                 bar_sync(kDqBar + c, 128);
                 if (issuer) {
+                    if (DET) {  // this block's turn at the query block's counter
+                        turn_wait(counter, want, seen);
+                        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+                    }
 #pragma unroll
                     for (int p = 0; p < D / 64; ++p)  // this warpgroup's columns, 32 a box
                         tma_reduce_add_4d(tdq, dq_t + p * kDqBox, c * (D / 2) + 32 * p, hh,
@@ -710,6 +724,9 @@ attention_bwd_sm90(const __grid_constant__ TmaDesc tq, const __grid_constant__ T
                       dq, odd, qr < q_len);
     }
     store_dkv<T, D>(dk, dv, dkr, dvr, b * st.dk_b + kvh * D, kv_row, skv, st.dk_s);
-    if (DET && w.total > 0) turn_release(counter);  // (its fence waits for dK, dV too)
-    if (kTmaDq && threadIdx.x % 128 == 0) bulk_wait0();  // the TMA dQ's last reductions
+    if (!kTmaDq && DET && w.total > 0) turn_release(counter);  // (its fence waits for dK, dV)
+    if (kTmaDq && threadIdx.x % 128 == 0) {  // the TMA dQ's last reductions
+        if (DET && w.total > 0) bulk_turn_release(counter);
+        else bulk_wait0();
+    }
 }

@@ -369,7 +369,8 @@ SM90_BWD_SMEM = {64: (100392, 116776), 128: (165928, 198696)}
 def test_sm90_backward_plan_without_gpu(monkeypatch, det, options, d):
     """The Hopper backward's plan, the loader and Launcher faked: its shared bytes and its
     last argument (dq_acc's TMA descriptor) follow ATTN_DQ_TMA and the mode as the kernel
-    declares them, and CONFIG["sm90_options"] reaches attention_sm90.cu's kernels only."""
+    declares them (the deterministic mode too), and CONFIG["sm90_options"] reaches
+    attention_sm90.cu's kernels only."""
     from tecupy import loader
     made = []
     monkeypatch.setattr(loader, "function", lambda file, name, options=(): (
@@ -386,7 +387,7 @@ def test_sm90_backward_plan_without_gpu(monkeypatch, det, options, d):
     name, kinds, smem = kernel._bwd_plan(do, q, k, o, dq_acc, dq, dk, 0.1, True, det)[2]
     tma = not options
     assert name == kernel._sm90_bwd_name("__nv_bfloat16", d, True, det)
-    assert smem == SM90_BWD_SMEM[d][tma and not det] and smem <= 227 * 1024
+    assert smem == SM90_BWD_SMEM[d][tma] and smem <= 227 * 1024
     assert len(kinds) == 19 + tma and (kinds[-1] is bytes) == tma
     assert sorted(set(made)) == sorted({(kernel.FILE, ()), (kernel.SM90_FILE, options)})
 

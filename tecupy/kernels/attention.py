@@ -133,8 +133,8 @@ def _options(file):
 
 def _dq_tma():
     """Whether attention_sm90.cu's backward takes dq_acc's TMA descriptor as its last
-    argument and, unless deterministic, adds dQ by TMA reductions from shared staging tiles
-    (its ATTN_DQ_TMA: on unless CONFIG["sm90_options"] turns it off)."""
+    argument and adds dQ by TMA reductions from shared staging tiles (deterministic: in
+    turns) (its ATTN_DQ_TMA: on unless CONFIG["sm90_options"] turns it off)."""
     return "-DATTN_DQ_TMA=0" not in CONFIG["sm90_options"]
 
 
@@ -352,7 +352,7 @@ def _bwd_plan(do, q, k, o, dq_acc, dq, dk, scale, causal, det):
     tkv = SM90_BWD_BN * d * 2  # bytes of the K or V tile; Q and dO tiles are half of it
     # (the kernel's BwdSm90Smem; with the TMA dQ, BwdSm90SmemDq: + 2 float32 staging tiles
     # of 64 rows x d / 2, 16 KB each at d = 128)
-    staging = 2 * SM90_BWD_BM * (d // 2) * 4 if _dq_tma() and not det else 0
+    staging = 2 * SM90_BWD_BM * (d // 2) * 4 if _dq_tma() else 0
     smem = 4 * tkv + 2 * SM90_BWD_BN * 64 * 2 + staging + 4 * 256 + 5 * 8 + 1024
     fn = _function(_sm90_bwd_name(t, d, causal, det), smem, SM90_FILE)
     st = np.array([*_strides(dq_acc), *_strides(dk)], np.int64).tobytes()  # BwdSm90Strides
