@@ -42,7 +42,8 @@ TOL = 8e-3  # max |got - want| / max |want| for bf16 outputs: two bf16 half-ulps
 
 def kernel_names():
     """The bf16 instantiations this script can launch (norm: 16-byte vectors, no FP8)."""
-    norm = (lambda n: "reduce" in n or (", 8," in n and "fp8" not in n))
+    def norm(n):
+        return "reduce" in n or (", 8," in n and "fp8" not in n)
     keep = {nk.FWD_FILE: norm, nk.BWD_FILE: norm,
             "cast.cu": lambda n: n.startswith("cast_transpose") and "e4m3" in n,
             "softmax.cu": lambda n: True}
@@ -171,8 +172,7 @@ def run_op(op, module, attr, variants, make, per_elem, copy, rng, rows_out):
             try:
                 poison(rows * cols * 4)
                 err = check(backends.dispatch(op, *args))
-                fn = (lambda *a: backends.dispatch(op, *a))
-                ms = graph_time_ms(fn, [args]) or float("nan")
+                ms = graph_time_ms(lambda *a: backends.dispatch(op, *a), [args]) or float("nan")
             except Exception as e:  # report and go on with the other variants
                 print(f"{op} {v} {rows}x{cols}: FAILED {type(e).__name__}: {e}", flush=True)
                 err, ms = float("inf"), float("nan")
@@ -194,7 +194,8 @@ def time_reduces(copy, rng, rows_out):
         part = cupy.asarray(rng.standard_normal((nparts, 2 * hidden)).astype(np.float32))
         want = part.get().astype(np.float64).sum(0)
         dg, db = cupy.empty(hidden, BF16), cupy.empty(hidden, BF16)
-        fn = (lambda p, g, b: nk._bwd_reduce(p, nparts, hidden, g, b, False))
+        def fn(p, g, b):
+            return nk._bwd_reduce(p, nparts, hidden, g, b, False)
         fn(part, dg, db)
         err = rel_err(cupy.concatenate([dg, db]).astype(np.float32), want)
         ms = graph_time_ms(fn, [(part, dg, db)]) or float("nan")

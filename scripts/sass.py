@@ -1,7 +1,8 @@
 """Print the SASS of one declared kernel (development aid, no GPU needed).
 
     pip install nvidia-cuda-nvdisasm==13.2.51     # 13.2 reads NVRTC 13.0's cubins
-    PYTHONPATH=. python scripts/sass.py norm_fwd.cu "norm_fwd_stream<__nv_bfloat16, 8, false, __nv_fp8_e4m3, 2, __nv_bfloat16>"
+    PYTHONPATH=. python scripts/sass.py norm_fwd.cu \
+        "norm_fwd_stream<__nv_bfloat16, 8, false, __nv_fp8_e4m3, 2, __nv_bfloat16>"
     PYTHONPATH=. python scripts/sass.py fp8_gemm.cu 0     # the file's first declared kernel
 
 Compiles through the loader's cache (TECUPY_CACHE_DIR) for --arch (default sm_90a) and runs

@@ -44,7 +44,8 @@ def test_device_cuda_without_a_gpu_is_one_line():
 
 @pytest.mark.parametrize("problem", [
     "no NVIDIA driver is installed (libcuda not found)",
-    "the NVIDIA driver cannot run CUDA 13 (it needs driver 580 or newer): cudaErrorInsufficientDriver",
+    "the NVIDIA driver cannot run CUDA 13 (it needs driver 580 or newer): "
+    "cudaErrorInsufficientDriver",
     "the GPU (Tesla T4) is sm_75; tecupy's kernels need sm_80 or newer"])
 def test_gpu_problems_are_one_line(monkeypatch, problem):
     monkeypatch.setattr(cli, "gpu_problem", lambda: problem)
@@ -85,8 +86,8 @@ def test_main_job_sets_errors_against_the_tolerances(capsys):
     cli.main(["--device", "cpu", "--steps", "1"])
     out = capsys.readouterr().out
     assert "accepted by the tests" in out
-    rows = [l for l in out.splitlines() if " / 0.125 " in l or " / 0.25 " in l]
-    assert len(rows) == 3 and all(l.rstrip().endswith("ok") for l in rows), out
+    rows = [line for line in out.splitlines() if " / 0.125 " in line or " / 0.25 " in line]
+    assert len(rows) == 3 and all(row.rstrip().endswith("ok") for row in rows), out
     assert "one E4M3 round trip of the input" in out
 
 
