@@ -383,14 +383,54 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const E
 }
 
 // Tiles are handed out per cluster: the CLUSTER CTAs of a cluster take neighbouring column
-// blocks of one row block (num_n % CLUSTER == 0), so they share the A tile.
+// blocks of one row block (num_n % CLUSTER == 0), so they share the A tile. rot: the row
+// blocks start at block rot and wrap around (fp8_gemm_tn_wait: this rank's chunk first).
 template <int CLUSTER>
-__device__ __forceinline__ bool next_tile(int& u, int num_m, int num_n, int& mb, int& nb) {
+__device__ __forceinline__ bool next_tile(int& u, int num_m, int num_n, int& mb, int& nb,
+                                          int rot = 0) {
     u = u < 0 ? blockIdx.x / CLUSTER : u + gridDim.x / CLUSTER;
     if (u >= num_m * (num_n / CLUSTER)) return false;
     tile_coords(u, num_m, num_n / CLUSTER, mb, nb);
     nb = nb * CLUSTER + (CLUSTER > 1 ? int(cute::block_rank_in_cluster()) : 0);
+    if (rot) mb = mb + rot < num_m ? mb + rot : mb + rot - num_m;
     return true;
+}
+
+// Chunk waits (fp8_gemm_tn_wait: an all-gather's chunks of A landing while the GEMM runs,
+// pushed by peers' copy engines, which need no SM). A's rows come in chunks of `rows` rows
+// (a multiple of BM); ready[c] != 0 once chunk c is in memory (written after the chunk's
+// copy, by the copy's stream; the caller resets the flags after the GEMM). The producer
+// waits for a tile's chunk before loading its A rows; the math warps only wait on the
+// stages as always. Tiles start at row block `rot` (the caller's own chunk, present at the
+// launch). A chunk not ready after limit_ns traps (the launch fails with an error: a peer
+// that died must not hang this GPU).
+struct Chunks {
+    const unsigned* ready;
+    int rows, rot;
+    unsigned long long limit_ns;
+};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// `seen`: a bit per chunk already found ready (no poll per tile after that).
+__device__ __forceinline__ void wait_chunk(const Chunks& ch, int mb, unsigned& seen) {
+    const int c = mb * BM / ch.rows;
+    if (seen >> c & 1u) return;
+    const unsigned long long t0 = globaltimer();
+    for (unsigned v;;) {  // acquire at system scope: another GPU's copy engine wrote it
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+                     : "=r"(v) : "l"(ch.ready + c) : "memory");
+        if (v) break;
+        if (globaltimer() - t0 > ch.limit_ns) __trap();
+        __nanosleep(256);
+    }
+    // the TMA (the async proxy) reads what the generic proxy's acquire made visible
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    seen |= 1u << c;
 }
 
 // With CLUSTER > 1, rank 0 loads the A tile once for the whole cluster (TMA multicast: it
@@ -417,17 +457,20 @@ __device__ __forceinline__ void prefetch_rows(const uint8_t* pf, int M, int N, i
 
 // AF (fp8_block_gemm_pipe_tn): the tile's BM A factors of each k-block (scale_a [nk, M],
 // M % 4 == 0: 16-byte rows) come with the stage into sa_stage, by a bulk copy clipped at M.
-template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false, bool AF = false>
+template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false, bool AF = false,
+          bool WAIT = false>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          const cute::TmaDescriptor* tb, uint8_t* sa,
                                          uint8_t* sb, uint64_t* full, uint64_t* empty,
                                          int num_m, int num_n, int nk, const float* scale_b,
                                          float* sb_stage, int N, const uint8_t* pf = nullptr,
                                          int M = 0, const float* scale_a = nullptr,
-                                         float* sa_stage = nullptr) {
+                                         float* sa_stage = nullptr, Chunks ch = {}) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     int s = 0, phase = 0, mb, nb;
-    for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb);) {
+    unsigned seen = 0;
+    for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb, WAIT ? ch.rot : 0);) {
+        if constexpr (WAIT) wait_chunk(ch, mb, seen);
         for (int kb = 0; kb < nk; ++kb) {
             Barrier::wait(&empty[s], phase ^ 1);
             const int b_bytes = SCALE == 1 ? min(BN, N - nb * BN) * int(sizeof(float)) : 0;
@@ -702,7 +745,7 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
                                      int nk, const uint8_t* sa, const uint8_t* sb,
                                      uint64_t* full, uint64_t* empty, uint8_t* staging,
                                      const float* sb_stage, const cute::TmaDescriptor* tma_d,
-                                     const float* sa_stage = nullptr) {
+                                     const float* sa_stage = nullptr, int rot = 0) {
     static_assert(SCALE == 0 || PROMOTE, "block scales apply at the promotions");
     constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
     static_assert(EPI < 4 || tma_store, "the residual epilogues: 16-bit D, staged, no ACCUM");
@@ -714,7 +757,7 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
     const int r0 = row_off + 16 * ((threadIdx.x / 32) % 4) + threadIdx.x % 32 / 4;
     float amax = 0.f;
     int s = 0, phase = 0, mb, nb;
-    for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb);) {
+    for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb, rot);) {
         float acc[BN / 2];
         const BlockScales bs{scale_inv_a, scale_inv_b, sb_stage, M, N, nk, mb * BM + r0,
                              nb * BN};
@@ -740,14 +783,14 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
 
 // The kernel body; the entries below differ only in their cluster attribute.
 template <int BN, int STAGES, int CLUSTER, class MMA, class TOut, int EPI, bool ACCUM,
-          bool PROMOTE, int SCALE, bool PIPE = false>
+          bool PROMOTE, int SCALE, bool PIPE = false, bool WAIT = false>
 __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scale_inv_b,
                                      const bias_t<TOut>* bias, const float* scale_out,
                                      float* amax_out,
                                      TOut* d, TOut* aux, int M, int N, int K,
                                      const cute::TmaDescriptor& tma_a,
                                      const cute::TmaDescriptor& tma_b,
-                                     const cute::TmaDescriptor& tma_d) {
+                                     const cute::TmaDescriptor& tma_d, Chunks chunks = {}) {
     // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging],
     // [SCALE 1: STAGES x BN float B factors], barriers, [PIPE: STAGES x BM float A
     // factors (sa_stage), then with SCALE 2 the math warpgroups' tables of B factors,
@@ -784,15 +827,15 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     if (threadIdx.x < 128) {
         cutlass::arch::warpgroup_reg_dealloc<40>();
         if (threadIdx.x == 0)
-            producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5, PIPE>(
+            producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5, PIPE, WAIT>(
                 &tma_a, &tma_b, sa, sb, full, empty, (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
                 scale_inv_b, sb_stage, N, reinterpret_cast<const uint8_t*>(aux), M,
-                scale_inv_a, sa_stage);
+                scale_inv_a, sa_stage, chunks);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
         math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE, PIPE>(
             scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
-            sa, sb, full, empty, staging, sb_stage, &tma_d, sa_stage);
+            sa, sb, full, empty, staging, sb_stage, &tma_d, sa_stage, WAIT ? chunks.rot : 0);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();
@@ -819,6 +862,14 @@ template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool P
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
 fp8_gemm_tn_cluster2(TC_GEMM_PARAMS) {
     gemm<BN, STAGES, 2, MMA, TOut, EPI, ACCUM, PROMOTE, 0>(TC_GEMM_ARGS);
+}
+
+// A's rows arriving in chunks while it runs (Chunks above): the all-gather before a
+// sequence-parallel column GEMM, overlapped (distributed/). Per-tensor, no cluster.
+template <int BN, int STAGES, class MMA, class TOut, int EPI, bool ACCUM, bool PROMOTE>
+__global__ void __launch_bounds__(THREADS, 1) fp8_gemm_tn_wait(TC_GEMM_PARAMS,
+                                                              const Chunks chunks) {
+    gemm<BN, STAGES, 1, MMA, TOut, EPI, ACCUM, PROMOTE, 0, false, true>(TC_GEMM_ARGS, chunks);
 }
 
 // Block scaling (header): scale_inv_a is A's [ceil(K / 128), M] factors, scale_inv_b B's

@@ -12,6 +12,7 @@ overrides both.
 import itertools
 import json
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -65,14 +66,15 @@ _OUT_DTYPES = frozenset(map(np.dtype, ("float32", "float16", bfloat16)))
 BLOCK_PIPELINE = os.environ.get("TECUPY_BLOCK_PIPELINE", "1") != "0"
 
 
-def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False):
+def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False, wait=False):
     """epi: 0 plain, 1 + bias, 2 gelu(+ bias) with the pre-gelu values as a second output,
     3 gelu's backward (D * gelu'(aux + bias), aux read), 4 the residual add (T(T(D) + aux),
     aux read; its rows prefetched into L2 during the tile's mainloop), 5 the same with the
     bias (T(T(D + bias) + aux)), 6 and 7: 4 and 5 without the prefetch. scale: 0 per-tensor
     scales, else block scaling (kernels/block_scaling.py) with B's blocks 1x128 (1) or
     128x128 (2): fp8_block_gemm_tn, split accumulation, no cluster; pipe:
-    fp8_block_gemm_pipe_tn, its factors from shared memory (BLOCK_PIPELINE)."""
+    fp8_block_gemm_pipe_tn, its factors from shared memory (BLOCK_PIPELINE); wait:
+    fp8_gemm_tn_wait, A's rows arriving in chunks while it runs (gemm_chunked)."""
     bn, stages, promote, cluster = config
     atom_n = bn // 2 if promote and bn > 192 else bn  # split: acc + a full part > 232 regs
     atom = f"tc::MMA_64x{atom_n}x32_F32{_ATOM[(a_fmt, b_fmt)]}_SS_TN<>"
@@ -81,7 +83,9 @@ def kernel_name(a_fmt, b_fmt, out, epi, accumulate, config, scale=0, pipe=False)
         entry = "fp8_block_gemm_pipe_tn" if pipe else "fp8_block_gemm_tn"
         return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, "
                 f"{cbool(accumulate)}, {scale}>")
-    entry = "fp8_gemm_tn" if cluster == 1 else f"fp8_gemm_tn_cluster{cluster}"
+    assert not wait or cluster == 1, "the chunk waits: no cluster"
+    entry = ("fp8_gemm_tn_wait" if wait else "fp8_gemm_tn" if cluster == 1
+             else f"fp8_gemm_tn_cluster{cluster}")
     return (f"tc::{entry}<{bn}, {stages}, {atom}, {out}, {int(epi)}, {cbool(accumulate)}, "
             f"{cbool(promote)}>")
 
@@ -320,6 +324,51 @@ def launch(config, a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out)
 
 
+# fp8_gemm_tn_wait's Chunks argument: ready (a pointer), rows, rot (int32), limit_ns (uint64)
+_CHUNKS = struct.Struct("<QiiQ")
+WAIT_LIMIT_S = 300.0  # a chunk later than this: the kernel traps (a dead peer, not a slow one)
+
+
+def gemm_chunked(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, ready,
+                 chunk_rows, first, split_accumulator=False, gelu=False, out=None,
+                 limit_s=WAIT_LIMIT_S):
+    """fp8_gemm (per-tensor scales) while A's rows [M, K] arrive in chunks of chunk_rows rows
+    (an all-gather's, pushed by peers' copy engines, which take no SM from it):
+    ready (uint32 CuPy array, one flag per chunk) holds nonzero once chunk c is in memory;
+    the tiles of chunk `first` (present at the launch) run first, then the others in order,
+    each once its flag is set. The caller resets the flags after the call (the kernel only
+    reads them). The same tiles, kernel body and sums as fp8_gemm with that configuration:
+    the same bits. A flag still 0 after limit_s seconds makes the kernel trap (the CUDA
+    context is then lost: a dead peer ends the process with an error, never a hang)."""
+    import cupy
+    m, k = a.shape
+    n = b.shape[0]
+    chunks = m // chunk_rows if chunk_rows > 0 else 0
+    if chunk_rows <= 0 or chunk_rows % BM or m % chunk_rows or not 1 <= chunks <= 32:
+        raise ValueError(f"gemm_chunked: chunk_rows must divide M = {m} into 1 to 32 chunks of "
+                         f"a multiple of {BM} rows, got {chunk_rows}")
+    if (not isinstance(ready, cupy.ndarray) or ready.dtype != np.uint32 or ready.size < chunks
+            or not ready.flags.c_contiguous):
+        raise TypeError(f"gemm_chunked: ready must be a contiguous uint32 CuPy array of at "
+                        f"least {chunks} flags, got {ready!r:.80}")
+    if not 0 <= first < chunks:
+        raise ValueError(f"gemm_chunked: first must be a chunk index in [0, {chunks}), "
+                         f"got {first}")
+    if not supported(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias, out,
+                     split_accumulator=split_accumulator, gelu=gelu):
+        raise ValueError("gemm_chunked: these operands are not ones fp8_gemm's kernel takes")
+    _check_fp8_out(out_dtype, None, None)
+    act = "gelu" if gelu else None
+    config = default_config(m, n, split_accumulator, k=k)
+    key = ("wait", config, a_fmt.name, b_fmt.name, out_dtype, bias is None, act, m, n, k,
+           current_device(), launch_module.margin())
+    plan = planned(_plans, key, _plan, config, a_fmt, b_fmt, out_dtype, bias is None, False,
+                   act, m, n, k, 0, False, launch_module.PDL, True)
+    packed = _CHUNKS.pack(ready.data.ptr, chunk_rows, first * chunk_rows // BM,
+                          int(limit_s * 1e9))
+    return _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, None, None, chunks=packed)
+
+
 _plans = {}  # launch plans (launch.planned): what a call of one shape and kind launches
 _plan_ids = itertools.count()
 
@@ -331,22 +380,24 @@ def _check_fp8_out(out_dtype, out_scale, amax_out):
 
 
 def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, scale=0,
-          pipe=False, pdl=True):
+          pipe=False, pdl=True, wait=False):
     """(kernel, grid, shared bytes, staged output?, output dtype, BN, act, bias dtype, the
     kernel's int32 M, N, K, a number naming the plan, its Launcher) of `config` for an
     M x N output, K deep; act: None, "gelu" (forward), "dgelu" (gelu's backward) or
     "residual" (the residual add; "residual, no prefetch": without the L2 prefetch); scale,
     pipe: kernel_name's (0 per tensor, 1 or 2 block scaling; the pipelined block kernel);
-    pdl False: launched without PDL even where launch_module.PDL is on."""
+    pdl False: launched without PDL even where launch_module.PDL is on; wait: the chunk
+    waits' kernel (gemm_chunked: one more argument, no cluster)."""
     bn, cluster = config[0], config[3]
-    if -(-n // bn) % cluster:
+    if wait or -(-n // bn) % cluster:
         config = config[:3] + (1,)
         cluster = 1
     fp8_out, bias_of = isinstance(out_dtype, FP8Format), out_dtype
     ctype = FP8TYPE[out_dtype.name] if fp8_out else CTYPE[np.dtype(out_dtype)]
     out_dtype = np.dtype(np.uint8) if fp8_out else np.dtype(out_dtype)
     epi = {"gelu": 2, "dgelu": 3}.get(act, _RESIDUAL_EPI.get(act, 0) + int(not no_bias))
-    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale, pipe)
+    name = kernel_name(a_fmt.name, b_fmt.name, ctype, epi, accumulate, config, scale, pipe,
+                       wait)
     staged = not fp8_out and tma_store(out_dtype, act, accumulate, bn)
     smem = smem_bytes(config, staged, scale, k if pipe else None)
     if name not in loader.declared().get(FILE, ()):  # a tuned config's kernel
@@ -360,7 +411,8 @@ def _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k, sc
     grid = (min(units, sms // cluster) * cluster,)
     return (fn, grid, smem, staged, out_dtype, bn, act, bias_dtype(bias_of),
             (np.int32(m), np.int32(n), np.int32(k)), next(_plan_ids),
-            Launcher(fn, grid, (THREADS,), _kinds(), smem, pdl=pdl and launch_module.PDL))
+            Launcher(fn, grid, (THREADS,), _kinds() + ((_CHUNKS.size,) if wait else ()), smem,
+                     pdl=pdl and launch_module.PDL))
 
 
 def _kinds():
@@ -371,7 +423,7 @@ def _kinds():
 
 
 def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
-         aux_in=None):
+         aux_in=None, chunks=None):
     import cupy
     fn, grid, smem, staged, out_dtype, bn, act, b_dtype, (m32, n32, k32), plan_id, run = plan
     m, n = a.shape[0], b.shape[0]
@@ -394,7 +446,9 @@ def _run(plan, a, a_scale_inv, b, b_scale_inv, bias, out, out_scale, amax_out,
     aux = cupy.empty_like(out) if act == "gelu" else out if act is None else aux_in
     packed, arrays = _gemm_descs(plan_id, a, b, out, bn, staged)
     args = (a_scale_inv, b_scale_inv, bias, out_scale, amax_out, out, aux, m32, n32, k32)
-    if CTYPES_LAUNCH:
+    if chunks is not None:  # (gemm_chunked: its plan's Launcher takes them; never CuPy's)
+        run(args + packed + (chunks,))
+    elif CTYPES_LAUNCH:
         run(args + packed)
     else:
         fn(grid, (THREADS,), args + arrays, shared_mem=smem)
