@@ -30,7 +30,7 @@ def _codes(rng, shape):
     return rng.integers(0, 0x7E, shape, dtype=np.int32).astype(cupy.uint8)  # (no NaN codes)
 
 
-def run(group, m, k, n, iters, rounds, graph):
+def run(group, m, k, n, iters, rounds, graph, streams):
     import cupy
     import tecupy
     from tecupy.distributed.peer import PeerBuffer, wait_flag, write_flag
@@ -51,34 +51,46 @@ def run(group, m, k, n, iters, rounds, graph):
         group.all_gather_into(own, full)
         return gemm(full)
 
-    buf, flags, free = PeerBuffer(group, m * k), PeerBuffer(group, 4 * p), PeerBuffer(group, 4 * p)
+    # each chunk in `streams` slices, a copy stream per slice: the slices of one chunk
+    # travel at once on several copy engines, the chunks still one after another (in the
+    # order the GEMM reads them); a flag per slice (ready), and per slice a flag on the
+    # pusher that the receiver has read it (free)
+    sl = streams
+    buf = PeerBuffer(group, m * k)
+    flags, free = PeerBuffer(group, 4 * p * sl), PeerBuffer(group, 4 * p * sl)
     mine = buf.array((m, k), np.uint8)
-    ready = flags.array((p,), np.uint32)
-    ready[r] = 1  # (its own chunk: always there at the launch)
-    free.array((p,), np.uint32).fill(1)  # every peer's slot may be written
+    ready = flags.array((p * sl,), np.uint32)
+    ready[r * sl:(r + 1) * sl] = 1  # (its own chunk: always there at the launch)
+    free.array((p * sl,), np.uint32).fill(1)  # every peer's slot may be written
     cupy.cuda.Device().synchronize()
     group.barrier()
-    push = cupy.cuda.Stream(non_blocking=True)
-    step = rows * k
+    pushes = [cupy.cuda.Stream(non_blocking=True) for _ in range(sl)]
+    step = rows * k // sl
 
     def overlap():
         main = cupy.cuda.get_current_stream()
         mine[r * rows:(r + 1) * rows] = own  # (the layer's norm would write it here)
-        push.wait_event(main.record())
-        for j in range(1, p):
-            q = (r + j) % p
-            wait_flag(free.ptr + 4 * q, 1, push)  # q has read what we pushed last time
-            write_flag(free.ptr + 4 * q, 0, push)
-            cupy.cuda.runtime.memcpyAsync(buf.peer[q] + r * step, buf.ptr + r * step, step,
-                                          cupy.cuda.runtime.memcpyDefault, push.ptr)
-            write_flag(flags.peer[q] + 4 * r, 1, push)
-        pushed = push.record()
-        y = G.gemm_chunked(mine, E4M3, s, w, E4M3, s, tecupy.bfloat16, None, ready, rows, r)
-        for c in range(p):
-            if c != r:
+        ev = main.record()
+        for push in pushes:
+            push.wait_event(ev)
+        for j in range(1, p):  # (to r - 1 first: rank r receives r + 1's chunk first, the
+            q = (r - j) % p      # order its GEMM reads the chunks in after its own)
+            for i, push in enumerate(pushes):
+                f, off = 4 * (r * sl + i), (r * sl + i) * step
+                wait_flag(free.ptr + 4 * (q * sl + i), 1, push)  # q has read the last one
+                write_flag(free.ptr + 4 * (q * sl + i), 0, push)
+                cupy.cuda.runtime.memcpyAsync(buf.peer[q] + off, buf.ptr + off, step,
+                                              cupy.cuda.runtime.memcpyDefault, push.ptr)
+                write_flag(flags.peer[q] + f, 1, push)
+        pushed = [push.record() for push in pushes]
+        y = G.gemm_chunked(mine, E4M3, s, w, E4M3, s, tecupy.bfloat16, None, ready, rows // sl,
+                           r * sl)
+        for c in range(p * sl):
+            if c // sl != r:
                 write_flag(flags.ptr + 4 * c, 0, main)  # reset by the waiter
-                write_flag(free.peer[c] + 4 * r, 1, main)  # c may push into us again
-        main.wait_event(pushed)  # (the pushes read the own slot; a graph joins them here)
+                write_flag(free.peer[c // sl] + 4 * (r * sl + c % sl), 1, main)  # may push
+        for e in pushed:  # (the pushes read the own slot; a graph joins them here)
+            main.wait_event(e)
         return y
 
     gathered = nccl()
@@ -113,7 +125,6 @@ def run(group, m, k, n, iters, rounds, graph):
         group.barrier()
         with stream:
             res["overlap graphed"] = timed(lambda: g.launch(stream))
-        push.synchronize()
     cupy.cuda.Device().synchronize()
     group.barrier()
     for b in (buf, flags, free):
@@ -130,10 +141,13 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--streams", type=int, default=1, help="copy streams (slices of each chunk)")
     args = ap.parse_args()
     from tecupy.distributed.multiproc import spawn
-    out = spawn(run, args.gpus, args.m, args.k, args.n, args.iters, args.rounds, args.graph)
-    print(f"M={args.m} K={args.k} N={args.n} on {args.gpus} GPUs, us per call")
+    out = spawn(run, args.gpus, args.m, args.k, args.n, args.iters, args.rounds, args.graph,
+                args.streams)
+    print(f"M={args.m} K={args.k} N={args.n} on {args.gpus} GPUs, {args.streams} push "
+          "streams, us per call")
     keys = [k for k in out[0] if k not in ("rank", "same", "codes_same")]
     print("rank  same  codes  " + "  ".join(f"{k:>15}" for k in keys))
     for o in out:

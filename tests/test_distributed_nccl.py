@@ -558,10 +558,12 @@ OVERLAP_LAYER = dict(hidden=256, ffn=1024, heads=8, s=256, b=2)
 def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
     """The TP=2 + SP TransformerLayer (ranks 0 and 1; bf16, FP8 delayed scaling with
     reduce_amax: two steps) with overlap.<switch> (OVERLAP: the rings, against the composed
-    plain path, fp8_blocks.FUSED off; BULK: the bulk overlap of the plain path) off, then on
-    -> {False/True: [y, every gradient]} (NumPy float32)."""
+    plain path, fp8_blocks.FUSED off; BULK: the bulk overlap of the plain path; PEER:
+    peer.PEER, the forward gathers as peer pushes read by the chunked GEMM) off, then on
+    -> {False/True: [y, every gradient], "peer": PeerGathers made on the group} (NumPy
+    float32)."""
     import tecupy
-    from tecupy.distributed import fp8_blocks, overlap
+    from tecupy.distributed import fp8_blocks, overlap, peer
     cupy = _xp(g)
     tp = g.split(color=0 if g.rank < 2 else None)
     if tp is None:
@@ -571,10 +573,11 @@ def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
              for _ in range(2))
     x, dy = (cupy.asarray(_cut(a, tp.rank, 2, 0)).astype(bfloat16) for a in (x, dy * 0.1))
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4, reduce_amax=True)
-    out, before, fused = {}, getattr(overlap, switch), fp8_blocks.FUSED
+    mod = peer if switch == "PEER" else overlap
+    out, before, fused = {}, getattr(mod, switch), fp8_blocks.FUSED
     fp8_blocks.FUSED = switch != "OVERLAP"
     for ring in (False, True):
-        setattr(overlap, switch, ring)
+        setattr(mod, switch, ring)
         layer = tecupy.nn.TransformerLayer(c["hidden"], c["ffn"], c["heads"], hidden_dropout=0.0,
                                            attention_dropout=0.0, seed=4, tp_group=tp,
                                            sequence_parallel=True, params_dtype=bfloat16,
@@ -585,8 +588,9 @@ def _overlap_layer(g, fp8, switch="OVERLAP", c=OVERLAP_LAYER):
                 y = layer(x)
             grads = tape.gradient(y, [x, *params.values()], output_grad=dy)
         out[ring] = [_np(a.astype(np.float32)) for a in [y, *grads]]
-    setattr(overlap, switch, before)
+    setattr(mod, switch, before)
     fp8_blocks.FUSED = fused
+    out["peer"] = sum(v is not None for v in getattr(tp, "_peer_gathers", {}).values())
     return out
 
 
@@ -625,6 +629,19 @@ def test_tp2_layer_bulk_overlap_is_bit_exact():
     total = 2 * len(got[0][True])
     assert note.startswith(f"bit-exact {total}/{total} "), note
     row("TP=2 +SP layer, bulk overlap on vs off (fp8)", 2, "ok", note)
+
+
+def test_tp2_layer_peer_gather_is_bit_exact():
+    """The FP8 sequence-parallel forward's all-gathers as copy-engine pushes into peer
+    buffers, read by the chunked GEMM as they land (peer.PEER), against NCCL's all-gather
+    then the GEMM (two steps): the same codes, GEMM tiles and wgrad transposes, every tensor
+    bit for bit; and the peer path did run (a PeerGather on the group)."""
+    got = dist.spawn(_overlap_layer, N, True, "PEER", timeout=300)
+    assert all(got[r]["peer"] >= 1 for r in range(2)), [got[r]["peer"] for r in range(2)]
+    note = _on_vs_off(got)
+    total = 2 * len(got[0][True])
+    assert note.startswith(f"bit-exact {total}/{total} "), note
+    row("TP=2 +SP layer, FP8 gathers by peer pushes vs NCCL", 2, "ok", note)
 
 
 def _act_row_gpu(g, fp8):

@@ -33,6 +33,7 @@ from ..tape import keeping, record, retaining
 from . import overlap
 from .fp8_gather import (SequenceReduce, column_backward, column_grads, residual_fits,
                          scale_is_shared)
+from .peer import peer_gather
 
 # TECUPY_TP_FUSED=0 / FUSED = False: always the composed path (A/B; the rings' tests compare
 # against it: the fused norm casts from float32, the composed one from its bf16 output)
@@ -89,10 +90,8 @@ def _norm_linear_sp_fp8(x, module, q):
     x2 = as_2d(x, m_local, k)
     qx, stats = _norm_fp8(x2, ln_w, ln_b, module.eps, zcg, module.normalization == "RMSNorm",
                           q.input)
-    full = FP8Tensor.made(g.all_gather(qx.data, 0), q.input.fmt, qx.scale_inv)
+    y2, saved = _gathered_gemm(g, qx, w, q, dtype, b)
     del qx
-    y2, saved = _gemm_fp8(full, w, q, dtype, b)
-    del full
     y = as_nd(y2, (x.shape[0] * g.size,) + x.shape[1:-1] + (n,))
     del y2
 
@@ -105,6 +104,20 @@ def _norm_linear_sp_fp8(x, module, q):
     record(backward, (x, ln_w, ln_b, w, b), (y,), after_backward=q.after_backward,
            once=q.once, partial=0)
     return y
+
+
+def _gathered_gemm(g, qx, w, q, dtype, bias):
+    """_gemm_fp8 of the all-gather of this rank's codes qx (the norm's, one scale on every
+    rank) -> (y, what the backward keeps): the chunks pushed by the copy engines and read by
+    the GEMM as they land (peer.PeerGather: the gathered codes transposed for wgrad here, so
+    the shared buffer is free after the forward) where that applies, else NCCL's all-gather,
+    then the GEMM."""
+    pg = peer_gather(g, qx.data)
+    if pg is not None:
+        y, full_t, qw = pg.gemm(qx, lambda: weight_fp8(q.weight, w, True), dtype, bias)
+        return y, [full_t, qw.columnwise(), True]
+    full = FP8Tensor.made(g.all_gather(qx.data, 0), q.input.fmt, qx.scale_inv)
+    return _gemm_fp8(full, w, q, dtype, bias)
 
 
 def _norm_backward(g, d_ln, x, x2, stats, module, partial, more=()):
@@ -129,10 +142,8 @@ def _mlp_sp_fp8(x, module, q1, q2, residual=None):
     x2 = as_2d(x, m_local, hidden)
     qx, stats = _norm_fp8(x2, ln_w, ln_b, module.eps, module.zero_centered_gamma,
                           module.normalization == "RMSNorm", q1.input)
-    full = FP8Tensor.made(g.all_gather(qx.data, 0), q1.input.fmt, qx.scale_inv)
+    h, saved1 = _gathered_gemm(g, qx, w1, q1, dtype, None)
     del qx
-    h, saved1 = _gemm_fp8(full, w1, q1, dtype, None)
-    del full
     qa = q2.input.quantize_act(h, b1, module.activation, transpose=keeping())
     qw2 = weight_fp8(q2.weight, w2, True)
     saved2 = kept_operands(qa, qw2)

@@ -8,8 +8,12 @@ in CUDA graphs). The FP8 GEMM reads such flags itself: kernels/fp8_gemm.gemm_chu
 Flags take fixed values (0 or 1) and are reset by whoever waited on them, so a captured
 graph replays the same operations."""
 import ctypes
+import os
+import socket
 
 import numpy as np
+
+from .._array import is_cupy
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _lib = []
@@ -96,3 +100,117 @@ class PeerBuffer:
         if self.ptr:
             rt.free(self.ptr)
             self.ptr = 0
+
+
+# The sequence-parallel all-gather of FP8 codes before a column-parallel GEMM as peer
+# copies that the GEMM reads as they land (PeerGather). TECUPY_TP_PEER=0 / PEER = False:
+# NCCL's all-gather, then the GEMM.
+PEER = os.environ.get("TECUPY_TP_PEER", "1").strip() not in ("", "0")
+
+
+class PeerGather:
+    """An all-gather of each rank's FP8 codes [rows, cols] into a buffer [size * rows, cols]
+    (rank order) on every rank of a one-host group, overlapped with the GEMM that reads it.
+    start(codes): the codes copied into this rank's chunk, then pushed to every peer by the
+    copy engine on a side stream (to rank - 1 first, so that each rank receives its chunks in
+    the order its GEMM reads them: its own, rank + 1, ...), a ready flag written in the peer
+    after each chunk; gemm_chunked reads the chunks as their flags come. finish(), after the
+    buffer's last read on the current stream: the flags reset, each peer told (a free flag
+    in the pusher) that it may push again. Made collectively (peer_gather)."""
+
+    def __init__(self, group, rows, cols):
+        import cupy
+        size, self.rank, self.rows = group.size, group.rank, rows
+        self.buf = PeerBuffer(group, size * rows * cols)
+        self.flags, self.free = PeerBuffer(group, 4 * size), PeerBuffer(group, 4 * size)
+        self.full = self.buf.array((size * rows, cols), np.uint8)
+        self.ready = self.flags.array((size,), np.uint32)
+        self.ready[self.rank] = 1  # (its own chunk: there at every launch)
+        self.free.array((size,), np.uint32).fill(1)  # every peer's slot may be written
+        self.push = cupy.cuda.Stream(non_blocking=True)
+        self.peers = [(self.rank - j) % size for j in range(1, size)]
+        self.pushed = None
+        cupy.cuda.Device().synchronize()
+        group.barrier()  # (no rank pushes before every flag is set)
+
+    def start(self, codes):
+        """codes [rows, cols] (uint8, C-contiguous) into this rank's chunk and on their way
+        to every peer -> the whole buffer (a CuPy array; its other chunks land later)."""
+        import cupy
+        r, step = self.rank, codes.nbytes
+        main = cupy.cuda.get_current_stream()
+        self.full[r * self.rows:(r + 1) * self.rows] = codes
+        self.push.wait_event(main.record())
+        src = self.buf.ptr + r * step
+        for q in self.peers:
+            wait_flag(self.free.ptr + 4 * q, 1, self.push)  # q read what we pushed last
+            write_flag(self.free.ptr + 4 * q, 0, self.push)
+            cupy.cuda.runtime.memcpyAsync(self.buf.peer[q] + r * step, src, step,
+                                          cupy.cuda.runtime.memcpyDefault, self.push.ptr)
+            write_flag(self.flags.peer[q] + 4 * r, 1, self.push)
+        self.pushed = self.push.record()
+        return self.full
+
+    def finish(self):
+        """After the current stream's last read of the buffer: flags reset (by the waiter),
+        the peers free to push again; the current stream waits for this rank's pushes (they
+        read its chunk; a CUDA graph joins the side stream here)."""
+        import cupy
+        main = cupy.cuda.get_current_stream()
+        for q in self.peers:
+            write_flag(self.flags.ptr + 4 * q, 0, main)
+            write_flag(self.free.peer[q] + 4 * self.rank, 1, main)
+        main.wait_event(self.pushed)
+        self.pushed = None
+
+    def gemm(self, qx, weight_codes, out_dtype, bias):
+        """(all-gather of the ranks' qx) @ qw.T (+ bias), qw = weight_codes() (the weight's
+        cast, run while the chunks travel) -> (y, the gathered codes' column-wise copy as an
+        FP8Tensor for wgrad, qw). Operands the chunked kernel does not take: every chunk
+        waited for, then the FP8 GEMM op (the same on every rank)."""
+        from .. import backends
+        from ..fp8 import FP8Tensor
+        from ..kernels import fp8_gemm as G
+        from ..ops.linear import fp8_gemm
+        full = self.start(qx.data)
+        qw = weight_codes()
+        if type(qw) is FP8Tensor and G.supported(full, qx.fmt, qx.scale_inv, qw.data, qw.fmt,
+                                                 qw.scale_inv, out_dtype, bias):
+            y = G.gemm_chunked(full, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
+                               out_dtype, bias, self.ready, self.rows, self.rank)
+        else:
+            for q in self.peers:
+                wait_flag(self.ready.data.ptr + 4 * q, 1)
+            y = fp8_gemm(FP8Tensor.made(full, qx.fmt, qx.scale_inv), qw, out_dtype, bias)
+        full_t = backends.dispatch("fp8_transpose", full)
+        self.finish()
+        return y, FP8Tensor.made(full_t, qx.fmt, qx.scale_inv), qw
+
+
+def peer_gather(group, codes):
+    """The group's PeerGather for codes like `codes` (this rank's [rows, cols] FP8 codes of
+    a sequence-parallel all-gather), or None: PEER off, not an NCCL group of one host, not
+    a CuPy uint8 2-D C-contiguous array, rows not a multiple of 128 (the GEMM's row tile), or
+    more than 32 ranks. Made at the first such call on every rank (collectively: the same
+    arguments on every rank give the same answer) and kept on the group for the process's
+    life: a peer may still write a flag into this rank's memory after this rank's last use,
+    so it is never freed early (one buffer per codes shape: the layers share it)."""
+    from .nccl import NcclGroup
+    if (not PEER or not isinstance(group, NcclGroup) or not 2 <= group.size <= 32
+            or not is_cupy(codes) or codes.dtype != np.uint8 or codes.ndim != 2
+            or not codes.flags.c_contiguous or codes.shape[0] % 128):
+        return None
+    gathers = group.__dict__.setdefault("_peer_gathers", {})
+    key = codes.shape
+    if key not in gathers:
+        gathers[key] = PeerGather(group, *codes.shape) if _one_host(group) else None
+    return gathers[key]
+
+
+def _one_host(group):
+    """Whether every rank of the group runs on this host (CUDA IPC maps only those): the
+    ranks' host names compared, the same answer on every rank."""
+    import cupy
+    name = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
+    names = cupy.asnumpy(group.all_gather(cupy.asarray(name), 0)).reshape(group.size, -1)
+    return bool((names == names[0]).all())

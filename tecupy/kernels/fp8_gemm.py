@@ -112,6 +112,9 @@ def _names():
         for out in _OUT[1:]:
             for epi in (4, 5):
                 yield kernel_name("e4m3", "e4m3", out, epi, False, config)
+            # gemm_chunked: sequence parallel's gathered norm codes (qkv, fc1) as they land
+            for epi in (0, 1):
+                yield kernel_name("e4m3", "e4m3", out, epi, False, config, wait=True)
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
