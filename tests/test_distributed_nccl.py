@@ -709,6 +709,43 @@ def test_raising_rank_ends_every_rank_within_10_s():
     row("fault: rank 1 raises, others in NCCL", N, "ok", f"all ranks ended {dt:.1f} s after")
 
 
+def _raise_on_1_in_peer_gather(g):
+    """Rank 1 raises instead of its part of a sequence-parallel FP8 gather (peer.PeerGather):
+    the others' chunked GEMMs wait on the GPU for its chunk, their hosts in the sync."""
+    import cupy
+    import tecupy
+    from tecupy.distributed.peer import peer_gather
+    from tecupy.fp8 import E4M3, FP8Tensor
+    s = cupy.ones(1, np.float32)
+    qx = FP8Tensor.made(cupy.zeros((128, 256), np.uint8), E4M3, s)
+    qw = FP8Tensor.made(cupy.zeros((256, 256), np.uint8), E4M3, s)
+    pg = peer_gather(g, qx.data)
+    assert pg is not None, "the peer gather applies on one host"
+    cupy.cuda.get_current_stream().synchronize()
+    g.barrier()
+    if g.rank == 1:
+        raise ValueError(f"boom on rank 1 at {time.time()!r}")
+    pg.gemm(qx, lambda: qw, tecupy.bfloat16, None)  # rank 1's chunk never comes
+    cupy.cuda.get_current_stream().synchronize()
+    g.barrier()
+
+
+def test_raising_rank_ends_every_rank_waiting_in_a_peer_gather_within_10_s():
+    """A dead rank's chunk never lands: the ranks whose GEMMs wait for it on the GPU still
+    end within 10 s of the raise (the group's abort ends the processes; the kernel's own
+    limit, gemm_chunked's limit_s, is the last resort)."""
+    with pytest.raises(ValueError, match="boom on rank 1 at") as e:
+        dist.spawn(_raise_on_1_in_peer_gather, N, timeout=120, grace=30)
+    dt = time.time() - float(str(e.value).rsplit(" ", 1)[1])
+    assert dt < 10
+    notes = "\n".join(e.value.__notes__)
+    for r in range(N):
+        if r != 1:
+            assert f"rank {r}: " in notes
+    row("fault: rank 1 raises, others' GEMMs wait for its chunk", N, "ok",
+        f"all ranks ended {dt:.1f} s after")
+
+
 def test_init_timeout_names_the_absent_rank(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(f"""\

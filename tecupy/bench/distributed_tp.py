@@ -126,8 +126,12 @@ def print_tp(tp_rows, step_rows, n, layer_size):
           f"; issue 25's target: {'<= %.2fx' % target if target else 'none at this size'}; "
           "overlap: the sequence-parallel collectives as rings overlapped with the GEMMs "
           "(TECUPY_TP_OVERLAP)")
+    from tecupy.distributed import peer
     print("graphed: the step captured in a CUDA graph (make_graphed_step), against the "
-          "single-GPU step graphed too; the others eager against eager")
+          "single-GPU step graphed too; the others eager against eager. FP8's forward "
+          "gathers without the rings: "
+          + ("copy-engine pushes read by the GEMM as they land (TECUPY_TP_PEER=1)"
+             if peer.PEER else "NCCL's all-gather, then the GEMM (TECUPY_TP_PEER=0)"))
     print("| precision | overlap | 1 GPU ms | TP ms | host ms | TP / 1 GPU | target |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_overlap in tp_rows.items():
