@@ -37,6 +37,7 @@ from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_dy, fp8_gemm, fp8_gra
 from ..quantization import CurrentQuantizer, DelayedQuantizer, gemm_quantizers
 from ..tape import keeping, record, retaining
 from . import overlap
+from .peer import peer_gather
 from .ring_linear import ring_column_linear_hp
 
 
@@ -67,6 +68,7 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
               qi.amax_out)
     tr = keeping()
     shape = (x.shape[0] * group.size,) + x.shape[1:-1] + (n,)
+    full = full_t = None
     if ring:
         qw = weight_fp8(q.weight, weight, tr)
         y2 = xp_of(x).empty((m, n), x.dtype)
@@ -78,6 +80,11 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
                               qx.scale_inv)
         del qx
         y = as_nd(y2, shape)
+    elif peer_gather(group, qx.data) is not None:  # (pushes read as they land: peer.py)
+        y2, full_t, qw = peer_gather(group, qx.data).gemm(
+            qx, lambda: weight_fp8(q.weight, weight, tr), x.dtype, bias, transpose=tr)
+        del qx
+        y = as_nd(y2, shape)
     else:
         full = FP8Tensor.made(group.all_gather(qx.data, 0), qi.fmt, qx.scale_inv)
         del qx
@@ -86,8 +93,8 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
     if not tr:
         return y
     x_shape, x_dtype = x.shape, x.dtype
-    saved = [full.columnwise(), qw.columnwise()]
-    del full
+    saved = [full.columnwise() if full_t is None else full_t, qw.columnwise()]
+    full = full_t = None
 
     def backward(dy):
         if ring:

@@ -163,11 +163,11 @@ class PeerGather:
         main.wait_event(self.pushed)
         self.pushed = None
 
-    def gemm(self, qx, weight_codes, out_dtype, bias):
+    def gemm(self, qx, weight_codes, out_dtype, bias, transpose=True):
         """(all-gather of the ranks' qx) @ qw.T (+ bias), qw = weight_codes() (the weight's
         cast, run while the chunks travel) -> (y, the gathered codes' column-wise copy as an
-        FP8Tensor for wgrad, qw). Operands the chunked kernel does not take: every chunk
-        waited for, then the FP8 GEMM op (the same on every rank)."""
+        FP8Tensor for wgrad (None unless transpose), qw). Operands the chunked kernel does
+        not take: every chunk waited for, then the FP8 GEMM op (the same on every rank)."""
         from .. import backends
         from ..fp8 import FP8Tensor
         from ..kernels import fp8_gemm as G
@@ -182,9 +182,9 @@ class PeerGather:
             for q in self.peers:
                 wait_flag(self.ready.data.ptr + 4 * q, 1)
             y = fp8_gemm(FP8Tensor.made(full, qx.fmt, qx.scale_inv), qw, out_dtype, bias)
-        full_t = backends.dispatch("fp8_transpose", full)
+        full_t = backends.dispatch("fp8_transpose", full) if transpose else None
         self.finish()
-        return y, FP8Tensor.made(full_t, qx.fmt, qx.scale_inv), qw
+        return y, full_t if full_t is None else FP8Tensor.made(full_t, qx.fmt, qx.scale_inv), qw
 
 
 def peer_gather(group, codes):
