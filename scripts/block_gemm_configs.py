@@ -1,0 +1,103 @@
+"""Issue 20's shape (M=4096, N=7168, K=16384, DeepGEMM's) on one GPU: TFLOP/s of the pipelined
+block-scaled FP8 GEMM (B in 128x128 blocks) and of the per-tensor split and fast GEMMs, for
+each tile configuration (BN, stages) that fits, every kernel timed interleaved (CUDA events
+over --iters back-to-back calls, best of --rounds), the block outputs checked against the
+default configuration's (bit for bit: the tile does not change a row's sums).
+
+    python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384]
+    python scripts/block_gemm_configs.py --one block:256,3   # one call of one kernel (ncu)
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+CONFIGS = [(256, 3), (192, 4), (128, 6), (128, 5), (128, 4)]
+
+
+def operands(m, n, k):
+    import cupy
+    rng = cupy.random.default_rng(0)
+    a = rng.integers(0, 0x7E, (m, k), dtype=np.int32).astype(np.uint8)
+    b = rng.integers(0, 0x7E, (n, k), dtype=np.int32).astype(np.uint8)
+    sa = rng.uniform(0.5, 2, (-(-k // 128), m), dtype=np.float32)  # [nk, M]
+    sb = rng.uniform(0.5, 2, (-(-n // 128), -(-k // 128)), dtype=np.float32)
+    return a, sa, b, sb
+
+
+def kernels(m, n, k, only=None):
+    """{name: call()} for every kind and configuration that fits in shared memory (only:
+    that one name)."""
+    import cupy
+    import tecupy
+    from tecupy.fp8 import E4M3
+    from tecupy.kernels import fp8_gemm as G
+    a, sa, b, sb = operands(m, n, k)
+    one = cupy.ones(1, np.float32)
+    bf16 = tecupy.bfloat16
+    out = {}
+    for bn, stages in CONFIGS:
+        for kind, split, scale in (("block", True, 2), ("split", True, 0), ("fast", False, 0)):
+            config = (bn, stages, split, 1)
+            pipe = scale > 0
+            if only not in (None, f"{kind}:{bn},{stages}"):
+                continue
+            staged = G.tma_store(np.dtype(bf16), None, False, bn)
+            if G.smem_bytes(config, staged, scale, k if pipe else None) > G.SMEM_MAX:
+                continue
+            plan = G._plan(config, E4M3, E4M3, bf16, True, False, None, m, n, k, scale=scale,
+                           pipe=pipe, pdl=False)
+            args = (a, sa, b, sb) if scale else (a, one, b, one)
+
+            def call(plan=plan, args=args):
+                return G._run(plan, args[0], args[1], args[2], args[3], None, None, None, None)
+            out[f"{kind}:{bn},{stages}"] = call
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=7168)
+    ap.add_argument("--k", type=int, default=16384)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--one", default=None)
+    args = ap.parse_args()
+    import cupy
+    ks = kernels(args.m, args.n, args.k, args.one)
+    if args.one:
+        ks[args.one]()
+        cupy.cuda.Device().synchronize()
+        return
+    ref = {kind: None for kind in ("block", "split", "fast")}
+    same = {}
+    for name, call in ks.items():
+        y = call()
+        kind = name.split(":")[0]
+        if ref[kind] is None:
+            ref[kind] = y
+        same[name] = bool((y.view(np.uint16) == ref[kind].view(np.uint16)).all())
+    best = {name: float("inf") for name in ks}
+    for _ in range(args.rounds):
+        for name, call in ks.items():
+            start = cupy.cuda.get_current_stream().record()
+            for _ in range(args.iters):
+                call()
+            end = cupy.cuda.get_current_stream().record()
+            end.synchronize()
+            best[name] = min(best[name], cupy.cuda.get_elapsed_time(start, end) / args.iters)
+    flops = 2.0 * args.m * args.n * args.k
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"M={args.m} N={args.n} K={args.k}, {gpu}")
+    print("| kernel:BN,stages | ms | TFLOP/s | same bits as the first config |")
+    print("| --- | --- | --- | --- |")
+    for name in ks:
+        print(f"| {name} | {best[name]:.3f} | {flops / best[name] / 1e9:.0f} | {same[name]} |")
+
+
+if __name__ == "__main__":
+    main()
