@@ -4,7 +4,7 @@ each tile configuration (BN, stages) that fits, every kernel timed interleaved (
 over --iters back-to-back calls, best of --rounds), the block outputs checked against the
 default configuration's (bit for bit: the tile does not change a row's sums).
 
-    python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384]
+    python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384] [--data normal|bits]
     python scripts/block_gemm_configs.py --one block:256,3   # one call of one kernel (ncu)
 """
 import argparse
@@ -18,24 +18,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 CONFIGS = [(256, 3), (192, 4), (128, 6), (128, 5), (128, 4)]
 
 
-def operands(m, n, k):
+def operands(m, n, k, data="normal"):
+    """A, B codes (normal: N(0, 1) cast to E4M3 with scale 1, as the GEMM bench's; bits:
+    uniform random codes, NaN excluded) and their factors."""
     import cupy
+    import tecupy
     rng = cupy.random.default_rng(0)
-    a = rng.integers(0, 0x7E, (m, k), dtype=np.int32).astype(np.uint8)
-    b = rng.integers(0, 0x7E, (n, k), dtype=np.int32).astype(np.uint8)
+    if data == "normal":
+        a, b = (tecupy.quantize(rng.standard_normal(s, np.float32), 1.0, "e4m3").data
+                for s in ((m, k), (n, k)))
+    else:
+        a = rng.integers(0, 0x7E, (m, k), dtype=np.int32).astype(np.uint8)
+        b = rng.integers(0, 0x7E, (n, k), dtype=np.int32).astype(np.uint8)
     sa = rng.uniform(0.5, 2, (-(-k // 128), m), dtype=np.float32)  # [nk, M]
     sb = rng.uniform(0.5, 2, (-(-n // 128), -(-k // 128)), dtype=np.float32)
     return a, sa, b, sb
 
 
-def kernels(m, n, k, only=None):
+def kernels(m, n, k, only=None, data="normal"):
     """{name: call()} for every kind and configuration that fits in shared memory (only:
     that one name)."""
     import cupy
     import tecupy
     from tecupy.fp8 import E4M3
     from tecupy.kernels import fp8_gemm as G
-    a, sa, b, sb = operands(m, n, k)
+    a, sa, b, sb = operands(m, n, k, data)
     one = cupy.ones(1, np.float32)
     bf16 = tecupy.bfloat16
     out = {}
@@ -66,9 +73,10 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--one", default=None)
+    ap.add_argument("--data", choices=("normal", "bits"), default="normal")
     args = ap.parse_args()
     import cupy
-    ks = kernels(args.m, args.n, args.k, args.one)
+    ks = kernels(args.m, args.n, args.k, args.one, args.data)
     if args.one:
         ks[args.one]()
         cupy.cuda.Device().synchronize()
@@ -92,7 +100,7 @@ def main():
             best[name] = min(best[name], cupy.cuda.get_elapsed_time(start, end) / args.iters)
     flops = 2.0 * args.m * args.n * args.k
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"M={args.m} N={args.n} K={args.k}, {gpu}")
+    print(f"M={args.m} N={args.n} K={args.k}, {gpu}, {args.data} data")
     print("| kernel:BN,stages | ms | TFLOP/s | same bits as the first config |")
     print("| --- | --- | --- | --- |")
     for name in ks:
