@@ -24,8 +24,8 @@ from .. import backends
 from .._array import xp_of
 from ..fp8 import FP8Tensor
 from ..fp8_params import weight_fp8
-from ..ops.blocks import (_fused_mlp_quantizers, _gemm_fp8, _norm_bwd, _norm_fp8, dact_grads,
-                          kept_operands, released)
+from ..ops.blocks import (DACT_CHUNK_BYTES, _fused_mlp_quantizers, _gemm_fp8, _norm_bwd,
+                          _norm_fp8, dact_grads, kept_operands, released)
 from ..ops.elementwise import add
 from ..ops.linear import as_2d, as_nd, check_fp8_dims, fp8_gemm
 from ..quantization import gemm_quantizers
@@ -120,6 +120,42 @@ def _gathered_gemm(g, qx, w, q, dtype, bias):
     return _gemm_fp8(full, w, q, dtype, bias)
 
 
+def _dact_grads_peer(pg, qdy, saved2, h, b1, activation, g, dtype):
+    """ops.blocks.dact_grads with dy all-gathered by the peer pushes (pg, PeerGather) of
+    this rank's codes qdy: fc2's dgrad first, its first column chunk's GEMM reading dy's
+    rows as they land, the activation's backward cast from it, then wgrad (dy's transpose)
+    and the buffer released (the same GEMMs and casts: the same bits, wgrad after dgrad, so
+    the activation's column-wise codes live through dgrad: [ffn / tp, M] bytes more at its
+    peak) -> (FP8Tensor of dh, db1, dw2)."""
+    from ..kernels.fp8_gemm import gemm_chunked, supported
+    full = FP8Tensor.made(pg.start(qdy.data), qdy.fmt, qdy.scale_inv)
+    qa_t, qw_t = saved2
+    saved2.clear()
+    first = [True]  # (the first GEMM waits per chunk; the later ones find them all)
+
+    def dgrad(c0, c1):  # dy's columns c0:c1 = dy @ (rows c0:c1 of w2's transposed codes).T
+        w = qw_t.rows(c0, c1)
+        if first[0]:
+            first[0] = False
+            if supported(full.data, full.fmt, full.scale_inv, w.data, w.fmt, w.scale_inv,
+                         dtype, split_accumulator=True):
+                return gemm_chunked(full.data, full.fmt, full.scale_inv, w.data, w.fmt,
+                                    w.scale_inv, dtype, None, pg.ready, pg.rows, pg.rank,
+                                    split_accumulator=True)
+            pg.wait_all()
+        return fp8_gemm(full, w, dtype, split_accumulator=True)
+    m, ffn = h.shape
+    chunk = max(64, DACT_CHUNK_BYTES // (m * h.itemsize) // 64 * 64)
+    qdh, db1 = g.quantize_dact(dgrad, h, b1, activation, None if b1 is None else b1.dtype,
+                               chunk)
+    if first[0]:  # (no dgrad ran: no column)
+        pg.wait_all()
+    dw2 = fp8_gemm(full.T, qa_t, dtype, split_accumulator=True)
+    del qa_t
+    pg.finish()
+    return qdh, db1, dw2
+
+
 def _norm_backward(g, d_ln, x, x2, stats, module, partial, more=()):
     """(dx, dgamma, dbeta) of the chunk's norm; the parameters' gradients (the chunk's
     partial sums), and those of `more` (other replicated parameters' partial sums, None
@@ -157,12 +193,16 @@ def _mlp_sp_fp8(x, module, q1, q2, residual=None):
 
     def backward(dy, partial=None):
         h = kept[0] if retaining() else kept.pop()
-        qdy, db2 = comm.dy_dbias(q2.grad_output, as_2d(dy, m_local, hidden), b2)
-        held = [qdy]
-        del qdy
-        qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, module.activation,
-                                   q1.grad_output, dtype)
-        del h
+        qdy, db2 = comm.cast_dy(q2.grad_output, as_2d(dy, m_local, hidden), b2)
+        pg = peer_gather(g, qdy.data)
+        if pg is not None:  # dy's chunks pushed, fc2's dgrad reading them as they land
+            qdh, db1, dw2 = _dact_grads_peer(pg, qdy, released(saved2), h, b1,
+                                             module.activation, q1.grad_output, dtype)
+        else:
+            held = [FP8Tensor.made(g.all_gather(qdy.data, 0), qdy.fmt, qdy.scale_inv)]
+            qdh, db1, dw2 = dact_grads(held, released(saved2), h, b1, module.activation,
+                                       q1.grad_output, dtype)
+        del h, qdy
         held = [qdh]
         del qdh
         d_ln, dw1 = column_grads(held, released(saved1), dtype, g, overlap.bulk(g, dy))

@@ -246,14 +246,18 @@ class SequenceReduce:
 
     def dy_dbias(self, q_dy, dy2, bias):
         """(dy's FP8Tensor as dy gives it, the dbias of this rank's rows of dy2 or None
-        without a bias): dbias from the cast's read of dy2 (cast_transpose_dbias; its
+        without a bias): cast_dy, then the codes all-gathered by NCCL."""
+        q, db = self.cast_dy(q_dy, dy2, bias)
+        return FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv), db
+
+    def cast_dy(self, q_dy, dy2, bias):
+        """(this rank's rows of dy2 cast by q_dy with the group's one scale, their dbias or
+        None without a bias): dbias from the cast's read of dy2 (cast_transpose_dbias; its
         chunk's transposed codes are not used), for the caller to sum over the group."""
         scale = shared_scale(q_dy, self.fp8_state, self.group, dy2)
         if bias is None:
-            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out), None
-        else:
-            q, db = cast(dy2, scale, q_dy.fmt, q_dy.amax_out, True, bias.dtype)
-        return FP8Tensor.made(self.group.all_gather(q.data, 0), q_dy.fmt, q.scale_inv), db
+            return cast(dy2, scale, q_dy.fmt, q_dy.amax_out), None
+        return cast(dy2, scale, q_dy.fmt, q_dy.amax_out, True, bias.dtype)
 
 
 def residual_fits(residual, x, shape):

@@ -163,6 +163,12 @@ class PeerGather:
         main.wait_event(self.pushed)
         self.pushed = None
 
+    def wait_all(self):
+        """The current stream waits for every peer's chunk (a reader other than
+        gemm_chunked)."""
+        for q in self.peers:
+            wait_flag(self.ready.data.ptr + 4 * q, 1)
+
     def gemm(self, qx, weight_codes, out_dtype, bias, transpose=True):
         """(all-gather of the ranks' qx) @ qw.T (+ bias), qw = weight_codes() (the weight's
         cast, run while the chunks travel) -> (y, the gathered codes' column-wise copy as an
@@ -179,8 +185,7 @@ class PeerGather:
             y = G.gemm_chunked(full, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
                                out_dtype, bias, self.ready, self.rows, self.rank)
         else:
-            for q in self.peers:
-                wait_flag(self.ready.data.ptr + 4 * q, 1)
+            self.wait_all()
             y = fp8_gemm(FP8Tensor.made(full, qx.fmt, qx.scale_inv), qw, out_dtype, bias)
         full_t = backends.dispatch("fp8_transpose", full) if transpose else None
         self.finish()

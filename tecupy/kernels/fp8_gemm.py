@@ -115,6 +115,10 @@ def _names():
             # gemm_chunked: sequence parallel's gathered norm codes (qkv, fc1) as they land
             for epi in (0, 1):
                 yield kernel_name("e4m3", "e4m3", out, epi, False, config, wait=True)
+    for config, _ in DEFAULTS[True]:  # and fc2's dgrad on dy's gathered codes (E5M2: HYBRID)
+        for fmts in (("e5m2", "e4m3"), ("e4m3", "e4m3")):
+            for out in _OUT[1:]:
+                yield kernel_name(*fmts, out, 0, False, config, wait=True)
 
 
 loader.declare(FILE, list(_names()), archs=("sm_90a",), options=OPTIONS)
