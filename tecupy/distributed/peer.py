@@ -196,10 +196,12 @@ def peer_gather(group, codes):
     """The group's PeerGather for codes like `codes` (this rank's [rows, cols] FP8 codes of
     a sequence-parallel all-gather), or None: PEER off, not an NCCL group of one host, not
     a CuPy uint8 2-D C-contiguous array, rows not a multiple of 128 (the GEMM's row tile), or
-    more than 32 ranks. Made at the first such call on every rank (collectively: the same
-    arguments on every rank give the same answer) and kept on the group for the process's
-    life: a peer may still write a flag into this rank's memory after this rank's last use,
-    so it is never freed early (one buffer per codes shape: the layers share it)."""
+    more than 32 ranks, or none made yet while a CUDA graph is being captured (NCCL's
+    all-gather is captured then). Made at the first such call on every rank (collectively:
+    the same arguments on every rank give the same answer) and kept on the group for the
+    process's life: a peer may still write a flag into this rank's memory after this
+    rank's last use, so it is never freed early (one buffer per codes shape: the layers
+    share it)."""
     from .nccl import NcclGroup
     if (not PEER or not isinstance(group, NcclGroup) or not 2 <= group.size <= 32
             or not is_cupy(codes) or codes.dtype != np.uint8 or codes.ndim != 2
@@ -208,6 +210,9 @@ def peer_gather(group, codes):
     gathers = group.__dict__.setdefault("_peer_gathers", {})
     key = codes.shape
     if key not in gathers:
+        import cupy
+        if cupy.cuda.get_current_stream().is_capturing():  # (made eagerly only: it
+            return None  # allocates, synchronises and exchanges handles; NCCL is captured)
         gathers[key] = PeerGather(group, *codes.shape) if _one_host(group) else None
     return gathers[key]
 
