@@ -69,6 +69,7 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
     tr = keeping()
     shape = (x.shape[0] * group.size,) + x.shape[1:-1] + (n,)
     full = full_t = None
+    pg = None if ring else peer_gather(group, qx.data)  # (pushes read as they land: peer.py)
     if ring:
         qw = weight_fp8(q.weight, weight, tr)
         y2 = xp_of(x).empty((m, n), x.dtype)
@@ -80,9 +81,9 @@ def gather_sequence_linear(x, weight, bias, group, fp8_state=None, gemm_index=0)
                               qx.scale_inv)
         del qx
         y = as_nd(y2, shape)
-    elif peer_gather(group, qx.data) is not None:  # (pushes read as they land: peer.py)
-        y2, full_t, qw = peer_gather(group, qx.data).gemm(
-            qx, lambda: weight_fp8(q.weight, weight, tr), x.dtype, bias, transpose=tr)
+    elif pg is not None:
+        y2, full_t, qw = pg.gemm(qx, lambda: weight_fp8(q.weight, weight, tr), x.dtype, bias,
+                                 transpose=tr)
         del qx
         y = as_nd(y2, shape)
     else:
