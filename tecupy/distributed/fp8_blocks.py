@@ -127,7 +127,6 @@ def _dact_grads_peer(pg, qdy, saved2, h, b1, activation, g, dtype):
     and the buffer released (the same GEMMs and casts: the same bits, wgrad after dgrad, so
     the activation's column-wise codes live through dgrad: [ffn / tp, M] bytes more at its
     peak) -> (FP8Tensor of dh, db1, dw2)."""
-    from ..kernels.fp8_gemm import gemm_chunked, supported
     full = FP8Tensor.made(pg.start(qdy.data), qdy.fmt, qdy.scale_inv)
     qa_t, qw_t = saved2
     saved2.clear()
@@ -137,19 +136,13 @@ def _dact_grads_peer(pg, qdy, saved2, h, b1, activation, g, dtype):
         w = qw_t.rows(c0, c1)
         if first[0]:
             first[0] = False
-            if supported(full.data, full.fmt, full.scale_inv, w.data, w.fmt, w.scale_inv,
-                         dtype, split_accumulator=True):
-                return gemm_chunked(full.data, full.fmt, full.scale_inv, w.data, w.fmt,
-                                    w.scale_inv, dtype, None, pg.ready, pg.rows, pg.rank,
-                                    split_accumulator=True)
-            pg.wait_all()
+            return pg.matmul(full, w, dtype, split_accumulator=True)
         return fp8_gemm(full, w, dtype, split_accumulator=True)
     m, ffn = h.shape
     chunk = max(64, DACT_CHUNK_BYTES // (m * h.itemsize) // 64 * 64)
     qdh, db1 = g.quantize_dact(dgrad, h, b1, activation, None if b1 is None else b1.dtype,
                                chunk)
-    if first[0]:  # (no dgrad ran: no column)
-        pg.wait_all()
+    assert not first[0], "dact_cast_chunked ran no dgrad chunk"  # (ffn >= 1 column)
     dw2 = fp8_gemm(full.T, qa_t, dtype, split_accumulator=True)
     del qa_t
     pg.finish()

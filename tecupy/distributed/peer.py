@@ -14,6 +14,9 @@ import socket
 import numpy as np
 
 from .._array import is_cupy
+from ..fp8 import FP8Tensor
+from ..kernels import fp8_gemm as G
+from ..ops.linear import fp8_gemm
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _lib = []
@@ -163,33 +166,30 @@ class PeerGather:
         main.wait_event(self.pushed)
         self.pushed = None
 
-    def wait_all(self):
-        """The current stream waits for every peer's chunk (a reader other than
-        gemm_chunked)."""
+    def matmul(self, full, qw, out_dtype, bias=None, split_accumulator=False):
+        """full @ qw.T (+ bias) for `full`, this buffer's codes as an FP8Tensor, while its
+        chunks land: gemm_chunked where its kernel takes the operands, else every chunk
+        waited for on the current stream, then the FP8 GEMM op (the same on every rank)."""
+        if type(qw) is FP8Tensor and G.supported(
+                full.data, full.fmt, full.scale_inv, qw.data, qw.fmt, qw.scale_inv, out_dtype,
+                bias, split_accumulator=split_accumulator):
+            return G.gemm_chunked(full.data, full.fmt, full.scale_inv, qw.data, qw.fmt,
+                                  qw.scale_inv, out_dtype, bias, self.ready, self.rows,
+                                  self.rank, split_accumulator=split_accumulator)
         for q in self.peers:
             wait_flag(self.ready.data.ptr + 4 * q, 1)
+        return fp8_gemm(full, qw, out_dtype, bias, split_accumulator=split_accumulator)
 
     def gemm(self, qx, weight_codes, out_dtype, bias, transpose=True):
         """(all-gather of the ranks' qx) @ qw.T (+ bias), qw = weight_codes() (the weight's
         cast, run while the chunks travel) -> (y, the gathered codes' column-wise copy as an
-        FP8Tensor for wgrad (None unless transpose), qw). Operands the chunked kernel does
-        not take: every chunk waited for, then the FP8 GEMM op (the same on every rank)."""
-        from .. import backends
-        from ..fp8 import FP8Tensor
-        from ..kernels import fp8_gemm as G
-        from ..ops.linear import fp8_gemm
-        full = self.start(qx.data)
+        FP8Tensor for wgrad (None unless transpose), qw)."""
+        full = FP8Tensor.made(self.start(qx.data), qx.fmt, qx.scale_inv)
         qw = weight_codes()
-        if type(qw) is FP8Tensor and G.supported(full, qx.fmt, qx.scale_inv, qw.data, qw.fmt,
-                                                 qw.scale_inv, out_dtype, bias):
-            y = G.gemm_chunked(full, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
-                               out_dtype, bias, self.ready, self.rows, self.rank)
-        else:
-            self.wait_all()
-            y = fp8_gemm(FP8Tensor.made(full, qx.fmt, qx.scale_inv), qw, out_dtype, bias)
-        full_t = backends.dispatch("fp8_transpose", full) if transpose else None
+        y = self.matmul(full, qw, out_dtype, bias)
+        full_t = full.columnwise() if transpose else None
         self.finish()
-        return y, full_t if full_t is None else FP8Tensor.made(full_t, qx.fmt, qx.scale_inv), qw
+        return y, full_t, qw
 
 
 def peer_gather(group, codes):
