@@ -15,7 +15,8 @@ and where (a) goes: cProfile's top functions by own time over --calls calls.
 --stubs: (b) again with CuPy's allocations and / or the launches replaced by stand-ins,
 alternated: how much of (b) each is (PERFLOG.md session 25).
 --ab: (a)-(e) again with the FP8 linear's kept plan off (ops/linear.py KEPT, every call
-dispatched), then on, in the same run: the plan's gain on this machine. --parts on a GPU also
+dispatched), on with fresh row-wise codes, and on with them held (HELD_ROWS_BYTES), in turns
+in the same run: each one's gain on this machine. --parts on a GPU also
 times CuPy's own primitives the forward pays (an allocation, a view carved from one, a
 launch), the numbers that decide whether carving scale_inv out of the transposed codes'
 allocation pays.
@@ -147,28 +148,31 @@ def best_of(cases, rounds_, calls):
         gc.enable()
 
 
-def ab(lin, lin8, x, r, a, sync):
-    """(a)-(e) with ops/linear.py's kept plan off, on without its pair of casts in one launch
-    (KEPT_PAIR), on, and on with scale_inv carved out of the transposed codes' allocation
-    (kernels/cast.py CARVE_SCALE_INV: no pair), twice, in one process."""
+def ab(lin, lin8, x, r, a, sync, reps=12):
+    """(a)-(e) with ops/linear.py's kept plan off, on (its pair of casts in one launch,
+    KEPT_PAIR) with fresh row-wise codes (HELD_ROWS_BYTES 0), and on with them held: one
+    round of each setting in turns, `reps` times (a busy host drifts: settings timed far
+    apart differ by more than they gain), in one process; min and median per setting."""
     import importlib
-    from tecupy.kernels import cast
     ops_linear = importlib.import_module("tecupy.ops.linear")
-    cases = ((False, False, False), (True, False, False), (True, True, False),
-             (True, False, True))
-    for kept, pair, carve in cases * 2:
-        ops_linear.KEPT, ops_linear.KEPT_PAIR, cast.CARVE_SCALE_INV = kept, pair, carve
-        ops_linear._kept.clear()
-        tag = (f"kept plan {'on' if kept else 'off'}{', pair' if pair else ''}"
-               f"{', carved' if carve else ''}")
-        report(f"  {tag}: (a)", rounds(per_call(lin, x, r), a.calls, sync))
-        report(f"  {tag}: (b)", rounds(lambda: lin(x), a.held, sync, n=3 * a.calls // a.held,
-                                       held=held_context(r)))
-        report(f"  {tag}: (c)", rounds(per_call(lin8, x, r), a.calls, sync))
-        report(f"  {tag}: (d)", rounds(lambda: lin8(x), a.held, sync, n=3 * a.calls // a.held,
-                                       held=held_context(r)))
-        report(f"  {tag}: (e)", held_microbatches(lin, x, r, a, sync))
-    ops_linear.KEPT, ops_linear.KEPT_PAIR, cast.CARVE_SCALE_INV = True, True, False
+    held = ops_linear.HELD_ROWS_BYTES
+    settings = {"kept plan off": (False, 0), "kept plan on": (True, 0),
+                "kept plan on, rows held": (True, held)}
+    n = a.held
+    cases = {"(a)": (per_call(lin, x, r), None), "(b)": (lambda: lin(x), held_context(r)),
+             "(c)": (per_call(lin8, x, r), None), "(d)": (lambda: lin8(x), held_context(r)),
+             "(e)": (lambda: lin(x, is_first_microbatch=False),
+                     held_context(r, lambda: lin(x, is_first_microbatch=True)))}
+    for case, (fn, ctx) in cases.items():
+        times = {name: [] for name in settings}
+        for _ in range(reps):
+            for name, (kept, rows) in settings.items():
+                ops_linear.KEPT, ops_linear.HELD_ROWS_BYTES = kept, rows
+                ops_linear._kept.clear()
+                times[name] += rounds(fn, n, sync, n=1, held=ctx)
+        for name, t in times.items():
+            print(f"  {case} {name}: min {min(t):.1f} us, median {np.median(t):.1f} us")
+    ops_linear.KEPT, ops_linear.HELD_ROWS_BYTES = True, held
     ops_linear._kept.clear()
 
 
@@ -237,7 +241,8 @@ def main():
     p.add_argument("--held", type=int, default=100, help="calls per held Tape + autocast")
     p.add_argument("--parts", action="store_true", help="also time each wrapper alone")
     p.add_argument("--fake", action="store_true", help="no GPU: CuPy faked (FakeCupy)")
-    p.add_argument("--ab", action="store_true", help="(a)-(d) with the kept plan off, then on")
+    p.add_argument("--ab", action="store_true",
+                   help="(a)-(e): kept plan off, on, on with held rows")
     p.add_argument("--stubs", action="store_true",
                    help="(b) with allocations and / or launches stubbed (GPU only)")
     a = p.parse_args()

@@ -307,7 +307,8 @@ def cast(x, scale, fmt, amax_out=None, transpose=False, dbias_dtype=None):
 def bound_cast(a, scale, fmt, amax_out):
     """cast(x, scale, fmt, amax_out, transpose=True) for arrays x like `a` (2-D, its shape,
     dtype and array type; scale and amax_out float32 (1,) arrays on its device), bound now to
-    the implementation dispatch chooses for `a` and its launch plan: f(x) -> FP8Tensor, or
+    the implementation dispatch chooses for `a` and its launch plan: f(x, rows=None) ->
+    FP8Tensor (rows: a uint8 array of x's shape the row-wise codes go into), or
     None where that implementation has no bound form (kernels' `bind`: an op's kept plan,
     ops/linear.py). The same kernel, arguments and outputs as cast (scale_inv written by
     the kernel), without dispatch and checks per call."""
@@ -317,8 +318,8 @@ def bound_cast(a, scale, fmt, amax_out):
         return None
     launch = bind(a.shape[0], a.shape[1], a.dtype, fmt)
 
-    def cast_bound(x):
-        data, data_t, inv = launch(x, scale, amax_out)
+    def cast_bound(x, rows=None):  # (rows: given row-wise codes' array, kernels' q)
+        data, data_t, inv = launch(x, scale, amax_out, rows)
         return FP8Tensor.made(data, fmt, inv, data_t)
     return cast_bound
 
@@ -338,8 +339,8 @@ def bound_cast_pair(a, qa, b, qb):
         return None
     fmt, sa, ma, sb, mb = qa.fmt, qa.scale, qa.amax_out, qb.scale, qb.amax_out
 
-    def cast_pair(xa, xb):
-        (da, ta, ia), (db, tb, ib) = launch(xa, sa, ma, xb, sb, mb)
+    def cast_pair(xa, xb, rows_a=None, rows_b=None):  # (given row-wise codes' arrays)
+        (da, ta, ia), (db, tb, ib) = launch(xa, sa, ma, xb, sb, mb, rows_a, rows_b)
         return FP8Tensor.made(da, fmt, ia, ta), FP8Tensor.made(db, fmt, ib, tb)
     return cast_pair
 

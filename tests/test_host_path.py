@@ -711,10 +711,14 @@ def fresh_plans(monkeypatch):
     """Every kernel wrapper's launch plans (and launch()'s Launchers) fresh for this test: on
     a GPU machine, plans made by earlier tests hold real kernels, which faked CuPy's arrays
     and the fake launch recorder cannot take."""
+    # (and the update's pointer tables, keyed by addresses: the fakes' start over per
+    # FakeCupy, so a table kept from an earlier test could share a later array's address)
     for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("tecupy.kernels.") and isinstance(
-                getattr(module, "_plans", None), dict):
-            monkeypatch.setattr(module, "_plans", {})
+        if not getattr(module, "__name__", "").startswith("tecupy.kernels."):
+            continue
+        for name in ("_plans", "_tables"):
+            if isinstance(getattr(module, name, None), dict):
+                monkeypatch.setattr(module, name, {})
     monkeypatch.setattr(launch_mod, "_launchers", {})
 
 
@@ -815,6 +819,80 @@ def test_kept_plan_pair_casts_what_the_two_casts_cast(monkeypatch):
     assert (grid[0], block, shared) == (cx[1][0] + cw[1][0], (256, 1, 1), 0)
     assert words[16] == cx[1][0] and name == cx[0].replace("tiled", "pair").split(", 1,")[0] + ">"
     assert paired[1:] == general[2:]
+
+
+def test_kept_plan_casts_rows_into_held_arrays(monkeypatch):
+    """ops.linear.HELD_ROWS_BYTES: the kept plan's row-wise codes (x's and the weight's, read
+    by the forward GEMM only) go into arrays held per thread, stream and shapes: one address
+    each at every call, shared by two linears of those shapes, apart per stream; fresh arrays
+    while the stream captures or with the switch at 0 (the fakes give each allocation a new
+    address)."""
+    r = DelayedScaling(amax_history_len=4)
+
+    def rows(streams, cap=False, held=HELD_DEFAULT):
+        monkeypatch.setattr(linear_op, "_held", threading.local())
+        monkeypatch.setattr(linear_op, "HELD_ROWS_BYTES", held)
+        with fake_launches(monkeypatch, True, pair=True) as (host, cupy, launched):
+            now = []  # (set as FakeCupy sets it, which puts CuPy's own back at its exit)
+            cupy.cuda.get_current_stream = lambda: now[0]
+            (a, x), (b, _) = host.make(cupy, True), host.make(cupy, True)
+            with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
+                for i, ptr in enumerate((0,) + streams):
+                    now[:] = [type("S", (), {"ptr": ptr, "is_capturing": lambda s: cap})()]
+                    a(x), b(x)  # (the first calls plan: the general path)
+                    if not i:
+                        del launched[:]
+            words = [struct.unpack("<17Q", w)[2::8][:2] for f, *_, w in launched
+                     if f.startswith("cast_transpose_pair")]
+            assert len(words) == 2 * len(streams)
+            return words
+    held = rows((0, 0, 0))
+    assert len(set(held)) == 1 and len(set(held[0])) == 2  # x's rows and the weight's
+    two = rows((0, 7, 0, 7))
+    assert len(set(two)) == 2 and two[:2] == two[4:6] and two[2] == two[3] != two[0]
+    for fresh in (rows((0, 0), cap=True), rows((0, 0), held=0)):
+        assert len({w for pair in fresh for w in pair}) == 2 * len(fresh)
+
+
+HELD_DEFAULT = linear_op.HELD_ROWS_BYTES
+
+
+def _two_linears(monkeypatch, held, steps=3):
+    """Outputs, gradients and FP8 states of `steps` steps of two bf16 FP8 nn.Linear of one
+    shape, each called twice per Tape in turns (the kept plan from their second call: x's and
+    the weight's rows held and shared where `held`), every other step on a stream of its own."""
+    import cupy
+    monkeypatch.setattr(linear_op, "_kept", {})
+    monkeypatch.setattr(linear_op, "_held", threading.local())
+    monkeypatch.setattr(linear_op, "HELD_ROWS_BYTES", held)
+    r = DelayedScaling(amax_history_len=4)
+    mods = [tecupy.nn.Linear(512, 384, params_dtype=tecupy.bfloat16, seed=s, device="cuda")
+            for s in (0, 1)]
+    rng, side, out = np.random.default_rng(1), cupy.cuda.Stream(non_blocking=True), []
+    for step in range(steps):
+        with side if step % 2 else cupy.cuda.Stream.null:
+            x, dy = (cupy.asarray(rng.standard_normal(s).astype(tecupy.bfloat16))
+                     for s in ((256, 512), (256, 384)))
+            with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=r):
+                ys = [m(x) for _ in range(2) for m in mods]
+            params = [p for m in mods for p in m.parameters()]
+            out += ys + tape.gradient(ys, [x] + params, output_grad=[dy] * 4)
+        side.synchronize()
+    for m in mods:
+        out += [m.fp8_state.fwd.scale, m.fp8_state.fwd.amax_history]
+    assert all(linear_op._kept.values()) and len(linear_op._kept) == 2
+    return [cupy.asnumpy(a) for a in out]
+
+
+@pytest.mark.gpu
+def test_held_rows_give_the_same_bits(monkeypatch):
+    """Two FP8 linears sharing the held row-wise codes, in turns, on two streams: every
+    output, gradient and FP8 state bit for bit as with fresh arrays (HELD_ROWS_BYTES 0)."""
+    want = _two_linears(monkeypatch, 0)
+    got = _two_linears(monkeypatch, HELD_DEFAULT)
+    assert len(linear_op._held.rows) == 2  # (one pair of arrays per stream)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and np.array_equal(g.view(np.uint8), w.view(np.uint8))
 
 
 def test_carved_scale_inv_lies_after_the_transposed_codes(monkeypatch):

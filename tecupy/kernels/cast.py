@@ -132,7 +132,8 @@ def _ct_given(x, scale, fmt, amax_out, inv, cupy):
 
 def _ct_bind(rows, cols, dtype, fmt):
     """cast_transpose of [rows, cols] arrays of `dtype` (rows * cols > 0) to `fmt`, its
-    plan made now: cast(x, scale, amax_out) -> (q, qt, scale_inv), the three made here and
+    plan made now: cast(x, scale, amax_out, q=None) -> (q, qt, scale_inv), the three made
+    here (q: given, a contiguous uint8 [rows, cols] array the codes are written into) and
     amax_out (a float32 CuPy array of one element) taken as it is (the caller checked it):
     an op's kept plan (ops/linear.py's common case), what cast_transpose does after its
     dispatch and checks."""
@@ -142,20 +143,20 @@ def _ct_bind(rows, cols, dtype, fmt):
 
     off = -(-rows * cols // 256) * 256  # (scale_inv's place in a carved allocation)
 
-    def cast(x, scale, amax_out):
+    def cast(x, scale, amax_out, q=None):
         # (the row-wise codes first, as cast_transpose allocates them: they take the block
         # the last call's row-wise codes freed, where the transposed copy, alive until the
         # backward, would take it and move them: a new address, the GEMM's TMA descriptors
         # encoded again at every call)
         x = cupy.ascontiguousarray(x)
         if CARVE_SCALE_INV:
-            q = cupy.empty((rows, cols), np.uint8)
+            q = cupy.empty((rows, cols), np.uint8) if q is None else q
             mem = cupy.cuda.alloc(off + 4)
             inv = cupy.ndarray((1,), np.float32, memptr=mem + off)
             qt = cupy.ndarray((cols, rows), np.uint8, memptr=mem)
         else:
             inv = cupy.empty((1,), np.float32)
-            q = cupy.empty((rows, cols), np.uint8)
+            q = cupy.empty((rows, cols), np.uint8) if q is None else q
             qt = cupy.empty((cols, rows), np.uint8)
         run((x, scale, q, qt, inv, amax_out, _NULL, amax_out) + tail)
         return q, qt, inv
@@ -165,9 +166,10 @@ def _ct_bind(rows, cols, dtype, fmt):
 def _ct_pair_bind(shape_a, shape_b, dtype, fmt):
     """Two bound casts (_ct_bind) in one launch (cast_transpose_pair: an FP8 linear's input
     and weight, one launch less per forward), its plan made now: pair(xa, scale_a, amax_a,
-    xb, scale_b, amax_b) -> ((q, qt, scale_inv) of a, those of b), the same codes as two
-    bound casts; None where a shape is empty or not whole 16-row, 8-column tiles (the ragged
-    kernel) or the scale_inv is carved."""
+    xb, scale_b, amax_b, qa=None, qb=None) -> ((q, qt, scale_inv) of a, those of b), the
+    same codes as two bound casts (qa, qb: given row-wise outputs, as _ct_bind's q); None
+    where a shape is empty or not whole 16-row, 8-column tiles (the ragged kernel) or the
+    scale_inv is carved."""
     if CARVE_SCALE_INV or not all(r * c and r % 16 == 0 and c % 8 == 0
                                   for r, c in (shape_a, shape_b)):
         return None
@@ -177,13 +179,14 @@ def _ct_pair_bind(shape_a, shape_b, dtype, fmt):
                                            current_device()), _pair_plan, shape_a, shape_b, dtype,
                                   fmt.name)
 
-    def pair(xa, sa, amax_a, xb, sb, amax_b):
+    def pair(xa, sa, amax_a, xb, sb, amax_b, qa=None, qb=None):
         xa, xb = cupy.ascontiguousarray(xa), cupy.ascontiguousarray(xb)
         # (each one's arrays in the order _ct_bind's cast makes them)
-        inva, qa, qta = (cupy.empty((1,), np.float32), cupy.empty((ra, ca), np.uint8),
-                         cupy.empty((ca, ra), np.uint8))
-        invb, qb, qtb = (cupy.empty((1,), np.float32), cupy.empty((rb, cb), np.uint8),
-                         cupy.empty((cb, rb), np.uint8))
+        inva = cupy.empty((1,), np.float32)
+        qa = cupy.empty((ra, ca), np.uint8) if qa is None else qa
+        qta, invb = cupy.empty((ca, ra), np.uint8), cupy.empty((1,), np.float32)
+        qb = cupy.empty((rb, cb), np.uint8) if qb is None else qb
+        qtb = cupy.empty((cb, rb), np.uint8)
         run((xa, sa, qa, qta, inva, amax_a) + tail_a + (xb, sb, qb, qtb, invb, amax_b)
             + tail_b)
         return (qa, qta, inva), (qb, qtb, invb)

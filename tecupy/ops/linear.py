@@ -14,6 +14,8 @@ GEMM's epilogue (every FP8 GEMM op takes residual=) where the input's quantizer 
 the result is the same bits. Its gradient is dy.
 Elsewhere (high precision, broadcast residuals) the op runs linear, then add.
 """
+import threading
+
 from .. import _array, _check, backends
 from .._array import FLOAT_SET, array_module, check_float, check_shape
 from ..fp8 import bound_cast, bound_cast_pair
@@ -215,7 +217,20 @@ def _linear_fp8(x, weight, bias, q, residual=None, qweight=None):
 KEPT = True
 KEPT_PAIR = True
 _kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn, holds,
-#                   cast both or None)
+#                   cast both or None, held rows' shapes or None)
+
+# The forward's row-wise codes (x's, and the weight's where it is cast) die once the forward
+# GEMM has read them: the backward keeps the column-wise copies. An eager kept plan casts them
+# into arrays held per thread, stream and shapes (shared by every linear of those shapes)
+# instead of fresh ones: two pool allocations and frees less per call (issue 21, ~4 us each
+# on the lent hosts). A stream's next cast is ordered after the GEMM that read them, the rule
+# CuPy's pool keeps for a freed block. Held only where both fit in HELD_ROWS_BYTES (host-bound
+# sizes: larger GEMMs take longer on the GPU than their host side, and held codes would raise
+# the step's peak, issue 22), HELD_ROWS_TOTAL per thread; never while a stream captures (a
+# graph's replays may run beside other work). 0: fresh arrays always (A/B, tests).
+HELD_ROWS_BYTES = 32 << 20
+HELD_ROWS_TOTAL = 64 << 20
+_held = threading.local()  # .rows: (stream, shapes) -> arrays; .bytes: their total
 
 
 def _kept_key(x2, weight, bias, q, r2, qweight=None):
@@ -238,14 +253,15 @@ def _kept_forward(key, x2, weight, bias, q, r2=None, qweight=None):
     plan = _kept.get(key)
     if not plan:
         return None
-    cast_x, cast_w, gemm, _, pair = plan
+    cast_x, cast_w, gemm, _, pair, held = plan
     try:
+        rows = _NO_ROWS if held is None else _held_rows(held)
         if pair is not None:
-            qx, qw = pair(x2, weight)
+            qx, qw = pair(x2, weight, *rows)
         else:
-            qx = cast_x(x2)
+            qx = cast_x(x2, rows[0])
             qw = (qweight if qweight is not None else weight.fp8() if cast_w is None
-                  else cast_w(weight))
+                  else cast_w(weight, rows[1]))
         more = {} if r2 is None else {"residual": r2}  # (a plan with r2 has an op taking it)
         return qx, qw, gemm(qx.data, qx.fmt, qx.scale_inv, qw.data, qw.fmt, qw.scale_inv,
                             x2.dtype, bias, split_accumulator=False, **more)  # (fp8_gemm's)
@@ -272,7 +288,33 @@ def _kept_plan(x2, weight, bias, q, qx, qw, r2=None, qweight=None):
     if not all(casts[:len(cast)]) or impl is None or impl.failure is not None:
         return False
     pair = bound_cast_pair(x2, q.input, weight, q.weight) if KEPT_PAIR and not no_cast else None
-    return casts[0], casts[1], impl.fn, (q.input, q.weight), pair
+    shapes = (x2.shape, None if no_cast else weight.shape)
+    size = sum(a * b for a, b in filter(None, shapes))  # (uint8 codes)
+    held = shapes if size <= min(HELD_ROWS_BYTES, HELD_ROWS_TOTAL) else None
+    return casts[0], casts[1], impl.fn, (q.input, q.weight), pair, held
+
+
+_NO_ROWS = (None, None)
+
+
+def _held_rows(shapes):
+    """The held arrays (x's rows, the weight's rows or None) of `shapes` for this thread's
+    current stream, made at its first call; (None, None) while the stream captures."""
+    stream = _array.cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return _NO_ROWS
+    key = (stream.ptr, shapes)
+    rows = getattr(_held, "rows", None)
+    got = None if rows is None else rows.get(key)
+    if got is None:
+        size = sum(a * b for a, b in filter(None, shapes))
+        if rows is None or _held.bytes + size > HELD_ROWS_TOTAL:
+            rows = _held.rows = {}  # (the arrays a stream's queued GEMMs read stay alive
+            _held.bytes = 0         # until those ran: CuPy frees a block stream-ordered)
+        empty = _array.cupy.empty
+        got = rows[key] = tuple(None if s is None else empty(s, "uint8") for s in shapes)
+        _held.bytes += size
+    return got
 
 
 def as_2d(a, m, k):
