@@ -1,10 +1,12 @@
 """Issue 20's shape (M=4096, N=7168, K=16384, DeepGEMM's) on one GPU: TFLOP/s of the pipelined
 block-scaled FP8 GEMM (B in 128x128 blocks) and of the per-tensor split and fast GEMMs, for
 each tile configuration (BN, stages) that fits, every kernel timed interleaved (CUDA events
-over --iters back-to-back calls, best of --rounds), the block outputs checked against the
-default configuration's (bit for bit: the tile does not change a row's sums).
+over --iters back-to-back calls; best and median of --rounds, after --sustain seconds of load:
+the clocks under sustained load), the outputs checked against the first configuration's of
+their kind (bit for bit: the tile does not change a row's sums).
 
     python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384] [--data normal|bits]
+        [--sustain 10] [--kinds block,split]
     python scripts/block_gemm_configs.py --one block:256,3   # one call of one kernel (ncu)
 """
 import argparse
@@ -35,7 +37,11 @@ def operands(m, n, k, data="normal"):
     return a, sa, b, sb
 
 
-def kernels(m, n, k, only=None, data="normal"):
+# kind -> (split accumulation, block scaling's SCALE): "block" is the pipelined block kernel
+KINDS = {"block": (True, 2), "split": (True, 0), "fast": (False, 0)}
+
+
+def kernels(m, n, k, only=None, data="normal", kinds=KINDS):
     """{name: call()} for every kind and configuration that fits in shared memory (only:
     that one name)."""
     import cupy
@@ -47,7 +53,8 @@ def kernels(m, n, k, only=None, data="normal"):
     bf16 = tecupy.bfloat16
     out = {}
     for bn, stages in CONFIGS:
-        for kind, split, scale in (("block", True, 2), ("split", True, 0), ("fast", False, 0)):
+        for kind in kinds:
+            split, scale = KINDS[kind]
             config = (bn, stages, split, 1)
             pipe = scale > 0
             if only not in (None, f"{kind}:{bn},{stages}"):
@@ -65,6 +72,31 @@ def kernels(m, n, k, only=None, data="normal"):
     return out
 
 
+def timed(ks, iters, rounds, sustain):
+    """{name: [ms per call of each round]}: `rounds` rounds of `iters` back-to-back calls
+    of each kernel in turns (CUDA events), after `sustain` seconds of the first kernel alone
+    (the clocks under sustained load, as the GEMM bench's later shapes run)."""
+    import time
+
+    import cupy
+    first = next(iter(ks.values()))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < sustain:
+        for _ in range(10):
+            first()
+        cupy.cuda.Device().synchronize()
+    times = {name: [] for name in ks}
+    for _ in range(rounds):
+        for name, call in ks.items():
+            start = cupy.cuda.get_current_stream().record()
+            for _ in range(iters):
+                call()
+            end = cupy.cuda.get_current_stream().record()
+            end.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, end) / iters)
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, default=4096)
@@ -74,37 +106,33 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--one", default=None)
     ap.add_argument("--data", choices=("normal", "bits"), default="normal")
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="seconds of load before timing (the clocks under sustained load)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated KINDS")
     args = ap.parse_args()
     import cupy
-    ks = kernels(args.m, args.n, args.k, args.one, args.data)
+    ks = kernels(args.m, args.n, args.k, args.one, args.data, args.kinds.split(","))
     if args.one:
         ks[args.one]()
         cupy.cuda.Device().synchronize()
         return
-    ref = {kind: None for kind in ("block", "split", "fast")}
-    same = {}
+    ref, same = {}, {}
     for name, call in ks.items():
         y = call()
         kind = name.split(":")[0]
-        if ref[kind] is None:
-            ref[kind] = y
+        ref.setdefault(kind, y)
         same[name] = bool((y.view(np.uint16) == ref[kind].view(np.uint16)).all())
-    best = {name: float("inf") for name in ks}
-    for _ in range(args.rounds):
-        for name, call in ks.items():
-            start = cupy.cuda.get_current_stream().record()
-            for _ in range(args.iters):
-                call()
-            end = cupy.cuda.get_current_stream().record()
-            end.synchronize()
-            best[name] = min(best[name], cupy.cuda.get_elapsed_time(start, end) / args.iters)
+    times = timed(ks, args.iters, args.rounds, args.sustain)
     flops = 2.0 * args.m * args.n * args.k
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"M={args.m} N={args.n} K={args.k}, {gpu}, {args.data} data")
-    print("| kernel:BN,stages | ms | TFLOP/s | same bits as the first config |")
-    print("| --- | --- | --- | --- |")
-    for name in ks:
-        print(f"| {name} | {best[name]:.3f} | {flops / best[name] / 1e9:.0f} | {same[name]} |")
+    print(f"M={args.m} N={args.n} K={args.k}, {gpu}, {args.data} data, {args.rounds} rounds "
+          f"of {args.iters} calls each in turns after {args.sustain:g} s of load")
+    print("| kernel:BN,stages | best ms | TFLOP/s best | median | same bits as the first |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, t in times.items():
+        best, med = min(t), float(np.median(t))
+        print(f"| {name} | {best:.3f} | {flops / best / 1e9:.0f} | {flops / med / 1e9:.0f} | "
+              f"{same[name]} |")
 
 
 if __name__ == "__main__":
