@@ -829,29 +829,33 @@ def test_kept_plan_casts_rows_into_held_arrays(monkeypatch):
     address)."""
     r = DelayedScaling(amax_history_len=4)
 
-    def rows(streams, cap=False, held=HELD_DEFAULT):
+    def rows(streams, cap=False, held=HELD_DEFAULT, devices=None):
         monkeypatch.setattr(linear_op, "_held", threading.local())
         monkeypatch.setattr(linear_op, "HELD_ROWS_BYTES", held)
         with fake_launches(monkeypatch, True, pair=True) as (host, cupy, launched):
-            now = []  # (set as FakeCupy sets it, which puts CuPy's own back at its exit)
+            now = []  # (set as FakeCupy sets them, which puts CuPy's own back at its exit)
             cupy.cuda.get_current_stream = lambda: now[0]
+            cupy.cuda.runtime.getDevice = lambda: now[1]
+            launch_mod._hopper[1], launch_mod._sm_counts[1] = True, 132  # (FakeCupy's dicts)
             (a, x), (b, _) = host.make(cupy, True), host.make(cupy, True)
             with tecupy.Tape(), tecupy.fp8_autocast(fp8_recipe=r):
                 for i, ptr in enumerate((0,) + streams):
-                    now[:] = [type("S", (), {"ptr": ptr, "is_capturing": lambda s: cap})()]
+                    now[:] = [type("S", (), {"ptr": ptr, "is_capturing": lambda s: cap})(),
+                              devices[i - 1] if devices and i else 0]
                     a(x), b(x)  # (the first calls plan: the general path)
                     if not i:
                         del launched[:]
-            words = [struct.unpack("<17Q", w)[2::8][:2] for f, *_, w in launched
-                     if f.startswith("cast_transpose_pair")]
-            assert len(words) == 2 * len(streams)
-            return words
+            return [struct.unpack("<17Q", w)[2::8][:2] for f, *_, w in launched
+                    if f.startswith("cast_transpose_pair")]  # (x's rows, the weight's)
     held = rows((0, 0, 0))
-    assert len(set(held)) == 1 and len(set(held[0])) == 2  # x's rows and the weight's
+    assert len(held) == 6 and len(set(held)) == 1 and len(set(held[0])) == 2
     two = rows((0, 7, 0, 7))
-    assert len(set(two)) == 2 and two[:2] == two[4:6] and two[2] == two[3] != two[0]
+    assert len(two) == 8 and len(set(two)) == 2 and two[:2] == two[4:6] and two[2] != two[0]
+    # another device's null stream (its first call there plans: the general path, no pair)
+    dev = rows((0, 0, 0, 0), devices=(0, 1, 1, 0))
+    assert len(dev) == 6 and dev[0] == dev[1] == dev[4] != dev[2] == dev[3]
     for fresh in (rows((0, 0), cap=True), rows((0, 0), held=0)):
-        assert len({w for pair in fresh for w in pair}) == 2 * len(fresh)
+        assert len(fresh) == 4 and len({w for pair in fresh for w in pair}) == 8
 
 
 HELD_DEFAULT = linear_op.HELD_ROWS_BYTES

@@ -290,23 +290,27 @@ def _kept_plan(x2, weight, bias, q, qx, qw, r2=None, qweight=None):
     pair = bound_cast_pair(x2, q.input, weight, q.weight) if KEPT_PAIR and not no_cast else None
     shapes = (x2.shape, None if no_cast else weight.shape)
     size = sum(a * b for a, b in filter(None, shapes))  # (uint8 codes)
-    held = shapes if size <= min(HELD_ROWS_BYTES, HELD_ROWS_TOTAL) else None
+    # (the plan's device is part of the held arrays' key: every device's null stream is 0)
+    held = ((_array.cupy.cuda.runtime.getDevice(),) + shapes
+            if size <= min(HELD_ROWS_BYTES, HELD_ROWS_TOTAL) else None)
     return casts[0], casts[1], impl.fn, (q.input, q.weight), pair, held
 
 
 _NO_ROWS = (None, None)
 
 
-def _held_rows(shapes):
-    """The held arrays (x's rows, the weight's rows or None) of `shapes` for this thread's
-    current stream, made at its first call; (None, None) while the stream captures."""
+def _held_rows(held):
+    """The held arrays (x's rows, the weight's rows or None) of held = (device, x's shape,
+    the weight's or None) for this thread's current stream, made at its first call; (None,
+    None) while the stream captures."""
     stream = _array.cupy.cuda.get_current_stream()
     if stream.is_capturing():
         return _NO_ROWS
-    key = (stream.ptr, shapes)
+    key = (stream.ptr, held)
     rows = getattr(_held, "rows", None)
     got = None if rows is None else rows.get(key)
     if got is None:
+        shapes = held[1:]
         size = sum(a * b for a, b in filter(None, shapes))
         if rows is None or _held.bytes + size > HELD_ROWS_TOTAL:
             rows = _held.rows = {}  # (the arrays a stream's queued GEMMs read stay alive
