@@ -6,7 +6,7 @@ the clocks under sustained load), the outputs checked against the first configur
 their kind (bit for bit: the tile does not change a row's sums).
 
     python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384] [--data normal|bits]
-        [--sustain 10] [--kinds block,split]
+        [--sustain 10] [--kinds block,split] [--flush 8e9] [--peer]
     python scripts/block_gemm_configs.py --one block:256,3   # one call of one kernel (ncu)
 """
 import argparse
@@ -41,9 +41,9 @@ def operands(m, n, k, data="normal"):
 KINDS = {"block": (True, 2), "split": (True, 0), "fast": (False, 0)}
 
 
-def kernels(m, n, k, only=None, data="normal", kinds=KINDS):
+def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
     """{name: call()} for every kind and configuration that fits in shared memory (only:
-    that one name)."""
+    that one name); peer: torch._scaled_mm's blockwise GEMM too, where torch has it."""
     import cupy
     import tecupy
     from tecupy.fp8 import E4M3
@@ -69,6 +69,13 @@ def kernels(m, n, k, only=None, data="normal", kinds=KINDS):
             def call(plan=plan, args=args):
                 return G._run(plan, args[0], args[1], args[2], args[3], None, None, None, None)
             out[f"{kind}:{bn},{stages}"] = call
+    if only is None and peer:  # cuBLASLt's blockwise GEMM, 128x128 B (the GEMM bench's peer)
+        from tecupy.bench.gemm import _torch_block_peer
+        call, why = _torch_block_peer(a, sa, b, sb, 2)
+        if call is None:
+            print(f"(no peer: {why})")
+        else:
+            out["cuBLASLt blockwise"] = call
     return out
 
 
@@ -109,9 +116,15 @@ def main():
     ap.add_argument("--sustain", type=float, default=0.0,
                     help="seconds of load before timing (the clocks under sustained load)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated KINDS")
+    ap.add_argument("--peer", action="store_true",
+                    help="torch._scaled_mm's blockwise GEMM (cuBLASLt) too, where torch has it")
+    ap.add_argument("--flush", type=float, default=0.0,
+                    help="bytes zeroed before each call, kernel timed alone (DeepGEMM's "
+                         "method: 8e9); 0: back-to-back calls")
     args = ap.parse_args()
     import cupy
-    ks = kernels(args.m, args.n, args.k, args.one, args.data, args.kinds.split(","))
+    ks = kernels(args.m, args.n, args.k, args.one, args.data, args.kinds.split(","),
+                 args.peer)
     if args.one:
         ks[args.one]()
         cupy.cuda.Device().synchronize()
@@ -119,12 +132,28 @@ def main():
     ref, same = {}, {}
     for name, call in ks.items():
         y = call()
+        if ":" not in name:  # (the peer: its own sums)
+            same[name] = "-"
+            continue
         kind = name.split(":")[0]
         ref.setdefault(kind, y)
         same[name] = bool((y.view(np.uint16) == ref[kind].view(np.uint16)).all())
-    times = timed(ks, args.iters, args.rounds, args.sustain)
     flops = 2.0 * args.m * args.n * args.k
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    if args.flush:  # DeepGEMM's method (bench.timing.flushed_ms)
+        from tecupy.bench.timing import flushed_ms
+        print(f"M={args.m} N={args.n} K={args.k}, {gpu}, {args.data} data, {args.iters} calls "
+              f"of each kernel, each after a {args.flush / 1e9:g} GB memset (L2 flush)")
+        print("| kernel:BN,stages | mean ms | TFLOP/s | same bits as the first |")
+        print("| --- | --- | --- | --- |")
+        for name, call in ks.items():
+            xp = None
+            if ":" not in name:  # (the peer: torch's events and stream)
+                import torch as xp
+            ms = flushed_ms(call, args.iters, int(args.flush), xp)
+            print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {same[name]} |")
+        return
+    times = timed(ks, args.iters, args.rounds, args.sustain)
     print(f"M={args.m} N={args.n} K={args.k}, {gpu}, {args.data} data, {args.rounds} rounds "
           f"of {args.iters} calls each in turns after {args.sustain:g} s of load")
     print("| kernel:BN,stages | best ms | TFLOP/s best | median | same bits as the first |")

@@ -20,7 +20,7 @@ ratio to per-tensor split and to the other block kernel.
 """
 import numpy as np
 
-from .timing import first_call, gpu_name, gpu_time_ms, torch_time_ms
+from .timing import first_call, flushed_ms, gpu_name, gpu_time_ms, torch_time_ms
 
 SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
           ("qkv", 8192, 12288, 4096), ("proj", 8192, 4096, 4096),
@@ -214,6 +214,34 @@ def run_block(args):
                   f"{np.exp(np.mean(np.log(r))):.3f}, min {min(r):.3f}")
     for why in sorted(notes):
         print(f"torch peer skipped: {why}")
+    _deepgemm_method(*BLOCK_SHAPES[-1][1:])
+
+
+def _deepgemm_method(m, n, k):
+    """The pipelined block GEMM (B 128x128), our per-tensor split GEMM and cuBLASLt's
+    blockwise one at m x n x k timed as DeepGEMM times its published figures (flushed_ms:
+    an 8 GB memset before each call, the kernel alone): the table above times back-to-back
+    calls, whose clocks sink under the sustained FP8 load (PERFLOG.md, session 27)."""
+    from tecupy import bfloat16
+    from tecupy.fp8 import E4M3
+    from tecupy.kernels import block_scaling as B
+    from tecupy.kernels import fp8_gemm as G
+    (a, sa), (b, sb) = _block_operands(m, n, k, 2)
+    qa, qb = _operands(m, n, k)
+    calls = {"pipelined block": lambda: B.fp8_block_gemm(a, E4M3, sa, b, E4M3, sb, bfloat16),
+             "per-tensor split": lambda: G.fp8_gemm(
+                 qa.data, qa.fmt, qa.scale_inv, qb.data, qb.fmt, qb.scale_inv, bfloat16,
+                 split_accumulator=True)}
+    peer, _ = _torch_block_peer(a, sa, b, sb, 2)
+    flop, got = 2 * m * n * k, {}
+    for name, fn in calls.items():
+        got[name] = flop / flushed_ms(fn) / 1e9
+    if peer is not None:
+        import torch
+        got["cuBLASLt blockwise"] = flop / flushed_ms(peer, xp=torch) / 1e9
+    print(f"{m} x {n} x {k}, DeepGEMM's method (30 calls, each after an 8 GB memset, the "
+          "kernel alone; its H800 figure: 1426 TF/s): " +
+          ", ".join(f"{name} {tf:.0f} TF/s" for name, tf in got.items()))
 
 
 def main(argv=None):

@@ -50,6 +50,29 @@ def gpu_time_ms(fn, sets, calls=20, repeats=5, xp=None):
     return float(statistics.median(once_ms(batch, xp) / calls for _ in range(repeats)))
 
 
+def flushed_ms(fn, calls=30, flush_bytes=int(8e9), xp=None):
+    """Mean ms of fn() called `calls` times, each after zeroing `flush_bytes` (L2 cold, the
+    GPU mostly idle between calls: near its boost clocks), fn alone timed by events around
+    it: DeepGEMM's method behind its published figures (deep_gemm/testing/bench.py,
+    bench_kineto: 30 calls, each after an 8 GB memset, kernel time only). xp: cupy or torch
+    (whose events and current stream time it)."""
+    if xp is None:
+        import cupy as xp
+    torch = xp.__name__ == "torch"
+    flush = (xp.empty(flush_bytes // 4, dtype=xp.int32, device="cuda") if torch
+             else xp.empty(flush_bytes // 4, xp.int32))
+    fn()
+    total = 0.0
+    for _ in range(calls):
+        if torch:
+            flush.zero_()
+        else:
+            flush.fill(0)
+        total += once_ms(fn, xp)
+    del flush
+    return total / calls
+
+
 def torch_time_ms(fn, calls=20, repeats=5):
     """gpu_time_ms of a PyTorch peer fn() (torch's events, on torch's current stream)."""
     import torch
