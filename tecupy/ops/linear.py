@@ -217,11 +217,11 @@ def _linear_fp8(x, weight, bias, q, residual=None, qweight=None):
 KEPT = True
 KEPT_PAIR = True
 _kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn, holds,
-#                   cast both or None, held rows' shapes or None)
+#                   cast both or None, (device, x's shape, the weight's) of held rows)
 
 # The forward's row-wise codes (x's, and the weight's where it is cast) die once the forward
 # GEMM has read them: the backward keeps the column-wise copies. An eager kept plan casts them
-# into arrays held per thread, stream and shapes (shared by every linear of those shapes)
+# into arrays held per thread, stream, device and shapes (shared by the linears of those)
 # instead of fresh ones: two pool allocations and frees less per call (issue 21, ~4 us each
 # on the lent hosts). A stream's next cast is ordered after the GEMM that read them, the rule
 # CuPy's pool keeps for a freed block. Held only where both fit in HELD_ROWS_BYTES (host-bound
@@ -230,7 +230,7 @@ _kept = {}  # key -> (cast x, cast w or None: given or FP8 weight codes, GEMM fn
 # graph's replays may run beside other work). 0: fresh arrays always (A/B, tests).
 HELD_ROWS_BYTES = 32 << 20
 HELD_ROWS_TOTAL = 64 << 20
-_held = threading.local()  # .rows: (stream, shapes) -> arrays; .bytes: their total
+_held = threading.local()  # .rows: (stream, plan's held) -> arrays; .bytes: their total
 
 
 def _kept_key(x2, weight, bias, q, r2, qweight=None):
@@ -313,8 +313,10 @@ def _held_rows(held):
         shapes = held[1:]
         size = sum(a * b for a, b in filter(None, shapes))
         if rows is None or _held.bytes + size > HELD_ROWS_TOTAL:
-            rows = _held.rows = {}  # (the arrays a stream's queued GEMMs read stay alive
-            _held.bytes = 0         # until those ran: CuPy frees a block stream-ordered)
+            # (dropping the others is safe: CuPy's pool reuses a freed block on its own
+            # stream only, after the GEMMs queued there)
+            rows = _held.rows = {}
+            _held.bytes = 0
         empty = _array.cupy.empty
         got = rows[key] = tuple(None if s is None else empty(s, "uint8") for s in shapes)
         _held.bytes += size
