@@ -1,9 +1,9 @@
 """Issue 20's shape (M=4096, N=7168, K=16384, DeepGEMM's) on one GPU: TFLOP/s of the pipelined
-block-scaled FP8 GEMM (B in 128x128 blocks) and of the per-tensor split and fast GEMMs, for
-each tile configuration (BN, stages) that fits, every kernel timed interleaved (CUDA events
-over --iters back-to-back calls; best and median of --rounds, after --sustain seconds of load:
-the clocks under sustained load), the outputs checked against the first configuration's of
-their kind (bit for bit: the tile does not change a row's sums).
+block-scaled FP8 GEMM (B in 128x128 blocks; block1: 1x128) and of the per-tensor split and
+fast GEMMs, for each tile configuration (BN, stages) that fits, every kernel timed
+interleaved (CUDA events over --iters back-to-back calls; best and median of --rounds, after
+--sustain seconds of load: the clocks under sustained load), the outputs checked against the
+first configuration's of their kind (bit for bit: the tile does not change a row's sums).
 
     python scripts/block_gemm_configs.py [--m 4096 --n 7168 --k 16384] [--data normal|bits]
         [--sustain 10] [--kinds block,split] [--flush 8e9] [--peer]
@@ -33,12 +33,14 @@ def operands(m, n, k, data="normal"):
         a = rng.integers(0, 0x7E, (m, k), dtype=np.int32).astype(np.uint8)
         b = rng.integers(0, 0x7E, (n, k), dtype=np.int32).astype(np.uint8)
     sa = rng.uniform(0.5, 2, (-(-k // 128), m), dtype=np.float32)  # [nk, M]
-    sb = rng.uniform(0.5, 2, (-(-n // 128), -(-k // 128)), dtype=np.float32)
+    sb = {2: rng.uniform(0.5, 2, (-(-n // 128), -(-k // 128)), dtype=np.float32),  # 128x128
+          1: rng.uniform(0.5, 2, (-(-k // 128), n), dtype=np.float32)}  # 1x128: [nk, N]
     return a, sa, b, sb
 
 
 # kind -> (split accumulation, block scaling's SCALE): "block" is the pipelined block kernel
-KINDS = {"block": (True, 2), "split": (True, 0), "fast": (False, 0)}
+# (B in 128x128 blocks: fprop, dgrad), "block1" the same with B in 1x128 blocks (wgrad)
+KINDS = {"block": (True, 2), "block1": (True, 1), "split": (True, 0), "fast": (False, 0)}
 
 
 def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
@@ -64,14 +66,14 @@ def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
                 continue
             plan = G._plan(config, E4M3, E4M3, bf16, True, False, None, m, n, k, scale=scale,
                            pipe=pipe, pdl=False)
-            args = (a, sa, b, sb) if scale else (a, one, b, one)
+            args = (a, sa, b, sb[scale]) if scale else (a, one, b, one)
 
             def call(plan=plan, args=args):
                 return G._run(plan, args[0], args[1], args[2], args[3], None, None, None, None)
             out[f"{kind}:{bn},{stages}"] = call
     if only is None and peer:  # cuBLASLt's blockwise GEMM, 128x128 B (the GEMM bench's peer)
         from tecupy.bench.gemm import _torch_block_peer
-        call, why = _torch_block_peer(a, sa, b, sb, 2)
+        call, why = _torch_block_peer(a, sa, b, sb[2], 2)
         if call is None:
             print(f"(no peer: {why})")
         else:
