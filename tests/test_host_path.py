@@ -823,10 +823,10 @@ def test_kept_plan_pair_casts_what_the_two_casts_cast(monkeypatch):
 
 def test_kept_plan_casts_rows_into_held_arrays(monkeypatch):
     """ops.linear.HELD_ROWS_BYTES: the kept plan's row-wise codes (x's and the weight's, read
-    by the forward GEMM only) go into arrays held per thread, stream and shapes: one address
-    each at every call, shared by two linears of those shapes, apart per stream; fresh arrays
-    while the stream captures or with the switch at 0 (the fakes give each allocation a new
-    address)."""
+    by the forward GEMM only) go into arrays held per thread, stream, device and shapes: one
+    address each at every call, shared by two linears of those shapes, apart per stream and
+    per device (every device's null stream is 0); fresh arrays while the stream captures or
+    with the switch at 0 (the fakes give each allocation a new address)."""
     r = DelayedScaling(amax_history_len=4)
 
     def rows(streams, cap=False, held=HELD_DEFAULT, devices=None):
