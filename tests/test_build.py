@@ -1,5 +1,6 @@
 """Every kernel file compiles with NVRTC for Hopper and Ada on a machine with no GPU, and
 the loader reports failures with the file, the options and the log."""
+import numpy as np
 import pytest
 
 from tecupy import build, loader
@@ -91,3 +92,19 @@ def test_default_config_short_k(m, n, k, want):
     config = K.default_config(m, n, True, sms=132, k=k)
     assert config[0] == want and config in dict(K.DEFAULTS[True])
     assert K.default_config(8192, 4096, True, sms=132)[0] == 192  # (no K: as before)
+
+
+@pytest.mark.parametrize("m, n, k, want", [(8192, 4096, 4096, 256), (8192, 4096, 16384, 192),
+                                           (8192, 12288, 4096, 256)])
+def test_block_gemm_tile_follows_k(monkeypatch, m, n, k, want):
+    """The block-scaled GEMM takes the per-tensor split GEMM's tile for its K: 256-wide at
+    attention proj's 8192 x 4096 x 4096 (1.01-1.04x the 192-wide tile's median TFLOP/s on
+    an H100, PERFLOG.md session 28), 192-wide there once K is long."""
+    from tecupy.fp8 import E4M3
+    from tecupy.kernels import block_scaling as B
+    from tecupy.kernels import fp8_gemm as K
+    monkeypatch.setattr(K, "sm_count", lambda: 132)
+    monkeypatch.setattr(K, "_plan", lambda config, *args, **kwargs: config)
+    for dim_b in (1, 2):
+        config, _ = B._gemm_plan(m, n, k, E4M3, E4M3, dim_b, np.float32, True, False, None)
+        assert config == (want, 3 if want == 256 else 4, True, 1)

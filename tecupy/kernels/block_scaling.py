@@ -258,13 +258,14 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
 
 
 def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
-    """(launch plan, pipelined?): the per-tensor split GEMM's default tile for this shape
-    (the block factors cost a multiply per promoted element, the same for every tile), as a
-    block-scaled kernel; the pipelined one (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is
-    on and it takes the call: M % 4 == 0 (A's factor rows go by 16-byte bulk copies) and,
-    with B in 128x128 blocks, its B-factor tables (K / 128 x BN / 64 floats for each math
-    warpgroup) fit in shared memory."""
-    config = G.default_config(m, n, True)
+    """(launch plan, pipelined?): the per-tensor split GEMM's default tile for this shape,
+    K included (the block factors cost a multiply per promoted element, the same for every
+    tile; with K <= SHORT_K the 256-wide tile's 1.0 speed holds for block scaling too: H100,
+    PERFLOG.md session 28), as a block-scaled kernel; the pipelined one
+    (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is on and it takes the call: M % 4 == 0
+    (A's factor rows go by 16-byte bulk copies) and, with B in 128x128 blocks, its B-factor
+    tables (K / 128 x BN / 64 floats for each math warpgroup) fit in shared memory."""
+    config = G.default_config(m, n, True, k=k)
     staged = not isinstance(out_dtype, FP8Format) and G.tma_store(out_dtype, act, accumulate,
                                                                   config[0])
     pipe = (G.BLOCK_PIPELINE and m % 4 == 0
