@@ -16,6 +16,10 @@ Casts follow the recipe the weight was made under, as TE's quantizers do:
                         fp8_autocast exit reads it). The first cast, at init, has the state's
                         initial scale, 1, as in TE.
   Float8CurrentScaling  the tensor's own amax (fmt.max / amax).
+  Float8BlockScaling    one scale per 128x128 block from the block's amax (the recipe's
+                        fp8_quant_fwd_weight QParams); the transposed copy is the codes'
+                        transpose, with the scales' (w_block_scaling_dim 2 only: a 1x128
+                        weight's column-wise copy has blocks of its own).
 The optimizer owns the float32 master copy: after each step it casts the master into the
 weight's codes, in place (the arrays keep their addresses: a captured CUDA graph reads them).
 Outside fp8_autocast an op dequantizes the weight (a high-precision GEMM on its FP8 value).
@@ -31,10 +35,10 @@ import numpy as np
 from . import _check
 from ._array import xp_of
 from .autocast import active_recipe
-from .fp8 import FP8Tensor, cast, current_scale, dequantize
+from .fp8 import FP8BlockTensor, FP8Tensor, cast, current_scale, dequantize
 from .fp8 import amax as tensor_amax
-from .quantization import gemm_quantizers
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .quantization import BlockQuantizer, gemm_quantizers
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 # (enabled, recipe, preserve_high_precision_init_val) of the innermost quantized_model_init
 _init = contextvars.ContextVar("tecupy_quantized_model_init", default=None)
@@ -42,19 +46,24 @@ _init = contextvars.ContextVar("tecupy_quantized_model_init", default=None)
 
 class quantized_model_init:
     """Inside, modules make their GEMM weights as FP8Weights (TE's quantized_model_init).
-    recipe: DelayedScaling (None: its defaults) or Float8CurrentScaling, the recipe the
-    weights are cast with; preserve_high_precision_init_val: keep the initial value on the
-    host (`weight.get_high_precision_init_val()`), from which an optimizer made later starts
-    its master copy (without it, the master starts from the FP8 value)."""
+    recipe: DelayedScaling (None: its defaults), Float8CurrentScaling or Float8BlockScaling
+    (with w_block_scaling_dim 2, its default), the recipe the weights are cast with and the
+    modules run under; preserve_high_precision_init_val: keep the initial value on the host
+    (`weight.get_high_precision_init_val()`), from which an optimizer made later starts its
+    master copy (without it, the master starts from the FP8 value)."""
 
     def __init__(self, enabled=True, recipe=None, preserve_high_precision_init_val=False):
         op = "quantized_model_init"
         self.enabled = _check.flag(op, "enabled", enabled)
         if recipe is None:
             recipe = DelayedScaling()
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-            _check.fail(op, "recipe", "None, a tecupy.recipe.DelayedScaling or "
-                        "Float8CurrentScaling", recipe, TypeError)
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
+            _check.fail(op, "recipe", "None, a tecupy.recipe.DelayedScaling, "
+                        "Float8CurrentScaling or Float8BlockScaling", recipe, TypeError)
+        if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
+            _check.fail(op, "recipe.w_block_scaling_dim", "2 (128x128 weight blocks, whose "
+                        "column-wise copy is the codes' transpose)",
+                        recipe.w_block_scaling_dim, ValueError)
         self.recipe = recipe
         self.preserve = _check.flag(op, "preserve_high_precision_init_val",
                                     preserve_high_precision_init_val)
@@ -86,11 +95,13 @@ class FP8Weight:
         self.dtype, self.recipe = value.dtype, recipe
         self.state, self.gemm = fp8_state, gemm
         self.fmt = recipe.fp8_format.fwd
+        self.block_dim = 2 if isinstance(recipe, Float8BlockScaling) else None
         self._init_val = np.array(_host(value)) if preserve else None
         if isinstance(recipe, DelayedScaling):
             fp8_state.bind(xp_of(value), recipe)
         q = self._cast(value)
         self.data, self.data_t, self.scale_inv = q.data, q.data_t, q.scale_inv
+        self.scale_inv_t = q.scale_inv_t if self.block_dim else None  # (block scales)
 
     shape = property(lambda self: self.data.shape)
     ndim = property(lambda self: 2)
@@ -104,6 +115,9 @@ class FP8Weight:
 
     def _cast(self, value):
         """value cast to FP8 with this weight's recipe, with its transposed copy."""
+        if self.block_dim:
+            return BlockQuantizer(self.fmt, self.block_dim,
+                                  self.recipe.fp8_quant_fwd_weight).quantize(value, True)
         if isinstance(self.recipe, DelayedScaling):
             meta, i = self.state.slot(self.gemm, "weight")
             return cast(value, meta.scale[i:i + 1], meta.fmt, meta.amax_history[0, i:i + 1],
@@ -112,7 +126,10 @@ class FP8Weight:
                     transpose=True)
 
     def fp8(self):
-        """The FP8Tensor the GEMMs read (no copy)."""
+        """The FP8Tensor (FP8BlockTensor under block scaling) the GEMMs read (no copy)."""
+        if self.block_dim:
+            return FP8BlockTensor.made(self.data, self.fmt, self.scale_inv, self.data_t,
+                                       self.scale_inv_t, self.block_dim)
         return FP8Tensor.made(self.data, self.fmt, self.scale_inv, self.data_t)
 
     def dequantize(self, dtype=None):
@@ -126,6 +143,8 @@ class FP8Weight:
         self.data[...] = q.data
         self.data_t[...] = q.data_t
         self.scale_inv[...] = q.scale_inv
+        if self.block_dim:
+            self.scale_inv_t[...] = q.scale_inv_t
 
     def get_high_precision_init_val(self):
         """The initial value (a NumPy array of the weight's dtype), kept where the weight was
@@ -144,11 +163,13 @@ class FP8Weight:
 
     def load(self, codes, scale_inv):
         """Write saved codes [out, in] and scale_inv (as state_dict gave them) in place; the
-        transposed copy is made from them."""
+        transposed copy is made from them (128x128 blocks: the scales' transpose too)."""
         xp = self.xp
         self.data[...] = xp.asarray(codes)
         self.data_t[...] = self.data.T
         self.scale_inv[...] = xp.asarray(scale_inv)
+        if self.block_dim:
+            self.scale_inv_t[...] = self.scale_inv.T
 
 
 def _host(a):
@@ -181,12 +202,16 @@ def weight_fp8(quantizer, weight, transpose, qweight=None):
     if qweight is not None:
         return qweight
     if isinstance(weight, FP8Weight):
-        if getattr(quantizer, "block_dim", None) is not None:
+        blocks = getattr(quantizer, "block_dim", None)
+        if blocks != weight.block_dim or (blocks and quantizer.fmt != weight.fmt):
+            have = (f"one scale per {'128x128 block' if weight.block_dim else 'tensor'}"
+                    f" ({weight.fmt.name})")
+            want = (f"scales {'1x128' if blocks == 1 else '128x128'} blocks" if blocks
+                    else "scales per tensor")
             raise TypeError(
-                f"FP8 weight {weight!r} has one scale per tensor; the recipe in force "
-                f"({quantizer!r}) scales blocks: make the module without "
-                "quantized_model_init (its weights are cast per block at the forward) or "
-                "run it under the recipe it was made with")
+                f"FP8 weight {weight!r} has {have}; the recipe in force ({quantizer!r}) "
+                f"{want}: make the module without quantized_model_init (its weights are "
+                "cast at the forward) or run it under the recipe it was made with")
         return weight.fp8()
     return quantizer.quantize(weight, transpose=transpose)
 

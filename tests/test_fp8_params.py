@@ -1,16 +1,18 @@
 """FP8 weights (quantized_model_init, issue 22): the modules' GEMM weights as FP8 codes, the
 first step equal bit for bit to casting high-precision weights, the optimizer's master
-copies cast into the codes in place, state_dict round trips, clear errors."""
+copies cast into the codes in place, state_dict round trips, clear errors; under delayed,
+current and block scaling (Float8BlockScaling: 128x128 weight blocks)."""
 import numpy as np
 import pytest
 
 import tecupy
 from tecupy import FP8Weight, quantized_model_init
 from tecupy.fp8 import cast, current_scale, amax
-from tecupy.recipe import DelayedScaling, Float8CurrentScaling
+from tecupy.quantization import BlockQuantizer
+from tecupy.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from conftest import asnp
 
-RECIPES = [DelayedScaling, Float8CurrentScaling]
+RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling]
 GEMM_WEIGHTS = ["self_attention.layernorm_qkv.weight", "self_attention.proj.weight",
                 "layernorm_mlp.fc1_weight", "layernorm_mlp.fc2_weight"]
 
@@ -38,7 +40,7 @@ def test_first_step_equals_casting_high_precision_weights(xp, rng, recipe):
     per element in each layout); its first FP8 step gives the outputs and gradients of the
     same layer with high-precision weights cast at the forward, bit for bit (the first cast
     has the same scale: the state's initial 1 under delayed scaling, the tensor's amax
-    under current scaling)."""
+    under current scaling, each 128x128 block's amax under block scaling)."""
     dtype = tecupy.bfloat16 if xp.__name__ == "cupy" else np.float32
     fp8, plain = _layer(xp, dtype, True, recipe()), _layer(xp, dtype, False)
     params = fp8.named_parameters()
@@ -99,10 +101,13 @@ def test_optimizer_casts_its_masters_into_the_codes(xp, rng, recipe, preserve):
         opt.step(grads)
     if recipe is DelayedScaling:
         meta, i = layer.self_attention.proj.fp8_state.slot(0, "weight")
-        scale = meta.scale[i:i + 1].copy()
-    else:
-        scale = current_scale(amax(master), w.fmt)
-    want = cast(master, scale, w.fmt, transpose=True)
+        want = cast(master, meta.scale[i:i + 1].copy(), w.fmt, transpose=True)
+    elif recipe is Float8CurrentScaling:
+        want = cast(master, current_scale(amax(master), w.fmt), w.fmt, transpose=True)
+    else:  # each 128x128 block's own scale, both copies
+        want = BlockQuantizer(w.fmt, 2, recipe().fp8_quant_fwd_weight).quantize(master, True)
+        np.testing.assert_array_equal(asnp(w.scale_inv_t), asnp(want.scale_inv_t))
+        np.testing.assert_array_equal(asnp(w.scale_inv_t), asnp(w.scale_inv).T)
     np.testing.assert_array_equal(asnp(w.data), asnp(want.data))
     np.testing.assert_array_equal(asnp(w.data_t), asnp(want.data_t))
     np.testing.assert_array_equal(asnp(w.scale_inv), asnp(want.scale_inv))
@@ -110,26 +115,32 @@ def test_optimizer_casts_its_masters_into_the_codes(xp, rng, recipe, preserve):
         assert (w.data.data.ptr, w.data_t.data.ptr) == addresses
 
 
-def test_state_dicts_resume_bit_identically(xp, rng, tmp_path):
+@pytest.mark.parametrize("recipe", [DelayedScaling, Float8BlockScaling],
+                         ids=lambda r: r.__name__)
+def test_state_dicts_resume_bit_identically(xp, rng, tmp_path, recipe):
+    """Saved after 2 steps and loaded into a fresh twin, 2 more steps agree bit for bit;
+    an FP8 weight saves its codes and scale_inv (one per tensor, or per 128x128 block of
+    the [64, 32] fc1 weight: [1, 1]), its transposed copy is rebuilt from them."""
     dtype = tecupy.bfloat16 if xp.__name__ == "cupy" else np.float32
     x = xp.asarray(rng.standard_normal((16, 2, 32)).astype(dtype))
 
     def run(layer, opt, steps):
         for _ in range(steps):
-            _, grads = _step(layer, x, xp.ones_like(x), DelayedScaling())
+            _, grads = _step(layer, x, xp.ones_like(x), recipe())
             opt.step(grads)
-    layer = _layer(xp, dtype, True, DelayedScaling())
+    layer = _layer(xp, dtype, True, recipe())
     opt = tecupy.optim.AdamW(layer.named_parameters(), lr=1e-2)
     run(layer, opt, 2)
     sd = layer.state_dict()
     assert sd["layernorm_mlp.fc1_weight"].dtype == np.uint8
     w = layer.layernorm_mlp.fc1_weight
     assert not np.shares_memory(sd["layernorm_mlp.fc1_weight"], asnp(w.data))  # a copy
-    assert sd["layernorm_mlp.fc1_weight.scale_inv"].shape == (1,)
+    want = (1,) if recipe is DelayedScaling else (1, 1)
+    assert sd["layernorm_mlp.fc1_weight.scale_inv"].shape == want
     path = tmp_path / "ckpt.npz"
     tecupy.save(path, layer, opt)
     run(layer, opt, 2)
-    other = _layer(xp, dtype, True, DelayedScaling())
+    other = _layer(xp, dtype, True, recipe())
     opt2 = tecupy.optim.AdamW(other.named_parameters(), lr=1e-2)
     tecupy.load(path, other, opt2)
     run(other, opt2, 2)
@@ -204,18 +215,28 @@ def test_graphed_step_with_fp8_weights_equals_eager(recipe):
         assert same, k
 
 
-def test_fp8_weights_under_a_block_recipe_are_a_clear_error(rng):
-    """Per-tensor FP8 weights under Float8BlockScaling (whose GEMM reads block scales) are
-    refused by name before any GEMM, not a scale-shape error inside one."""
-    from tecupy.recipe import Float8BlockScaling
+def test_fp8_weights_under_another_scaling_are_a_clear_error(rng):
+    """FP8 weights run under a recipe whose GEMMs read other scales (per tensor against
+    per block, or other blocks) are refused by name before any GEMM, not a scale-shape
+    error inside one; quantized_model_init refuses 1x128 weight blocks (their column-wise
+    copy has blocks of its own: the codes' transpose is not it)."""
     with quantized_model_init(recipe=DelayedScaling()):
-        lin = tecupy.nn.Linear(128, 128, device="cpu", seed=0)
+        per_tensor = tecupy.nn.Linear(128, 128, device="cpu", seed=0)
+    with quantized_model_init(recipe=Float8BlockScaling()):
+        per_block = tecupy.nn.Linear(128, 128, device="cpu", seed=0)
     x = rng.standard_normal((128, 128)).astype(np.float32)
-    with pytest.raises(TypeError, match="one scale per tensor.*scales blocks"):
-        with tecupy.fp8_autocast(fp8_recipe=Float8BlockScaling()):
-            lin(x)
-    with pytest.raises(TypeError, match="quantized_model_init: recipe"):
-        quantized_model_init(recipe=Float8BlockScaling())
+    cases = [(per_tensor, Float8BlockScaling(), "one scale per tensor.*scales 128x128"),
+             (per_block, DelayedScaling(), "one scale per 128x128 block.*scales per tensor"),
+             (per_block, Float8CurrentScaling(), "128x128 block.*scales per tensor"),
+             (per_block, Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+              "128x128 block.*scales 1x128 blocks")]
+    for lin, recipe, match in cases:
+        with pytest.raises(TypeError, match=match):
+            with tecupy.fp8_autocast(fp8_recipe=recipe):
+                lin(x)
+    with pytest.raises(ValueError, match="w_block_scaling_dim.*2.*got 1"):
+        quantized_model_init(recipe=Float8BlockScaling(x_block_scaling_dim=2,
+                                                       w_block_scaling_dim=1))
 
 
 def test_checkpoint_with_fp8_weights_is_bit_identical(xp, rng):

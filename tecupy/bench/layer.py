@@ -58,12 +58,12 @@ def _rate(step, xp):
     return statistics.median(gpu), statistics.median(host)
 
 
-def _build(shape, fp8_weights=False):
+def _build(shape, fp8_weights=False, recipe=None):
     """The main job's layer, input and output gradient; with its GEMM weights as FP8 codes
-    (quantized_model_init) where fp8_weights."""
+    (quantized_model_init, under `recipe`: the delayed one by default) where fp8_weights."""
     import tecupy
     from tecupy.__main__ import build
-    with tecupy.quantized_model_init(enabled=fp8_weights, recipe=_recipe()):
+    with tecupy.quantized_model_init(enabled=fp8_weights, recipe=recipe or _recipe()):
         return build(shape, "cuda")
 
 
@@ -247,25 +247,28 @@ def run(args):
 def _block_run(args):
     """--recipe block: the layer's FP8 step under Float8BlockScaling (1x128 activation and
     gradient blocks, 128x128 weight blocks) against delayed scaling's, eager and graphed,
-    the same run, and each one's memory peak (issue 20: block step <= 1.15x delayed)."""
+    the same run, and each one's memory peak (issue 20: block step <= 1.15x delayed); and
+    block scaling with 128x128-blocked FP8 weights (quantized_model_init)."""
     from tecupy.recipe import Float8BlockScaling
     _, shape = header(args, ", FP8 block scaling against delayed scaling")
     rows = {}
-    for name, r in (("delayed", _recipe()), ("block", Float8BlockScaling())):
-        rows.update(_recipe_rows(name, r, shape))
-    print(f"  {'':18s}{'ms/step':>9s}{'host ms':>9s}{'/ delayed':>11s}  (target <= 1.15)")
+    for name, r, w8 in (("delayed", _recipe(), False), ("block", Float8BlockScaling(), False),
+                        ("block, FP8 weights", Float8BlockScaling(), True)):
+        rows.update(_recipe_rows(name, r, shape, w8))
+    print(f"  {'':27s}{'ms/step':>9s}{'host ms':>9s}{'/ delayed':>11s}  (target <= 1.15)")
     for name, (ms, host) in rows.items():
-        ref = rows.get(name.replace("block", "delayed"))
-        print(f"  {name:18s}{ms:9.3f}{host:9.3f}{ms / ref[0]:>11.2f}")
+        ref = rows[f"delayed {name.split()[-1]}"]  # (eager or graphed)
+        print(f"  {name:27s}{ms:9.3f}{host:9.3f}{ms / ref[0]:>11.2f}")
 
 
-def _recipe_rows(name, r, shape):
-    """{name eager/graphed: (ms, host ms)} of the FP8 step under recipe r; prints its peak
-    (a step that cannot be captured says why, and has no graphed row)."""
+def _recipe_rows(name, r, shape, fp8_weights=False):
+    """{name eager/graphed: (ms, host ms)} of the FP8 step under recipe r (the layer's
+    weights FP8 codes made under r where fp8_weights); prints its peak (a step that cannot
+    be captured says why, and has no graphed row)."""
     import cupy
     import tecupy
     from tecupy.__main__ import step
-    layer, x, dy = _build(shape)
+    layer, x, dy = _build(shape, fp8_weights, r)
     rows = {f"{name} eager": _rate(lambda: step(layer, x, dy, r), cupy)}
     try:
         g = tecupy.make_graphed_step(layer, (x, dy), fp8_recipe=r)

@@ -123,7 +123,9 @@ class Module:
         named_parameters ("self_attention.proj.weight"):
           <parameter name>                  every parameter, a numpy array of its dtype;
                                             an FP8Weight's codes (uint8), with
-          <parameter name>.scale_inv        float32 [1] (quantized_model_init)
+          <parameter name>.scale_inv        float32 [1] (quantized_model_init), or one per
+                                            128x128 block [ceil(out/128), ceil(in/128)]
+                                            (under Float8BlockScaling)
           <module.>rng_state                every module's numpy Generator state (a dict:
                                             bit_generator.state); dropout seeds come from it
           <module.>fp8_state.fp8_format     "HYBRID" | "E4M3", or None: never used in FP8
@@ -177,7 +179,8 @@ class Module:
             if isinstance(p, FP8Weight):
                 keys.append(name + ".scale_inv")
                 errors += check_array(sd, name, p.shape, np.dtype(np.uint8))
-                errors += check_array(sd, name + ".scale_inv", (1,), np.dtype(np.float32))
+                errors += check_array(sd, name + ".scale_inv", tuple(p.scale_inv.shape),
+                                      np.dtype(np.float32))
             else:
                 errors += check_array(sd, name, p.shape, p.dtype)
         for prefix, module in self.named_modules():
