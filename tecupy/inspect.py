@@ -16,7 +16,12 @@ input and its codes (backend op inspect_cast: cuda/inspect.cu on CuPy, 3 bytes r
 element; a cast counted from its codes, inspect_codes: 1 byte), adding into a row of this
 step's int64 accumulator on the tensor's device (current scaling first recomputes the scale
 from x's amax: one more read of x); nothing is read to the host until `step()` (or exit).
-When none is active, a cast pays one contextvar read. Not seen: the casts of FP8 weights
+When none is active, a cast pays one contextvar read. Block scaling (Float8BlockScaling):
+each BlockQuantizer cast's row-wise codes, with `scale` the smallest of its blocks' scales
+(1 / max scale_inv: the block of the largest amax) and overflow counted against each
+value's own block scale (inspect_block_cast: array ops, on the GPU too, a few passes over
+x); the casts fused into an activation's kernel are counted from their codes (exact=True
+does not recompute them). Not seen: the casts of FP8 weights
 (fp8_params.py: the optimizer writes their codes with fp8.cast after its step; the forward
 reads them without a cast).
 
@@ -49,7 +54,8 @@ graph outside the `with`. (Replays of a graph made outside are not seen.)
 Labels: "<module path>.gemm<g>.<tensor>" ("fc1.gemm0.input"; the root module's own state
 gives "gemm0.input") for delayed scaling with a state inside `modules`; with modules=None,
 states not named there are "state<k>", in order of first cast. Current scaling has no state:
-"current<n>.<tensor>", n the order of that tensor's casts within the step. A direct
+"current<n>.<tensor>", n the order of that tensor's casts within the step; block scaling
+likewise "block<n>.<tensor>" (modules=None only). A direct
 tecupy.quantize call has no module nor tensor role: "quantize<n>", n its order within the step;
 a dact_cast whose amax slot is no quantizer's: "dact_cast<n>". These three are recorded only
 with modules=None ("every cast"), whatever `tensors` says for direct casts.
@@ -123,7 +129,9 @@ class FP8Inspector:
         label = self._label(quantizer)
         if label is None:
             return
-        if x is None:
+        if getattr(t, "block_dim", None) is not None:  # block scaling: a scale per block
+            self._block(label, x, t)
+        elif x is None:
             self._codes(label, t, quantizer.scale, quantizer.amax_out)
         else:
             self._cast(label, x, t, quantizer.scale, self.exact)
@@ -160,6 +168,20 @@ class FP8Inspector:
         rec, row = self._row(t.data)
         stride = 1 if exact else -(-x.size // self.sample)
         backends.dispatch("inspect_cast", x, t.data, t.fmt, scale, t.scale_inv, rec.buf, row,
+                          stride)
+        self._add(label, t, rec, row, "input")
+
+    def _block(self, label, x, t):
+        """The record of a block cast t (FP8BlockTensor) of x (None: fused into an
+        activation's kernel, counted from its codes with amax NaN): as _cast, with scale the
+        smallest of the blocks' (inspect_block_cast)."""
+        if x is None:
+            scale = (1.0 / t.scale_inv.max().astype(np.float64)).astype(np.float32)
+            self._codes(label, t, xp_of(t.data).asarray(scale).reshape(1), None)
+            return
+        rec, row = self._row(t.data)
+        stride = 1 if self.exact else -(-x.size // self.sample)
+        backends.dispatch("inspect_block_cast", x, t.data, t.fmt, t.scale_inv, rec.buf, row,
                           stride)
         self._add(label, t, rec, row, "input")
 
@@ -203,16 +225,19 @@ class FP8Inspector:
         return f"{path}gemm{gemm}.{which}"
 
     def _current_label(self, quantizer):
-        """current<n>.<tensor>: a CurrentQuantizer is shared by every GEMM, so its tensor is
-        found by identity among the ones quantization.py made, and n counts this step's."""
-        from .quantization import _current_gemms
+        """current<n>.<tensor> (block<n>.<tensor> under block scaling): a CurrentQuantizer
+        (BlockQuantizer) is shared by every GEMM, so its tensor is found by identity among
+        the ones quantization.py made, and n counts this step's."""
+        from .quantization import BlockQuantizer, _block_gemms, _current_gemms
         if not self._all:
             return None
-        which = next((w for g in _current_gemms.values() for w in TENSORS
-                      if getattr(g, w) is quantizer), None)
+        block = isinstance(quantizer, BlockQuantizer)
+        which = next((w for g in (_block_gemms if block else _current_gemms).values()
+                      for w in TENSORS if getattr(g, w) is quantizer), None)
         if which not in self.tensors:
             return None
-        return f"current{self._count(which)}.{which}"
+        kind = "block" if block else "current"
+        return f"{kind}{self._count(kind + which)}.{which}"
 
     def _direct_label(self, kind):
         """<kind><n> for a cast of no quantizer (modules=None only), n its order this step."""

@@ -193,8 +193,8 @@ class BlockQuantizer:
 
     def quantize(self, x, transpose=False, dbias_dtype=None):
         """-> FP8BlockTensor (2-D x), or (it, dbias) with dbias_dtype (transpose, 1x128
-        blocks: dbias from the same read of x, block_quantize_dbias). Not seen by
-        FP8Inspector."""
+        blocks: dbias from the same read of x, block_quantize_dbias). FP8Inspector sees the
+        row-wise codes."""
         if x.ndim != 2:
             raise ValueError(f"BlockQuantizer.quantize: needs 2-D x, got shape "
                              f"{tuple(x.shape)}")
@@ -202,10 +202,10 @@ class BlockQuantizer:
             q, s, qt, st, dbias = backends.dispatch(
                 "block_quantize_dbias", x, self.fmt, self.power_2_scale, self.amax_epsilon,
                 dbias_dtype)
-            return FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), dbias
+            return _inspected(self, x, (FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), dbias))
         q, s, qt, st = backends.dispatch("block_quantize", x, self.fmt, self.block_dim,
                                          self.power_2_scale, self.amax_epsilon, transpose)
-        t = FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)
+        t = _inspected(self, x, FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim))
         if dbias_dtype is None:
             return t
         return t, backends.dispatch("bias_grad", x, dbias_dtype)
@@ -219,7 +219,8 @@ class BlockQuantizer:
         q, s, qt, st = backends.dispatch("block_quantize_act", h, bias, name, self.fmt,
                                          self.block_dim, self.power_2_scale,
                                          self.amax_epsilon, True)
-        return FP8BlockTensor.made(q, self.fmt, s, qt, st, self.block_dim)
+        return _inspected(self, None, FP8BlockTensor.made(q, self.fmt, s, qt, st,
+                                                          self.block_dim))
 
     def quantize_dact(self, dgrad, h, bias, name, dbias_dtype, chunk):
         """The activation's backward of dy = dgrad(0, cols) (whole: a column chunk's 1x128
@@ -229,7 +230,7 @@ class BlockQuantizer:
         q, s, qt, st, db = backends.dispatch("block_quantize_dact", dgrad(0, h.shape[1]), h,
                                              bias, name, self.fmt, self.power_2_scale,
                                              self.amax_epsilon, dbias_dtype)
-        return FP8BlockTensor.made(q, self.fmt, s, qt, st, 1), db
+        return _inspected(self, None, FP8BlockTensor.made(q, self.fmt, s, qt, st, 1)), db
 
     def wrap(self, codes, inv=None):
         raise TypeError("BlockQuantizer.wrap: block scaling cannot cast in a producer's "

@@ -364,3 +364,67 @@ def test_many_casts_in_a_step_and_a_fresh_accumulator_per_step(rng):
             assert (r["underflow"][s], r["overflow"][s]) == (under, over)
             assert r["numel"][s] == x.size and r["amax"][s] == np.inf
             np.testing.assert_allclose(r["rel_error"][s], rel, rtol=1e-12)
+
+
+def _block_stats(x, t):
+    """(amax, scale, underflow, overflow, rel_error) of the block cast t of x, from its codes
+    and scales decoded with ml_dtypes (an independent dequantize)."""
+    from tecupy.reference.block_scaling import row_scales
+    codes, sinv = np.asarray(t.data), np.asarray(t.scale_inv)
+    per = np.repeat(row_scales(x.shape, sinv), 128, axis=1)[:, :x.shape[1]]
+    deq = codes.view(t.fmt.ml_dtype).astype(np.float64) * per
+    nonzero = x != 0
+    under = np.count_nonzero(nonzero & ((codes & 0x7F) == 0)) / np.count_nonzero(nonzero)
+    over = np.count_nonzero(np.abs(x) > t.fmt.max * per) / x.size
+    rel = np.linalg.norm(deq - x) / np.linalg.norm(x.astype(np.float64))
+    return np.float32(np.abs(x).max()), 1.0 / np.float64(sinv.max()), under, over, rel
+
+
+def test_block_scaling_casts_are_seen(xp, rng):
+    """Under Float8BlockScaling every cast of a linear's forward and backward is recorded
+    ("block<n>.<tensor>"): amax, the smallest block scale, the flushed and saturated
+    fractions and the round-trip error against the codes and per-block scales decoded
+    independently (x 1x128 blocks, w 128x128, dy 1x128); values spanning 2^30 within a
+    block flush."""
+    from tecupy.quantization import BlockQuantizer
+    rs = lambda *s: rng.standard_normal(s) * 10.0 ** rng.integers(-9, 2, s)  # noqa: E731
+    x, w, dy = (rs(*s).astype(np.float32) for s in ((96, 384), (160, 384), (96, 160)))
+    r = recipe.Float8BlockScaling()
+    xs, ws = xp.asarray(x), xp.asarray(w)
+    with FP8Inspector(exact=True) as ins:
+        with tecupy.Tape() as tape:
+            with tecupy.fp8_autocast(fp8_recipe=r):
+                y = tecupy.linear(xs, ws)
+        tape.gradient(y, [xs, ws], output_grad=xp.asarray(dy))
+    d = ins.to_dict()
+    assert sorted(d) == ["block0.grad_output", "block0.input", "block0.weight"]
+    assert set(ins.counted_from.values()) == {"input"}
+    for label, a, dim, q in (("block0.input", x, 1, r.fp8_quant_fwd_inp),
+                             ("block0.weight", w, 2, r.fp8_quant_fwd_weight),
+                             ("block0.grad_output", dy, 1, r.fp8_quant_bwd_grad)):
+        t = BlockQuantizer(fp8.E4M3, dim, q).quantize(a)
+        amax, scale, under, over, rel = _block_stats(a, t)
+        got = d[label]
+        assert got["amax"][0] == amax and got["scale"][0] == scale, label
+        assert got["underflow"][0] == under and 0 < under < 1, label
+        assert got["overflow"][0] == over == 0 and got["numel"][0] == a.size, label
+        np.testing.assert_allclose(got["rel_error"][0], rel, rtol=1e-12, err_msg=label)
+
+
+def test_block_scaling_fused_activation_cast_counted_from_its_codes(rng):
+    """LayerNormMLP under Float8BlockScaling quantizes fc2's input in the activation's own
+    kernel (block_quantize_act): that cast is counted from its codes (amax NaN, the
+    smallest block scale), the others from their inputs."""
+    mlp = nn.LayerNormMLP(128, 256, device="cpu", seed=0)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    with FP8Inspector() as ins:
+        with tecupy.Tape() as tape:
+            with tecupy.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+                y = mlp(x)
+        tape.gradient(y, mlp, output_grad=np.ones_like(y))
+    codes = [k for k, v in ins.counted_from.items() if v == "codes"]
+    assert codes and all(k.startswith("block") for k in ins.labels)
+    d = ins.to_dict()
+    for k in codes:
+        assert np.isnan(d[k]["amax"][0]) and np.isnan(d[k]["rel_error"][0])
+        assert 0 < d[k]["scale"][0] < np.inf

@@ -61,6 +61,43 @@ def _round_trip(xf, codes, fmt, scale_inv, stride):
     return (err * err).sum(), (ref * ref).sum()
 
 
+@backends.register("inspect_block_cast", "reference")
+def inspect_block_cast(x, codes, fmt, scale_inv, acc, row, stride):
+    """inspect_cast of a block cast (Float8BlockScaling): x [rows, cols] cast into codes
+    with one scale per 1x128 or 128x128 block (scale_inv in its block layout). Word 1 holds
+    the smallest of the blocks' scales, 1 / max(scale_inv) (the block of the largest amax);
+    saturated: |float32(x)| > max * its block's scale_inv (what exceeds the format at its
+    block's scale; the scales come from the blocks' own amaxes, so only inf can). Array ops
+    on NumPy or CuPy: this also runs on the GPU, a few passes over x."""
+    from .block_scaling import BLOCK, row_scales
+    xp = xp_of(x)
+    ints, floats = _words(acc, row)
+    if codes.shape != x.shape or x.ndim != 2:
+        raise ValueError(f"inspect_block_cast: codes {codes.shape} for x {x.shape} (2-D)")
+    xf = x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+    per = xp.repeat(row_scales(x.shape, scale_inv), BLOCK, axis=1)[:, :x.shape[1]]
+    a = xp.abs(xf.astype(np.float32))
+    a = xp.max(xp.where(xp.isnan(a), np.float32(0), a)) if a.size else np.float32(0)
+    floats[0] = xp.maximum(floats[0], a.astype(np.float64))
+    floats[1] = 1.0 / scale_inv.max().astype(np.float64) if scale_inv.size else np.nan
+    valid = xp.count_nonzero(xf == xf)
+    nonzero = xp.count_nonzero(xf) - (xf.size - valid)
+    flushed = xp.count_nonzero((xf != 0) & (xf == xf) & ((codes & 0x7F) == 0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        saturated = xp.count_nonzero(xp.abs(xf.astype(np.float32))
+                                     > np.float32(fmt.max) * per.astype(np.float32))
+    for k, c in zip((2, 3, 4, 5), (nonzero, flushed, valid, saturated)):
+        ints[k] += c
+    deq = backends.dispatch("fp8_block_dequantize", codes, fmt, scale_inv,
+                            np.dtype(np.float32)).reshape(-1)[::max(1, int(stride))]
+    ref = xf.reshape(-1)[::max(1, int(stride))].astype(np.float64)
+    finite = xp.isfinite(ref)
+    ref = xp.where(finite, ref, 0.0)
+    err = xp.where(finite, deq.astype(np.float64) - ref, 0.0)
+    floats[6] += (err * err).sum()
+    floats[7] += (ref * ref).sum()
+
+
 # the magnitude code of each format's max (0x7E: 448 in E4M3, 0x7B: 57344 in E5M2)
 def max_code(fmt):
     return int(np.array(fmt.max, np.float32).astype(fmt.ml_dtype).view(np.uint8))
