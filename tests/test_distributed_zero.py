@@ -63,6 +63,68 @@ def test_zero_equals_plain_data_parallel_bit_for_bit(n, opt):
     assert not np.array_equal(got[0][0]["p4"], _params()["p4"])  # (the steps did step)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("opt", ["adamw", "sgd-nesterov"])
+def test_zero_clips_by_the_whole_gradients_norm(n, opt):
+    """max_grad_norm under ZeRO: each rank's shard's sum of squares, all-reduced, gives the
+    norm of the whole averaged gradient: last_grad_norm on every rank equals the plain
+    optimizer's (to float32 rounding: the sums run over shards, then ranks), the clipping
+    is active (the norm is far above 0.5), and 3 steps give the plain step's parameters to
+    float rounding (bf16 parameters: within one bf16 rounding)."""
+    cls, kw = OPTIMIZERS[opt]
+
+    def body(g):
+        plain_p, zero_p = _params(), _params()
+        plain = cls(plain_p, max_grad_norm=0.5, **kw)
+        zero = dist.ZeroOptimizer(cls, zero_p, g, bucket_mb=MB, max_grad_norm=0.5, **kw)
+        assert np.isnan(zero.last_grad_norm[0])
+        norms = []
+        for step in range(3):
+            grads = _grads(g.rank, step)
+            plain.step(dist.all_reduce_gradients([a.copy() for a in grads], g, MB))
+            zero.step(grads)
+            norms.append((float(plain.last_grad_norm[0]), float(zero.last_grad_norm[0])))
+        return plain_p, zero_p, norms
+    got = dist.run_threads(n, body)
+    _check_clipped(got)
+    assert not np.allclose(got[0][0]["p4"], _params()["p4"])  # (the steps did step)
+
+
+def _clipped_steps(g):
+    """Plain AdamW (max_grad_norm 0.5) on the averaged gradients vs ZeroOptimizer, 2 steps
+    of this rank's gradients -> (plain params, zero params, [(plain norm, zero norm)])."""
+    cls, kw = OPTIMIZERS["adamw"]
+    plain_p, zero_p = _params(), _params()
+    plain = cls(plain_p, max_grad_norm=0.5, **kw)
+    zero = dist.ZeroOptimizer(cls, zero_p, g, bucket_mb=MB, max_grad_norm=0.5, **kw)
+    norms = []
+    for step in range(2):
+        grads = _grads(g.rank, step)
+        plain.step(dist.all_reduce_gradients([a.copy() for a in grads], g, MB))
+        zero.step(grads)
+        norms.append((float(plain.last_grad_norm[0]), float(zero.last_grad_norm[0])))
+    return plain_p, zero_p, norms
+
+
+def _check_clipped(got):
+    for plain_p, zero_p, norms in got:
+        assert norms == got[0][2]  # (the same norm on every rank)
+        for want, have in norms:
+            assert want > 10 and abs(have - want) <= 2e-7 * want, (want, have)
+        for k, want in plain_p.items():
+            rtol = 2.0 ** -7 if want.dtype == bfloat16 else 1e-5
+            np.testing.assert_allclose(zero_p[k].astype(np.float32),
+                                       want.astype(np.float32), rtol=rtol, atol=1e-6,
+                                       err_msg=k)
+
+
+def test_zero_clipping_over_fake_nccl():
+    """The clipped ZeRO step in 2 processes through NcclGroup over the fake NCCL (its
+    all_reduce takes the shards' sums of squares)."""
+    from test_distributed_launch import FAKE
+    _check_clipped(dist.spawn(_clipped_steps, 2, backend=FAKE, timeout=60))
+
+
 def _layer_step(layer, rank, step, fp8):
     rng = np.random.default_rng(100 * step + rank)
     x, dy = (rng.standard_normal((8, 2, 32)).astype(np.float32) for _ in "ab")
@@ -170,8 +232,6 @@ def test_zero_errors_name_the_argument():
         with pytest.raises(TypeError, match="optimizer_cls must be a tecupy.optim optimizer "
                                             "class"):
             dist.ZeroOptimizer(AdamW(p), p, g)
-        with pytest.raises(ValueError, match="max_grad_norm is not supported yet"):
-            dist.ZeroOptimizer(AdamW, p, g, max_grad_norm=1.0)
         with pytest.raises(ValueError, match="params is empty"):
             dist.ZeroOptimizer(AdamW, [], g)
         with pytest.raises(TypeError, match=r"params\['w'\] must be a numpy or cupy array"):

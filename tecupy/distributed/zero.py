@@ -23,8 +23,13 @@ both add in rank order, element by element; the update is element by element; th
 stays zero (zero gradient, zero parameter). On NCCL the same for 2 ranks (a + b commutes);
 over 3+ ranks NCCL's reduce-scatter and all-reduce may add in different orders (last bits).
 
-Not yet: max_grad_norm (the norm is over every rank's shard: tecupy.optim would have to take
-the sum of squares from outside) and FP8 weights (quantized_model_init).
+max_grad_norm clips by the norm of the whole averaged gradient, as the non-sharded step:
+each rank's optimizer sums the squares of its shard and the group all-reduces those sums
+(Optimizer.sumsq_reduce) before the norm is taken; the sum runs over shards, then ranks, so
+the norm and the clip factor agree with the non-sharded step's to float rounding, not bit
+for bit. `last_grad_norm` is that norm, the same on every rank.
+
+Not yet: FP8 weights (quantized_model_init).
 """
 from .._array import xp_of
 from ..fp8_params import FP8Weight
@@ -45,10 +50,6 @@ class ZeroOptimizer:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(f"{OP}: optimizer_cls must be a tecupy.optim optimizer class "
                             f"(AdamW, SGD); got {optimizer_cls!r:.60}")
-        if kw.get("max_grad_norm") is not None:
-            raise ValueError(f"{OP}: max_grad_norm is not supported yet: the norm is over "
-                             "every rank's shard, which tecupy.optim cannot take from outside;"
-                             " pass max_grad_norm=None")
         self.names, self.params, self._keyed = _parse_params(params)
         self.group = group
         self.reducer = GradientReducer(group, self.params, bucket_mb, True, side_stream,
@@ -57,6 +58,7 @@ class ZeroOptimizer:
                          for b, padded in zip(self.reducer.buckets, self.reducer.padded)]
         self.optimizer = optimizer_cls({f"bucket{b}": s.chunk
                                         for b, s in enumerate(self.segments)}, **kw)
+        self.optimizer.sumsq_reduce = group.all_reduce  # (clipping: the whole gradient's norm)
 
     def gradient(self, tape, outputs, output_grad=None, retain_graph=False):
         """tape.gradient over the parameters with each bucket reduce-scattered as it fills
@@ -109,6 +111,13 @@ class ZeroOptimizer:
 
     def get_lr(self):
         return self.optimizer.get_lr()
+
+    @property
+    def last_grad_norm(self):
+        """The norm of the whole averaged gradient at the last step (tecupy.optim's
+        last_grad_norm: one element, the same on every rank; nan before the first step);
+        None without max_grad_norm."""
+        return self.optimizer.last_grad_norm
 
     def set_lr(self, lr):
         self.optimizer.set_lr(lr)

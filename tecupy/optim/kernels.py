@@ -70,11 +70,13 @@ def grad_pack(grads, first, count):
     return pack
 
 
-def step(kind, table, grads, param_dtypes, moments_dtype, state, hyper, clip, schedule):
+def step(kind, table, grads, param_dtypes, moments_dtype, state, hyper, clip, schedule,
+         sumsq_reduce=None):
     """One optimizer step on the device. kind: "adamw" | "sgd"; grads in table order (CuPy,
     C-contiguous, checked); state: (step int32 [1], lr float32 [1], sc float32 [6]); hyper:
     the kernel's own floats (beta1, beta2, eps) or (momentum, wd, nesterov); clip: max_norm
-    or None; schedule: None or a WarmupCosine."""
+    or None; schedule: None or a WarmupCosine; sumsq_reduce: Optimizer.sumsq_reduce (given
+    the partial sums of squares, between their kernel and the prologue)."""
     runs = [(r, grad_pack(grads, r[0], r[1])) for r in groups(param_dtypes, grads)]
     keep_alive((table, state))  # a captured step reads them at every replay
     if clip is not None:
@@ -82,6 +84,8 @@ def step(kind, table, grads, param_dtypes, moments_dtype, state, hyper, clip, sc
             _launch(f"grad_sumsq<{CTYPE[gd]}>", table, first, count,
                     (table.array, np.int32(table.n), pack, np.int32(first), np.int32(count),
                      table.partials))
+        if sumsq_reduce is not None:
+            sumsq_reduce(table.partials)
     _prologue(table, state, clip, hyper if kind == "adamw" else None, schedule)
     for (first, count, pd, gd), pack in runs:
         _update(kind, table, first, count, pd, gd, pack, state[2], moments_dtype, hyper)

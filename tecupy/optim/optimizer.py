@@ -18,6 +18,11 @@ class Optimizer:
     """Subclasses set `kind` and define _slots, _hyper, _hyper_checks, _set_hyper,
     _prologue_args, _kernel_hyper and _update (see AdamW)."""
     kind = None
+    # With max_grad_norm over a shard of the parameters (distributed.ZeroOptimizer): a
+    # callable that sums, in place over every rank, the array holding this optimizer's sum
+    # of squares (the kernels' float32 partials per chunk, or the reference's float64 [1])
+    # before the norm is taken from it; None: the norm is this optimizer's own.
+    sumsq_reduce = None
 
     def __init__(self, params, lr, max_grad_norm, schedule, master_weights):
         op = type(self).__name__
@@ -104,7 +109,8 @@ class Optimizer:
         if self.fused:
             kernels.step(self.kind, self._table, [grads[i] for i in self._order], self._dtypes,
                          self._moments_dtype(), (self.step_array, self.lr_array, self._sc),
-                         self._kernel_hyper(), self.max_grad_norm, self.schedule)
+                         self._kernel_hyper(), self.max_grad_norm, self.schedule,
+                         self.sumsq_reduce)
         elif capturing():
             raise RuntimeError(
                 f"{type(self).__name__}.step: these parameters run on the reference optimizer "
@@ -124,6 +130,10 @@ class Optimizer:
         """The step's scalars sc (step += 1, lr; the norm of grads when clipping)."""
         clip = self.max_grad_norm is not None
         sumsq = sum(reference.grad_sumsq(g) for g in grads) if clip else None
+        if clip and self.sumsq_reduce is not None:
+            total = self.xp.asarray(sumsq, np.float64).reshape(1)
+            self.sumsq_reduce(total)
+            sumsq = total[0]
         beta1, beta2, wd = self._prologue_args()
         t, lr, sc = reference.optim_prologue(
             sumsq, clip, self.max_grad_norm, int(self.step_array[0]), self.lr_array[0],
