@@ -71,34 +71,22 @@ def test_zero_clips_by_the_whole_gradients_norm(n, opt):
     optimizer's (to float32 rounding: the sums run over shards, then ranks), the clipping
     is active (the norm is far above 0.5), and 3 steps give the plain step's parameters to
     float rounding (bf16 parameters: within one bf16 rounding)."""
-    cls, kw = OPTIMIZERS[opt]
-
-    def body(g):
-        plain_p, zero_p = _params(), _params()
-        plain = cls(plain_p, max_grad_norm=0.5, **kw)
-        zero = dist.ZeroOptimizer(cls, zero_p, g, bucket_mb=MB, max_grad_norm=0.5, **kw)
-        assert np.isnan(zero.last_grad_norm[0])
-        norms = []
-        for step in range(3):
-            grads = _grads(g.rank, step)
-            plain.step(dist.all_reduce_gradients([a.copy() for a in grads], g, MB))
-            zero.step(grads)
-            norms.append((float(plain.last_grad_norm[0]), float(zero.last_grad_norm[0])))
-        return plain_p, zero_p, norms
-    got = dist.run_threads(n, body)
+    got = dist.run_threads(n, lambda g: _clipped_steps(g, opt, 3))
     _check_clipped(got)
     assert not np.allclose(got[0][0]["p4"], _params()["p4"])  # (the steps did step)
 
 
-def _clipped_steps(g):
-    """Plain AdamW (max_grad_norm 0.5) on the averaged gradients vs ZeroOptimizer, 2 steps
-    of this rank's gradients -> (plain params, zero params, [(plain norm, zero norm)])."""
-    cls, kw = OPTIMIZERS["adamw"]
+def _clipped_steps(g, opt="adamw", steps=2):
+    """The plain optimizer (max_grad_norm 0.5) on the averaged gradients vs ZeroOptimizer,
+    `steps` steps of this rank's gradients -> (plain params, zero params, [(plain norm,
+    zero norm)])."""
+    cls, kw = OPTIMIZERS[opt]
     plain_p, zero_p = _params(), _params()
     plain = cls(plain_p, max_grad_norm=0.5, **kw)
     zero = dist.ZeroOptimizer(cls, zero_p, g, bucket_mb=MB, max_grad_norm=0.5, **kw)
+    assert np.isnan(zero.last_grad_norm[0])
     norms = []
-    for step in range(2):
+    for step in range(steps):
         grads = _grads(g.rank, step)
         plain.step(dist.all_reduce_gradients([a.copy() for a in grads], g, MB))
         zero.step(grads)
