@@ -71,10 +71,10 @@ def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
             def call(plan=plan, args=args):
                 return G._run(plan, args[0], args[1], args[2], args[3], None, None, None, None)
             out[f"{kind}:{bn},{stages}"] = call
-    for kind in kinds if only is None and peer else ():  # cuBLASLt's blockwise GEMM (the
-        from tecupy.bench.gemm import _torch_block_peer  # GEMM bench's peer) for B's blocks
-        scale = KINDS[kind][1]
-        if scale:
+    if only is None and peer:  # cuBLASLt's blockwise GEMM (the GEMM bench's peer) per kind
+        from tecupy.bench.gemm import _torch_block_peer
+        for kind in (k for k in kinds if KINDS[k][1]):
+            scale = KINDS[kind][1]
             call, why = _torch_block_peer(a, sa, b, sb[scale], scale)
             if call is None:
                 print(f"(no peer: {why})")

@@ -96,6 +96,8 @@ class FP8Weight:
         self.state, self.gemm = fp8_state, gemm
         self.fmt = recipe.fp8_format.fwd
         self.block_dim = 2 if isinstance(recipe, Float8BlockScaling) else None
+        self._block_q = (BlockQuantizer(self.fmt, 2, recipe.fp8_quant_fwd_weight)
+                         if self.block_dim else None)  # (stateless: made once)
         self._init_val = np.array(_host(value)) if preserve else None
         if isinstance(recipe, DelayedScaling):
             fp8_state.bind(xp_of(value), recipe)
@@ -116,8 +118,7 @@ class FP8Weight:
     def _cast(self, value):
         """value cast to FP8 with this weight's recipe, with its transposed copy."""
         if self.block_dim:
-            return BlockQuantizer(self.fmt, self.block_dim,
-                                  self.recipe.fp8_quant_fwd_weight).quantize(value, True)
+            return self._block_q.quantize(value, True)
         if isinstance(self.recipe, DelayedScaling):
             meta, i = self.state.slot(self.gemm, "weight")
             return cast(value, meta.scale[i:i + 1], meta.fmt, meta.amax_history[0, i:i + 1],
