@@ -211,7 +211,7 @@ def _dp_overlap(g, fp8):
     twins = [tecupy.nn.TransformerLayer(256, 1024, 4, **mk) for _ in "ab"]
     reducer = dist.GradientReducer(g, twins[0], bucket_mb=0.5)
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
-    out = []
+    out, norms = [], []
     for step in range(2):
         rng = np.random.default_rng(100 * step + g.rank)
         x, dy = (cupy.asarray((rng.standard_normal((64, 2, 256)) * s).astype(dt))
@@ -305,15 +305,16 @@ def test_large_gradients_reduced_with_no_copy():
         "same bits; all_reduce_into, in-place all_gather_into")
 
 
-def _zero_vs_dp(g, fp8, hidden=256, bucket_mb=0.25):
+def _zero_vs_dp(g, fp8, hidden=256, bucket_mb=0.25, clip=None):
     """ZeRO-1 vs plain data parallel: three TransformerLayers of one seed (bf16 on the GPU,
     float32 on NumPy), 2 steps of this rank's batch through (a) GradientReducer.gradient
     then AdamW over every parameter, (b) ZeroOptimizer.gradient (reduce-scatter overlapped
     with the backward) then its step, (c) tape.gradient then ZeroOptimizer.step; buckets of
     a quarter MiB at hidden 256 (bf16): qkv, fc1 and fc2 alone (no copy, their shards views
-    of the parameters).
+    of the parameters). clip: every optimizer's max_grad_norm.
     -> per step the three's parameters (NumPy), (b)'s count of parameters reduced alone
-    (-1 unless each is a view) and its state over plain's."""
+    (-1 unless each is a view), its state over plain's, and per step the three's
+    last_grad_norm (with clip)."""
     import tecupy
     xp = _xp(g)
     gpu = xp is not np
@@ -321,13 +322,13 @@ def _zero_vs_dp(g, fp8, hidden=256, bucket_mb=0.25):
     mk = dict(params_dtype=dt, device="cuda" if gpu else "cpu", seed=0, hidden_dropout=0.0,
               attention_dropout=0.0)
     layers = [tecupy.nn.TransformerLayer(hidden, 4 * hidden, 4, **mk) for _ in "abc"]
-    opt = dict(lr=1e-3, weight_decay=0.1)
+    opt = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=clip)
     reducer = dist.GradientReducer(g, layers[0], bucket_mb=bucket_mb)
     plain = tecupy.optim.AdamW(layers[0].named_parameters(), **opt)
     zeros = [dist.ZeroOptimizer(tecupy.optim.AdamW, layer, g, bucket_mb=bucket_mb, **opt)
              for layer in layers[1:]]
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
-    out = []
+    out, norms = [], []
     for step in range(2):
         rng = np.random.default_rng(100 * step + g.rank)
         x, dy = (xp.asarray((rng.standard_normal((64, 2, hidden)) * s).astype(dt))
@@ -343,10 +344,12 @@ def _zero_vs_dp(g, fp8, hidden=256, bucket_mb=0.25):
                 zeros[1].step(tape.gradient(y, layer, output_grad=dy))
         out.append([{n: _np(p) for n, p in layer.named_parameters().items()}
                     for layer in layers])
+        if clip:
+            norms.append([float(_np(o.last_grad_norm)[0]) for o in (plain, *zeros)])
     state = sum(v.size for v in zeros[0].state_dict().values() if isinstance(v, np.ndarray))
     full = sum(v.size for v in plain.state_dict().values() if isinstance(v, np.ndarray))
     direct = [s.view for s, d in zip(zeros[0].segments, zeros[0].reducer.direct) if d]
-    return out, len(direct) if all(direct) else -1, state / full
+    return out, len(direct) if all(direct) else -1, state / full, norms
 
 
 def check_zero(got, exact):
@@ -355,7 +358,7 @@ def check_zero(got, exact):
     every rank; qkv, fc1, fc2 (and on NumPy proj: float32) are views; the state per rank
     about 1/N."""
     n, worst = len(got), 0.0
-    for r, (steps, views, share) in enumerate(got):
+    for r, (steps, views, share, _) in enumerate(got):
         assert views >= 3 and share < 1.0 / n + 0.01, (views, share)
         for step, runs in enumerate(steps):
             for j in (1, 2):  # ZeRO overlapped, ZeRO after
@@ -377,6 +380,28 @@ def test_zero_equals_plain_data_parallel(fp8):
         row(f"ZeRO-1 vs plain DP ({'fp8' if fp8 else 'bf16'})", n, "ok",
             f"{'bit-identical' if worst == 0 else f'max diff {worst:.2g}'}, 2 steps, "
             f"overlapped and after; {time.perf_counter() - t0:.1f} s")
+
+
+def check_zero_clipped(got):
+    """max_grad_norm 0.5, far below the gradients' norm: ZeRO's last_grad_norm (the shards'
+    sums of squares all-reduced) the same on every rank and equal to plain data parallel's
+    to float32 rounding; the parameters within bf16's tolerance (the clip factors differ in
+    the last bits: the sums run in another order)."""
+    for steps, views, share, norms in got:
+        assert norms == got[0][3]
+        for plain, *zeros in norms:
+            assert plain > 0.5 and all(abs(z - plain) <= 1e-5 * plain for z in zeros), norms
+    return check_zero(got, exact=False)
+
+
+def test_zero_clipped_equals_plain_data_parallel():
+    for n in sorted({2, N}):
+        t0 = time.perf_counter()
+        worst = check_zero_clipped(dist.spawn(_zero_vs_dp, n, False, 256, 0.25, 0.5,
+                                                     timeout=300))
+        row("ZeRO-1 vs plain DP, max_grad_norm 0.5 (bf16)", n, "ok",
+            f"max diff {worst:.2g}, the same norm on every rank; "
+            f"{time.perf_counter() - t0:.1f} s")
 
 
 def _mlp(g, fp8):

@@ -263,3 +263,14 @@ def test_zero_body_over_fake_nccl():
     from test_distributed_nccl import _zero_vs_dp, check_zero
     got = dist.spawn(_zero_vs_dp, 2, True, 64, 32 / 1024, backend=FAKE, timeout=120)
     assert check_zero(got, exact=True) == 0.0
+
+
+def test_zero_clipped_body_over_fake_nccl():
+    """The GPU test's clipped ZeRO body (hidden 64, float32, 32 KiB buckets, max_grad_norm
+    0.5) in 2 processes over the fake NCCL: the same norm on every rank, equal to plain data
+    parallel's, and its parameters to float rounding (here bit for bit: the reference
+    path sums the squares in float64)."""
+    from test_distributed_launch import FAKE
+    from test_distributed_nccl import _zero_vs_dp, check_zero_clipped
+    got = dist.spawn(_zero_vs_dp, 2, False, 64, 32 / 1024, 0.5, backend=FAKE, timeout=120)
+    check_zero_clipped(got)
