@@ -16,7 +16,8 @@ the ratio is what the block factors cost), and against torch._scaled_mm with blo
 M=4096, N=7168, K=16384. "block" is fp8_block_gemm_tn (factors loaded from global memory in
 the mainloop); the pipelined block kernel (kernels/fp8_gemm.py's BLOCK_PIPELINE, the default:
 every factor from shared memory) is timed in the same run, interleaved with it: its TF/s, its
-ratio to per-tensor split and to the other block kernel.
+ratio to per-tensor split and to the other block kernel. Per row, the per-tensor GEMM, both
+block kernels and the peer are timed in the same three rounds, in turns (best of each).
 """
 import numpy as np
 
@@ -139,8 +140,8 @@ def _torch_block_peer(a, sa, b, sb, dim_b):
     return call, None
 
 
-def _per_tensor_tflops(m, n, k):
-    """Our per-tensor FP8 GEMM with the split accumulator, bf16 out, in TFLOP/s."""
+def _per_tensor_call(m, n, k):
+    """A call of our per-tensor FP8 GEMM with the split accumulator, bf16 out, at m x n x k."""
     from tecupy import bfloat16
     from tecupy.kernels import fp8_gemm as K
     a, b = _operands(m, n, k)
@@ -149,14 +150,16 @@ def _per_tensor_tflops(m, n, k):
         return K.fp8_gemm(a.data, a.fmt, a.scale_inv, b.data, b.fmt, b.scale_inv, bfloat16,
                           split_accumulator=True)
     call()
-    return 2 * m * n * k / gpu_time_ms(call, [()], calls=30) / 1e9
+    return call
 
 
-def _block_row(m, n, k, dim_b, notes):
-    """(first call ms, ours TF/s, torch's TF/s or NaN, the pipelined kernel's TF/s or NaN)
-    of the block GEMM (fp8_block_gemm_tn), B in dim_b's blocks; why torch was skipped goes
-    into `notes`. The pipelined kernel (fp8_gemm.BLOCK_PIPELINE on, the default) is timed
-    between the other's timings, and its output checked equal to the other's."""
+def _block_row(m, n, k, dim_b, notes, tensor):
+    """(first call ms, ours TF/s, torch's TF/s or NaN, the pipelined kernel's TF/s, the
+    per-tensor GEMM's TF/s) of the block GEMM (fp8_block_gemm_tn), B in dim_b's blocks;
+    tensor: a call of the per-tensor GEMM of this shape. Why torch was skipped goes into
+    `notes`. Every kernel is timed in the same rounds, in turns, best of three: the clocks
+    drift under FP8 load, so the ratios compare like with like. The pipelined kernel
+    (fp8_gemm.BLOCK_PIPELINE on, the default) is checked equal to the other."""
     from tecupy import bfloat16
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
@@ -182,8 +185,9 @@ def _block_row(m, n, k, dim_b, notes):
         notes.add(why)
     elif not _close(cupy.from_dlpack(peer()), y):  # the scales' layout read as we mean it
         notes.add(f"cuBLASLt's output differs from ours at {m}x{n}x{k}, B {dim_b}")
-    ms, pms, qms = [], [], []
-    for _ in range(2):  # interleaved, best of two: clocks drift under FP8 load
+    ms, pms, qms, tms = [], [], [], []
+    for _ in range(3):
+        tms.append(gpu_time_ms(tensor, [()], calls=30))
         ms.append(gpu_time_ms(ours, [()], calls=30))
         qms.append(gpu_time_ms(piped, [()], calls=30))
         if peer is not None:
@@ -191,7 +195,7 @@ def _block_row(m, n, k, dim_b, notes):
     flop = 2 * m * n * k
     nan = float("nan")
     return (first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else nan,
-            flop / min(qms) / 1e9 if qms else nan)
+            flop / min(qms) / 1e9, flop / min(tms) / 1e9)
 
 
 def _close(got, want, rtol=2 ** -7):
@@ -209,9 +213,9 @@ def run_block(args):
           f"{'pipe TF/s':>9s} {'ratio':>6s} {'/block':>6s}")
     ratios, notes, piped = {1: [], 2: []}, set(), {1: [], 2: []}
     for label, m, n, k in BLOCK_SHAPES:
-        ttf = _per_tensor_tflops(m, n, k)
+        tensor = _per_tensor_call(m, n, k)
         for dim_b in (2, 1):
-            first, tf, ptf, qtf = _block_row(m, n, k, dim_b, notes)
+            first, tf, ptf, qtf, ttf = _block_row(m, n, k, dim_b, notes, tensor)
             ratios[dim_b].append(tf / ttf)
             piped[dim_b].append(qtf / ttf)
             blocks = "128x128" if dim_b == 2 else "1x128"
