@@ -32,6 +32,7 @@
 //   SCALE 1: sb [ceil(K / 128), N]: B's 1x128 blocks, a factor per output column (the
 //            producer copies a tile's BN factors of each k-block into its stage)
 //   SCALE 2: sb [ceil(N / 128), ceil(K / 128)]: B's 128x128 blocks, one per 128 columns
+//            (fp8_block_gemm_pipe_tn: rows of ceil(K / 128) rounded up to 4 floats, nk4)
 // alpha is 1 there; the per-tensor kernels (SCALE 0) have no factors and the same code.
 // Tiles are visited in groups of GROUP_M row blocks so that concurrent CTAs share A and B in
 // L2; fp8_gemm_tn_cluster2 pairs CTAs that multicast the A tile. 16-bit D leaves through a
@@ -455,8 +456,43 @@ __device__ __forceinline__ void prefetch_rows(const uint8_t* pf, int M, int N, i
     }
 }
 
+// The pipelined block kernel's B-factor tables (128x128 B): each tile's B factors of every
+// k-block, the rows of scale_b [ceil(N / 128), nk4] its columns fall in (at most 2 for
+// BN <= 256), copied by the producer thread with one bulk copy per row (16-byte aligned:
+// rows of nk4 = nk rounded up to 4 floats, padded by the caller where nk % 4 != 0). Two
+// buffers, tile t in buffer t % 2: full[b] counts the copies' bytes, empty[b] completes
+// once the 8 math warps are done with it. The producer's wait on empty[b] never stalls it
+// where nk >= STAGES: it reaches tile t + 2 only after the math warps have released stages
+// of tile t + 1. The math warps wait for the table and release it inside mainloop_smem:
+// the same wait and release around its call measured 0-4% slower at BN = 256 (the loop's
+// SASS unchanged). (Filled by the math warpgroups themselves at each tile's start, an L2
+// round trip and two syncs per tile, they cost 2-5%; by the producer warpgroup's idle second
+// warp, which then spins on empty[b] beside the math warps, nothing was gained: PERFLOG,
+// session 29.)
+struct Tables {
+    float* t;  // 2 buffers x 2 rows x nk4 floats
+    uint64_t* full;
+    uint64_t* empty;
+    int nk4;
+};
+
+template <int BN>
+__device__ __forceinline__ void copy_table(const Tables& tb, const float* scale_b, int N,
+                                           int nb, int t) {
+    static_assert(BN <= 256, "a tile's columns span at most 2 rows of 128x128 B factors");
+    const int b = t & 1, last = (N - 1) / 128, first = nb * BN / 128;
+    const int rows = min((nb * BN + BN - 1) / 128, last) - first + 1;
+    Barrier::wait(&tb.empty[b], ((t >> 1) & 1) ^ 1);
+    Barrier::arrive_and_expect_tx(&tb.full[b], rows * tb.nk4 * int(sizeof(float)));
+    for (int j = 0; j < rows; ++j)
+        cute::SM90_BULK_COPY_G2S::copy(scale_b + size_t(first + j) * tb.nk4, &tb.full[b],
+                                       tb.t + (2 * b + j) * tb.nk4,
+                                       tb.nk4 * int(sizeof(float)));
+}
+
 // AF (fp8_block_gemm_pipe_tn): the tile's BM A factors of each k-block (scale_a [nk, M],
-// M % 4 == 0: 16-byte rows) come with the stage into sa_stage, by a bulk copy clipped at M.
+// M % 4 == 0: 16-byte rows) come with the stage into sa_stage, by a bulk copy clipped at M;
+// with SCALE 2 the tile's B factors into a table first (copy_table).
 template <int BN, int STAGES, int CLUSTER, int SCALE, bool PF = false, bool AF = false,
           bool WAIT = false>
 __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
@@ -465,12 +501,14 @@ __device__ __forceinline__ void producer(const cute::TmaDescriptor* ta,
                                          int num_m, int num_n, int nk, const float* scale_b,
                                          float* sb_stage, int N, const uint8_t* pf = nullptr,
                                          int M = 0, const float* scale_a = nullptr,
-                                         float* sa_stage = nullptr, Chunks ch = {}) {
+                                         float* sa_stage = nullptr, Chunks ch = {},
+                                         Tables tables = {}) {
     const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-    int s = 0, phase = 0, mb, nb;
+    int s = 0, phase = 0, mb, nb, t = 0;
     unsigned seen = 0;
-    for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb, WAIT ? ch.rot : 0);) {
+    for (int u = -1; next_tile<CLUSTER>(u, num_m, num_n, mb, nb, WAIT ? ch.rot : 0); ++t) {
         if constexpr (WAIT) wait_chunk(ch, mb, seen);
+        if constexpr (AF && SCALE == 2) copy_table<BN>(tables, scale_b, N, nb, t);
         for (int kb = 0; kb < nk; ++kb) {
             Barrier::wait(&empty[s], phase ^ 1);
             const int b_bytes = SCALE == 1 ? min(BN, N - nb * BN) * int(sizeof(float)) : 0;
@@ -670,35 +708,11 @@ __device__ __forceinline__ void mainloop_split(uint64_t da, uint64_t db,
 // the dependence). So an L2 round trip issued beside the k-block's first wgmma bounds the
 // k-block from below. Here no global load is left in the loop, as in DeepGEMM's sm90
 // kernel: the producer copies the tile's 128 A factors of each k-block into its stage
-// (sa_stage, by a bulk copy counted on full[s]: M % 4 == 0), and each math warpgroup
-// copies the tile's B factors, every k-block's, into its own table (BN / 64 x nk floats)
-// once per tile, between two syncs of its 128 threads (named barriers 5, 6: its warps are
-// done with the last tile's table; the new one is written). A k-block reads its factors by
-// LDS once its stage is full, before the wgmma. Two alternating fragments with wait<1> (a
-// promotion overlapping the next wgmma of the same warpgroup) make ptxas serialize every
-// wgmma (C7514, NVRTC 13.0): not used.
-//
-// fill_table: the 128x128-B table of this math warpgroup (tb), as above.
-template <int BN>
-__device__ __forceinline__ void fill_table(float* tb, const BlockScales& bs, int nk) {
-    constexpr int NB = BN / 64;
-    const int bar = 4 + threadIdx.x / 128, last = (bs.N - 1) / 128;
-    cutlass::arch::NamedBarrier::sync(128, bar);
-    for (int i0 = threadIdx.x % 128; i0 < NB * nk; i0 += 4 * 128) {
-        float v[4];  // four loads in flight, then their stores
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = i0 + 128 * u, c = i / nk, kb = i - c * nk;
-            v[u] = i < NB * nk
-                       ? __ldg(bs.b + size_t(min((bs.col0 + 64 * c) / 128, last)) * bs.nk + kb)
-                       : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            if (i0 + 128 * u < NB * nk) tb[i0 + 128 * u] = v[u];
-    }
-    cutlass::arch::NamedBarrier::sync(128, bar);
-}
+// (sa_stage, by a bulk copy counted on full[s]: M % 4 == 0), and each tile's B factors,
+// every k-block's, into a table (Tables, above). A k-block reads its factors by LDS once its
+// stage is full, before the wgmma (after its first batch is issued: 8-25% slower, session
+// 29). Two alternating fragments with wait<1> (a promotion overlapping the next wgmma of the
+// same warpgroup) make ptxas serialize every wgmma (C7514, NVRTC 13.0): not used.
 
 // The pipelined block kernel's mainloop (SCALE 2: the table above; SCALE 1, 1x128 B: B's
 // factors come with each stage as in mainloop_split, A's too by the producer's AF copy, so
@@ -708,10 +722,18 @@ template <int BN, int STAGES, int CLUSTER, class MMA, int SCALE>
 __device__ __forceinline__ void mainloop_smem(uint64_t da, uint64_t db,
                                               uint64_t* full, uint64_t* empty, int nk,
                                               int& s, int& phase, float (&acc)[BN / 2],
-                                              const BlockScales& bs, const float* sa_stage) {
-    float* tb = const_cast<float*>(sa_stage) + STAGES * BM
-                + (threadIdx.x / 128 - 1) * (BN / 64) * nk;
-    if constexpr (SCALE == 2) fill_table<BN>(tb, bs, nk);
+                                              const BlockScales& bs, const float* sa_stage,
+                                              const Tables& tables, int& t) {
+    const int b = t & 1;  // (this tile's table, with SCALE 2)
+    int row[BN / 64];     // where the factors of the tile's 64 columns c.. are in the table
+    if constexpr (SCALE == 2) {
+        Barrier::wait(&tables.full[b], (t >> 1) & 1);
+#pragma unroll
+        for (int c = 0; c < BN / 64; ++c)
+            row[c] = (2 * b + min(bs.col0 + 64 * c, bs.N - 1) / 128 - bs.col0 / 128)
+                     * tables.nk4;
+    }
+    const float* tb = tables.t;
     const int r = bs.r0 % BM;  // this thread's first row in the tile (and r + 8)
     float part[mma_n<MMA>() / 2];
 #pragma unroll
@@ -723,7 +745,7 @@ __device__ __forceinline__ void mainloop_smem(uint64_t da, uint64_t db,
         f.a[1] = sa_stage[s * BM + r + 8];
         if constexpr (SCALE == 2) {
 #pragma unroll
-            for (int c = 0; c < BN / 64; ++c) f.b[c] = tb[c * nk + kb];
+            for (int c = 0; c < BN / 64; ++c) f.b[c] = tb[row[c] + kb];
         } else {
             f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
         }
@@ -735,6 +757,11 @@ __device__ __forceinline__ void mainloop_smem(uint64_t da, uint64_t db,
         if constexpr (SCALE == 1) release<CLUSTER>(&empty[s]);
         advance(s, phase, STAGES);
     }
+    if constexpr (SCALE == 2) {  // this warp's reads of the table are done
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) Barrier::arrive(&tables.empty[b]);
+    }
+    ++t;
 }
 
 // The math warpgroups' part: every tile of this CTA, then the amax of an FP8 output.
@@ -745,7 +772,8 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
                                      int nk, const uint8_t* sa, const uint8_t* sb,
                                      uint64_t* full, uint64_t* empty, uint8_t* staging,
                                      const float* sb_stage, const cute::TmaDescriptor* tma_d,
-                                     const float* sa_stage = nullptr, int rot = 0) {
+                                     const float* sa_stage = nullptr, int rot = 0,
+                                     Tables tables = {}) {
     static_assert(SCALE == 0 || PROMOTE, "block scales apply at the promotions");
     constexpr bool tma_store = kTmaStore<TOut, EPI, ACCUM, BN>;
     static_assert(EPI < 4 || tma_store, "the residual epilogues: 16-bit D, staged, no ACCUM");
@@ -756,14 +784,14 @@ __device__ __forceinline__ void math(const float* scale_inv_a, const float* scal
     const uint64_t da = smem_desc(sa + row_off * BK), db = smem_desc(sb);  // stage 0's tiles
     const int r0 = row_off + 16 * ((threadIdx.x / 32) % 4) + threadIdx.x % 32 / 4;
     float amax = 0.f;
-    int s = 0, phase = 0, mb, nb;
+    int s = 0, phase = 0, mb, nb, t = 0;  // t: the pipelined kernel's tiles so far
     for (int u = -1; next_tile<CLUSTER>(u, (M + BM - 1) / BM, (N + BN - 1) / BN, mb, nb, rot);) {
         float acc[BN / 2];
         const BlockScales bs{scale_inv_a, scale_inv_b, sb_stage, M, N, nk, mb * BM + r0,
                              nb * BN};
         if constexpr (PIPE)
             mainloop_smem<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s, phase,
-                                                           acc, bs, sa_stage);
+                                                           acc, bs, sa_stage, tables, t);
         else if constexpr (PROMOTE)
             mainloop_split<BN, STAGES, CLUSTER, MMA, SCALE>(da, db, full, empty, nk, s,
                                                             phase, acc, bs);
@@ -793,8 +821,8 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
                                      const cute::TmaDescriptor& tma_d, Chunks chunks = {}) {
     // shared memory: STAGES x A tile, STAGES x B tile, [2 x 64 x BN x 2 staging],
     // [SCALE 1: STAGES x BN float B factors], barriers, [PIPE: STAGES x BM float A
-    // factors (sa_stage), then with SCALE 2 the math warpgroups' tables of B factors,
-    // 2 x BN / 64 x nk floats]
+    // factors (sa_stage), then with SCALE 2 the tables of B factors (2 x 2 x nk4 floats)
+    // and their 4 barriers]
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* sa = smem;
     uint8_t* sb = smem + STAGES * BM * BK;
@@ -806,6 +834,10 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
     uint64_t* empty = full + STAGES;
     float* sa_stage = reinterpret_cast<float*>(empty + STAGES);  // 16-byte aligned
     const int nk = (K + BK - 1) / BK;
+    constexpr bool kTables = PIPE && SCALE == 2;
+    Tables tables{sa_stage + STAGES * BM, nullptr, nullptr, (nk + 3) / 4 * 4};
+    tables.full = reinterpret_cast<uint64_t*>(tables.t + 4 * tables.nk4);
+    tables.empty = tables.full + 2;
     if (threadIdx.x == 0) {
         cute::prefetch_tma_descriptor(&tma_a);
         cute::prefetch_tma_descriptor(&tma_b);
@@ -813,6 +845,10 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
         for (int s = 0; s < STAGES; ++s) {
             Barrier::init(&full[s], 1);
             Barrier::init(&empty[s], 8 * CLUSTER);  // each math warp of each CTA
+        }
+        for (int b = 0; kTables && b < 2; ++b) {
+            Barrier::init(&tables.full[b], 1);   // the producer's arrival, and the bytes
+            Barrier::init(&tables.empty[b], 8);  // each math warp
         }
         cutlass::arch::fence_barrier_init();
     }
@@ -830,12 +866,13 @@ __device__ __forceinline__ void gemm(const float* scale_inv_a, const float* scal
             producer<BN, STAGES, CLUSTER, SCALE, EPI == 4 || EPI == 5, PIPE, WAIT>(
                 &tma_a, &tma_b, sa, sb, full, empty, (M + BM - 1) / BM, (N + BN - 1) / BN, nk,
                 scale_inv_b, sb_stage, N, reinterpret_cast<const uint8_t*>(aux), M,
-                scale_inv_a, sa_stage, chunks);
+                scale_inv_a, sa_stage, chunks, tables);
     } else {
         cutlass::arch::warpgroup_reg_alloc<232>();
         math<BN, STAGES, CLUSTER, MMA, TOut, EPI, ACCUM, PROMOTE, SCALE, PIPE>(
             scale_inv_a, scale_inv_b, scale_out, amax_out, {bias, d, aux, 1.f, 1.f, M, N}, nk,
-            sa, sb, full, empty, staging, sb_stage, &tma_d, sa_stage, WAIT ? chunks.rot : 0);
+            sa, sb, full, empty, staging, sb_stage, &tma_d, sa_stage, WAIT ? chunks.rot : 0,
+            tables);
     }
     // No CTA may leave while a peer can still multicast into it or arrive on its barriers.
     if constexpr (CLUSTER > 1) cute::cluster_sync();

@@ -50,6 +50,7 @@ def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
     import tecupy
     from tecupy.fp8 import E4M3
     from tecupy.kernels import fp8_gemm as G
+    from tecupy.kernels.block_scaling import pipe_b_factors
     a, sa, b, sb = operands(m, n, k, data)
     one = cupy.ones(1, np.float32)
     bf16 = tecupy.bfloat16
@@ -66,7 +67,8 @@ def kernels(m, n, k, only=None, data="normal", kinds=KINDS, peer=False):
                 continue
             plan = G._plan(config, E4M3, E4M3, bf16, True, False, None, m, n, k, scale=scale,
                            pipe=pipe, pdl=False)
-            args = (a, sa, b, sb[scale]) if scale else (a, one, b, one)
+            args = ((a, sa, b, pipe_b_factors(sb[2]) if scale == 2 else sb[1]) if scale
+                    else (a, one, b, one))
 
             def call(plan=plan, args=args):
                 return G._run(plan, args[0], args[1], args[2], args[3], None, None, None, None)

@@ -728,7 +728,7 @@ def test_block_pipeline_switch_names_and_shared_memory():
         G.kernel_name("e4m3", "e4m3", "float", 0, False, (192, 4, True, 2), 1, True)
     config = (192, 4, True, 1)
     assert (G.smem_bytes(config, True, 2, 4096) - G.smem_bytes(config, True, 2)
-            == 4 * 128 * 4 + 2 * 3 * 32 * 4)
+            == 4 * 128 * 4 + 2 * 2 * 32 * 4 + 4 * 8)  # (two tables of 2 rows, 4 barriers)
     # 1x128 B: the stages' A factors only (its B factors come with each stage already)
     assert G.smem_bytes(config, True, 1, 4096) - G.smem_bytes(config, True, 1) == 4 * 128 * 4
     assert G.smem_bytes(config, True, 2, 65536) <= G.SMEM_MAX  # K of 64 Ki: 512 k-blocks

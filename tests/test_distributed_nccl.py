@@ -211,7 +211,7 @@ def _dp_overlap(g, fp8):
     twins = [tecupy.nn.TransformerLayer(256, 1024, 4, **mk) for _ in "ab"]
     reducer = dist.GradientReducer(g, twins[0], bucket_mb=0.5)
     recipe = tecupy.recipe.DelayedScaling(amax_history_len=4) if fp8 else None
-    out, norms = [], []
+    out = []
     for step in range(2):
         rng = np.random.default_rng(100 * step + g.rank)
         x, dy = (cupy.asarray((rng.standard_normal((64, 2, 256)) * s).astype(dt))

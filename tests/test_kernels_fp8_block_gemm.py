@@ -129,11 +129,12 @@ def test_block_gemm(monkeypatch, rng, pipe, fa, fb, out_dtype, bias, dim_b, mnk,
 @pytest.mark.parametrize("dim_b", [1, 2], ids=["B1x128", "B128x128"])
 def test_block_gemm_each_tile(monkeypatch, rng, pipe, config, dim_b):
     """Both split configurations, forced: 192-wide tiles start 64 columns into a 128x128
-    block of B every other tile; many tiles per CTA (M x N of 332 x 776, K 2048: the
-    pipelined kernel's per-tile B tables are rewritten between tiles, its A factors clipped
-    at M in the last row block)."""
+    block of B every other tile; many tiles per CTA (M x N of 332 x 776 on a grid of 2 CTAs,
+    K 2048: the pipelined kernel's per-tile B tables are rewritten between tiles, its A
+    factors clipped at M in the last row block)."""
     from tecupy.kernels import block_scaling, fp8_gemm
     monkeypatch.setattr(fp8_gemm, "default_config", lambda m, n, split, sms=None, k=None: config)
+    monkeypatch.setattr(fp8_gemm, "sm_count", lambda: 2)
     monkeypatch.setattr(block_scaling, "_gemm_plans", {})
     _pipeline(monkeypatch, pipe)
     _run_case(monkeypatch, rng, 332, 776, 2048, E4M3, E4M3, 1, dim_b, tecupy.bfloat16, True)
@@ -265,6 +266,37 @@ def _spy_kinds(monkeypatch):
         return real(op, *args, **kwargs)
     monkeypatch.setattr(backends, "dispatch", spy)
     return kinds
+
+
+@needs_hopper
+@pytest.mark.parametrize("k", [256, 640, 2048])
+def test_pipelined_b_tables_over_many_tiles_per_cta(monkeypatch, rng, k):
+    """The pipelined kernel's B-factor tables (two buffers, copied by the producer per tile)
+    on a grid of 2 CTAs, so that each runs 7-8 tiles (both buffers, both phases of their
+    barriers): K = 256 (2 k-blocks, fewer than the stages: the producer waits for a buffer),
+    640 (5 k-blocks: rows padded to 8 floats by a copy) and 2048; bit for bit the other
+    kernel's output and within the reference's bounds; B's factors also as an unaligned,
+    strided view (copied by the wrapper)."""
+    import cupy
+    from tecupy.kernels import block_scaling, fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "sm_count", lambda: 2)
+    monkeypatch.setattr(block_scaling, "_gemm_plans", {})
+    m, n = 332, 776
+    a, sa = _quantized(rng, (m, k), E4M3, 1)
+    b, sb = _quantized(rng, (n, k), E4M3, 2)
+    wide = cupy.zeros((sb.shape[0], sb.shape[1] + 3), np.float32)
+    wide[:, 1:-2] = cupy.asarray(sb)
+    args = _gpu(a, E4M3, sa, b, E4M3, sb, tecupy.bfloat16, None)
+    got = {}
+    for pipe, view in ((True, False), (True, True), (False, False)):
+        _pipeline(monkeypatch, pipe)
+        call = args[:5] + [wide[:, 1:-2]] + args[6:] if view else args
+        got[pipe, view] = asnp(_strict_kernel(monkeypatch, call)).astype(np.float32)
+        assert _pipelined(m, n, k, 2) == pipe
+    np.testing.assert_array_equal(got[True, False], got[False, False])
+    np.testing.assert_array_equal(got[True, True], got[False, False])
+    _pipeline(monkeypatch, True)
+    _run_case(monkeypatch, rng, m, n, k, E4M3, E4M3, 1, 2, tecupy.bfloat16, False)
 
 
 @needs_hopper

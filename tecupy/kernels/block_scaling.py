@@ -253,8 +253,22 @@ def fp8_block_gemm(a, a_fmt, a_scale_inv, b, b_fmt, b_scale_inv, out_dtype, bias
     sa = _a_factors(a.shape, a_scale_inv)
     if pipe and sa.data.ptr % 16:  # its rows go by bulk copies: 16-byte aligned
         sa = sa.copy()
-    return G._run(plan, a, sa, b, cupy.ascontiguousarray(b_scale_inv), bias, out, None,
+    sb = pipe_b_factors(b_scale_inv) if pipe and dim_b == 2 else b_scale_inv
+    return G._run(plan, a, sa, b, cupy.ascontiguousarray(sb), bias, out, None,
                   None, residual if dgelu_aux is None else dgelu_aux)
+
+
+def pipe_b_factors(scale_inv):
+    """128x128-block factors [ceil(N / 128), nk] as the pipelined kernel reads them: rows of
+    a multiple of 4 floats, 16-byte aligned (each row goes by one bulk copy); the array
+    itself where it is so already (nk % 4 == 0: K a multiple of 512), else a padded copy."""
+    import cupy
+    rows, nk = scale_inv.shape
+    if nk % 4 == 0 and scale_inv.flags.c_contiguous and scale_inv.data.ptr % 16 == 0:
+        return scale_inv
+    out = cupy.zeros((rows, -(-nk // 4) * 4), np.float32)
+    out[:, :nk] = scale_inv
+    return out
 
 
 def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
@@ -264,7 +278,7 @@ def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act
     PERFLOG.md session 28), as a block-scaled kernel; the pipelined one
     (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is on and it takes the call: M % 4 == 0
     (A's factor rows go by 16-byte bulk copies) and, with B in 128x128 blocks, its B-factor
-    tables (K / 128 x BN / 64 floats for each math warpgroup) fit in shared memory."""
+    tables (two of 2 x K / 128 floats) fit in shared memory."""
     config = G.default_config(m, n, True, k=k)
     staged = not isinstance(out_dtype, FP8Format) and G.tma_store(out_dtype, act, accumulate,
                                                                   config[0])

@@ -128,9 +128,11 @@ def smem_bytes(config, staging=True, scale=0, pipe_k=None):
     """Stages of A and B tiles, the output staging buffer of 16-bit outputs, [block scaling
     with 1x128 B (scale 1): BN float factors per stage], barriers, [the pipelined block
     kernel for K = pipe_k: BM float A factors per stage, then with 128x128 B (scale 2) two
-    tables of BN / 64 float B factors per k-block]."""
+    tables of 2 rows of B factors (the k-blocks' count rounded up to 4 floats each) and
+    their four barriers]."""
     bn, stages = config[:2]
-    tables = 2 * (bn // 64) * -(-pipe_k // BK) * 4 if pipe_k is not None and scale == 2 else 0
+    tables = (4 * -(-pipe_k // (4 * BK)) * 4 * 4 + 4 * 8
+              if pipe_k is not None and scale == 2 else 0)
     pipe = 0 if pipe_k is None else stages * BM * 4 + tables
     return (stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0)
             + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8 + pipe)
