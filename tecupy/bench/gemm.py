@@ -17,7 +17,8 @@ M=4096, N=7168, K=16384. "block" is fp8_block_gemm_tn (factors loaded from globa
 the mainloop); the pipelined block kernel (kernels/fp8_gemm.py's BLOCK_PIPELINE, the default:
 every factor from shared memory) is timed in the same run, interleaved with it: its TF/s, its
 ratio to per-tensor split and to the other block kernel. Per row, the per-tensor GEMM, both
-block kernels and the peer are timed in the same three rounds, in turns (best of each).
+block kernels and the peer are timed in the same five rounds, in turns: TF/s of the best
+round, ratios to per-tensor the median of the rounds' own ratios.
 """
 import numpy as np
 
@@ -155,11 +156,13 @@ def _per_tensor_call(m, n, k):
 
 def _block_row(m, n, k, dim_b, notes, tensor):
     """(first call ms, ours TF/s, torch's TF/s or NaN, the pipelined kernel's TF/s, the
-    per-tensor GEMM's TF/s) of the block GEMM (fp8_block_gemm_tn), B in dim_b's blocks;
-    tensor: a call of the per-tensor GEMM of this shape. Why torch was skipped goes into
-    `notes`. Every kernel is timed in the same rounds, in turns, best of three: the clocks
-    drift under FP8 load, so the ratios compare like with like. The pipelined kernel
-    (fp8_gemm.BLOCK_PIPELINE on, the default) is checked equal to the other."""
+    per-tensor GEMM's TF/s, ours / per-tensor, pipelined / per-tensor) of the block GEMM
+    (fp8_block_gemm_tn), B in dim_b's blocks; tensor: a call of the per-tensor GEMM of this
+    shape. Why torch was skipped goes into `notes`. Every kernel is timed in the same
+    ROUNDS rounds, in turns: TF/s are the best round's; the ratios to per-tensor the median
+    of each round's ratio (the clocks drift under FP8 load, from round to round: a ratio of
+    two best rounds compares two moments). The pipelined kernel (fp8_gemm.BLOCK_PIPELINE on,
+    the default) is checked equal to the other."""
     from tecupy import bfloat16
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
@@ -186,7 +189,7 @@ def _block_row(m, n, k, dim_b, notes, tensor):
     elif not _close(cupy.from_dlpack(peer()), y):  # the scales' layout read as we mean it
         notes.add(f"cuBLASLt's output differs from ours at {m}x{n}x{k}, B {dim_b}")
     ms, pms, qms, tms = [], [], [], []
-    for _ in range(3):
+    for _ in range(ROUNDS):
         tms.append(gpu_time_ms(tensor, [()], calls=30))
         ms.append(gpu_time_ms(ours, [()], calls=30))
         qms.append(gpu_time_ms(piped, [()], calls=30))
@@ -195,7 +198,11 @@ def _block_row(m, n, k, dim_b, notes, tensor):
     flop = 2 * m * n * k
     nan = float("nan")
     return (first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else nan,
-            flop / min(qms) / 1e9, flop / min(tms) / 1e9)
+            flop / min(qms) / 1e9, flop / min(tms) / 1e9,
+            float(np.median(np.array(tms) / ms)), float(np.median(np.array(tms) / qms)))
+
+
+ROUNDS = 5  # (block rows)
 
 
 def _close(got, want, rtol=2 ** -7):
@@ -215,13 +222,13 @@ def run_block(args):
     for label, m, n, k in BLOCK_SHAPES:
         tensor = _per_tensor_call(m, n, k)
         for dim_b in (2, 1):
-            first, tf, ptf, qtf, ttf = _block_row(m, n, k, dim_b, notes, tensor)
-            ratios[dim_b].append(tf / ttf)
-            piped[dim_b].append(qtf / ttf)
+            first, tf, ptf, qtf, ttf, rb, rq = _block_row(m, n, k, dim_b, notes, tensor)
+            ratios[dim_b].append(rb)
+            piped[dim_b].append(rq)
             blocks = "128x128" if dim_b == 2 else "1x128"
             print(f"{label:6s} {m:6d} {n:6d} {k:6d} {blocks:7s} {first / 1e3:8.2f} {tf:10.0f} "
-                  f"{ttf:7.0f} {tf / ttf:6.2f} {ptf:7.0f} {tf / ptf:6.2f} {qtf:9.0f} "
-                  f"{qtf / ttf:6.2f} {qtf / tf:6.2f}")
+                  f"{ttf:7.0f} {rb:6.2f} {ptf:7.0f} {tf / ptf:6.2f} {qtf:9.0f} "
+                  f"{rq:6.2f} {qtf / tf:6.2f}")
     for kind, table in (("block", ratios), ("pipelined block", piped)):
         for dim_b, r in table.items():
             print(f"geomean {kind} / per-tensor split (B "
