@@ -239,8 +239,9 @@ def test_zero_errors_name_the_argument():
         with pytest.raises(ValueError, match=r"gradient 4 is \(3,\) float32; the buckets"):
             zero.step([*list(p.values())[:4], np.zeros(3, np.float32), p["p5"]])
         zero.step([np.zeros_like(a) for a in p.values()])  # (the reducer was reset)
-        with pytest.raises(TypeError, match="FP8Weight"):
-            with tecupy.quantized_model_init(recipe=tecupy.recipe.DelayedScaling()):
+        with pytest.raises(ValueError, match=r"params\['weight'\] is an FP8Weight of "
+                                             r"128x128 blocks .* use the plain optimizer"):
+            with tecupy.quantized_model_init(recipe=tecupy.recipe.Float8BlockScaling()):
                 lin = tecupy.nn.Linear(16, 16, device="cpu")
             dist.ZeroOptimizer(AdamW, lin, g)
     dist.run_threads(2, body)
@@ -274,3 +275,55 @@ def test_zero_clipped_body_over_fake_nccl():
     from test_distributed_nccl import _zero_vs_dp, check_zero_clipped
     got = dist.spawn(_zero_vs_dp, 2, False, 64, 32 / 1024, 0.5, backend=FAKE, timeout=120)
     check_zero_clipped(got)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("kib", [16, 1024], ids=["alone", "together"])
+def test_zero_fp8_weights_equal_the_plain_optimizer(n, recipe, kib):
+    """FP8 weights (quantized_model_init) under ZeRO on the ThreadGroup: the GPU test's body
+    (a TransformerLayer, 3 steps): codes, scale_inv and the masters' shards bit for bit the
+    plain optimizer's; each FP8 weight in a bucket of its own (its codes gathered in place,
+    where it splits evenly) or all of them in one."""
+    from test_distributed_nccl import _zero_fp8_weights, check_zero_fp8_weights
+    check_zero_fp8_weights(dist.run_threads(n, _zero_fp8_weights, recipe, 64, kib / 1024))
+
+
+def test_zero_fp8_weights_over_fake_nccl():
+    """The same body in 2 processes through NcclGroup over the fake NCCL."""
+    from test_distributed_launch import FAKE
+    from test_distributed_nccl import _zero_fp8_weights, check_zero_fp8_weights
+    check_zero_fp8_weights(dist.spawn(_zero_fp8_weights, 2, "delayed", 64, 16 / 1024,
+                                      backend=FAKE, timeout=120))
+
+
+def test_zero_fp8_weights_state_dict_round_trip():
+    """FP8 weights: state_dict after the first of two steps holds this rank's shard of the
+    masters (zero.fp8.bucket<b>); a fresh ZeroOptimizer over the same layer (whose masters
+    start from the codes) loads it and takes the second step: the uninterrupted run's codes.
+    A state_dict whose shard has another shape is refused, naming the key."""
+    recipe = tecupy.recipe.Float8CurrentScaling()
+
+    def body(g):
+        with tecupy.quantized_model_init(recipe=recipe):
+            layers = [tecupy.nn.Linear(48, 32, device="cpu", seed=5) for _ in "ab"]
+        zeros = [dist.ZeroOptimizer(AdamW, lin, g, bucket_mb=1, lr=1e-2) for lin in layers]
+        for step in range(2):
+            x = np.random.default_rng(10 * step + g.rank).standard_normal((16, 48))
+            for k, lin in enumerate(layers):
+                with tecupy.Tape() as tape, tecupy.fp8_autocast(fp8_recipe=recipe):
+                    y = lin(x.astype(np.float32))
+                zeros[k].step(tape.gradient(y, lin, output_grad=np.ones_like(y)))
+                if step == 0 and k == 1:
+                    sd = zeros[1].state_dict()
+                    assert sd["zero.fp8.bucket1"].dtype == np.float32
+                    zeros[1] = dist.ZeroOptimizer(AdamW, lin, g, bucket_mb=1, lr=1e-2)
+                    bad = dict(sd, **{"zero.fp8.bucket1": sd["zero.fp8.bucket1"][:-1]})
+                    with pytest.raises(ValueError, match=r"nothing was loaded.*\n  "
+                                                         r"zero.fp8.bucket1: \(\("):
+                        zeros[1].load_state_dict(bad)
+                    zeros[1].load_state_dict(sd)
+        return [(lin.weight.data.copy(), lin.weight.scale_inv.copy()) for lin in layers]
+    for (a, sa), (b, sb) in dist.run_threads(2, body):
+        np.testing.assert_array_equal(b, a)
+        np.testing.assert_array_equal(sb, sa)

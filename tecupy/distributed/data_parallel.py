@@ -33,8 +33,9 @@ mean (a ShardedGradients list). A large gradient whose size splits evenly goes a
 Buckets: consecutive gradients of one dtype along `order` (by default the reverse of the
 parameters' order: a backward finishes the last-made layers first; `reducer.arrived` is the
 order of the last step's ready() calls, to pass as `order` to a new reducer), each up to
-bucket_mb MiB. The mean is the group's sum, then divided by its size. The buckets change no
-bit of the result on the reference communicator (sums in rank order, element by element);
+bucket_mb MiB; FP8 weights' gradients in buckets of their own. The mean is the group's sum,
+then divided by its size. The buckets change no bit of the result on the reference
+communicator (sums in rank order, element by element);
 NCCL's order of summation over 3+ ranks may depend on an element's place in a bucket and
 on the collective, so compare runs with the same buckets and the same `reduce`.
 """
@@ -48,13 +49,14 @@ REDUCES = ("all_reduce", "reduce_scatter")
 
 def plan_buckets(grads, bucket_bytes):
     """-> lists of indices into grads: consecutive, one dtype, <= bucket_bytes each (or one
-    gradient alone)."""
-    buckets, size, dtype = [], 0, None
+    gradient alone); FP8 weights' (quantized_model_init) apart from the others' (ZeRO keeps
+    their shards as float32 master copies and gathers codes)."""
+    buckets, size, kind = [], 0, None
     for i, g in enumerate(grads):
         nbytes = _nbytes(g)
-        if not buckets or g.dtype != dtype or size + nbytes > bucket_bytes:
+        if not buckets or _kind(g) != kind or size + nbytes > bucket_bytes:
             buckets.append([])
-            size, dtype = 0, g.dtype
+            size, kind = 0, _kind(g)
         buckets[-1].append(i)
         size += nbytes
     return buckets
@@ -202,6 +204,10 @@ class GradientReducer:
                 out[i] = self._out[b][at:at + size].reshape(shape)
                 at += size
         return out
+
+
+def _kind(a):
+    return np.dtype(a.dtype), bool(getattr(a, "_tecupy_codes", False))
 
 
 def _nbytes(a):

@@ -29,10 +29,20 @@ each rank's optimizer sums the squares of its shard and the group all-reduces th
 the norm and the clip factor agree with the non-sharded step's to float rounding, not bit
 for bit. `last_grad_norm` is that norm, the same on every rank.
 
-Not yet: FP8 weights (quantized_model_init).
+FP8 weights (quantized_model_init, per-tensor recipes) go in buckets of their own, whose
+shards are float32 master copies (the optimizer's parameters: 4 bytes per element over N,
+where the plain optimizer keeps all of it): a step casts each rank's share of every weight's
+master into codes (fp8_params.cast_shards: one all-reduce of the amaxes, max) and
+all-gathers the codes (1 byte per element); each weight's transposed copy is made from them.
+The codes, scale_inv and amax history equal the plain optimizer's bit for bit (the update
+and the cast are element by element; an amax is a max), whatever the group's size. The
+masters' shards are in state_dict (zero.fp8.bucket<b>). Not under block scaling (a 128x128
+block's scale would need its elements from several ranks).
 """
-from .._array import xp_of
-from ..fp8_params import FP8Weight
+import numpy as np
+
+from .._array import to_numpy, xp_of
+from ..fp8_params import FP8Weight, cast_shards
 from ..optim.optimizer import Optimizer, grads_by_name
 from .data_parallel import GradientReducer, ShardedGradients
 
@@ -54,7 +64,7 @@ class ZeroOptimizer:
         self.group = group
         self.reducer = GradientReducer(group, self.params, bucket_mb, True, side_stream,
                                        order, reduce="reduce_scatter")
-        self.segments = [_Segment([self.params[i] for i in b], padded, group.rank, group.size)
+        self.segments = [_segment([self.params[i] for i in b], padded, group.rank, group.size)
                          for b, padded in zip(self.reducer.buckets, self.reducer.padded)]
         self.optimizer = optimizer_cls({f"bucket{b}": s.chunk
                                         for b, s in enumerate(self.segments)}, **kw)
@@ -75,12 +85,26 @@ class ZeroOptimizer:
         if len(grads) != len(self.segments):
             raise ValueError(f"{OP}.step: ShardedGradients of {len(grads)} buckets; this "
                              f"optimizer has {len(self.segments)} (another reducer's?)")
-        for s in self.segments:
+        grads = list(grads)
+        for b, s in enumerate(self.segments):
             s.refresh()
-        self.optimizer.step(list(grads))
+            if s.fp8:  # (the master's float32: exact, as the fused update reads a bf16 one)
+                grads[b] = grads[b].astype(np.float32)
+        self.optimizer.step(grads)
+        self._cast_fp8()
         for s in self.segments:
-            _all_gather_into(self.group, s.chunk, s.full)
+            _all_gather_into(self.group, s.send, s.full)
             s.scatter()
+
+    def _cast_fp8(self):
+        """The FP8 segments' shards of master copies cast into this rank's codes (send)."""
+        fp8 = [s for s in self.segments if s.fp8]
+        if not fp8:
+            return
+        items = [item for s in fp8 for item in s.parts()]
+        casts = iter(cast_shards(items, lambda v: self.group.all_reduce(v, op="max")))
+        for s in fp8:
+            s.take([next(casts) for _ in s.members])
 
     def _reduce(self, grads):
         """A rank's full gradients -> its ShardedGradients (reduce-scattered after the
@@ -127,12 +151,17 @@ class ZeroOptimizer:
         return {"zero.rank": self.group.rank, "zero.size": self.group.size,
                 "zero.layout": layout}
 
+    def _fp8_masters(self):
+        return {f"zero.fp8.bucket{b}": s.chunk for b, s in enumerate(self.segments) if s.fp8}
+
     def state_dict(self):
         """This rank's state: the optimizer's state_dict over its chunks (keys as
         tecupy.optim's, each parameter named bucket<b>: exp_avg.bucket0, master.bucket0,
-        ...) and zero.rank, zero.size, zero.layout (the parameters' names per bucket)."""
+        ...), zero.rank, zero.size, zero.layout (the parameters' names per bucket) and
+        zero.fp8.bucket<b>, the float32 master copies of a bucket of FP8 weights."""
         sd = self.optimizer.state_dict()
         sd.update(self._meta())
+        sd.update({k: np.array(to_numpy(a)) for k, a in self._fp8_masters().items()})
         return sd
 
     def load_state_dict(self, state_dict):
@@ -143,19 +172,32 @@ class ZeroOptimizer:
                             f"{type(state_dict).__name__}")
         bad = [f"{k}: {state_dict.get(k, 'missing')!r}, this rank's {v!r}"
                for k, v in self._meta().items() if state_dict.get(k) != v]
+        bad += [f"{k}: {_shape_of(state_dict.get(k))}, this rank's {a.shape} float32"
+                for k, a in self._fp8_masters().items()
+                if _shape_of(state_dict.get(k)) != (a.shape, np.dtype(np.float32))]
         if bad:
             raise ValueError(f"{OP}.load_state_dict: nothing was loaded; each rank loads the "
                              "state_dict its own rank saved, in a group of the same size "
                              "with the same buckets:\n  " + "\n  ".join(bad))
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items()
                                         if not k.startswith("zero.")})
+        for k, a in self._fp8_masters().items():
+            a[...] = xp_of(a).asarray(state_dict[k])
         return self
+
+
+def _segment(params, padded, rank, size):
+    if isinstance(params[0], FP8Weight):  # (the reducer's buckets keep them apart)
+        return _FP8Segment(params, padded, rank, size)
+    return _Segment(params, padded, rank, size)
 
 
 class _Segment:
     """One bucket's parameters: `full` (their values flat, zero-padded to `padded`: the
     parameter itself, viewed flat, where the bucket is one parameter of that size, else a
-    copy) and `chunk`, this rank's part of it."""
+    copy) and `chunk`, this rank's part of it, the optimizer's parameter and what the
+    all-gather sends (`send`)."""
+    fp8 = False
 
     def __init__(self, params, padded, rank, size):
         self.members, at = [], 0
@@ -172,7 +214,7 @@ class _Segment:
                 self.full[at:at + q.size] = q.ravel()
         k = padded // size
         self.lo, self.hi = rank * k, (rank + 1) * k
-        self.chunk = self.full[self.lo:self.hi]
+        self.chunk = self.send = self.full[self.lo:self.hi]
 
     def refresh(self):
         """This rank's chunk from the parameters (set from outside since, e.g. loaded)."""
@@ -189,6 +231,67 @@ class _Segment:
             return
         for p, at in self.members:
             p[...] = self.full[at:at + p.size].reshape(p.shape)
+
+
+class _FP8Segment:
+    """One bucket of FP8 weights: `chunk`, this rank's part of their float32 master copies
+    laid end to end (zero-padded to `padded`), the optimizer's parameter; `full`, their codes
+    flat (the weight's own codes, viewed flat, where the bucket is one weight of that size,
+    else a copy), `send` this rank's part of it."""
+    fp8 = True
+
+    def __init__(self, weights, padded, rank, size):
+        self.members, at = [], 0
+        for w in weights:
+            self.members.append((w, at))
+            at += w.size
+        k = padded // size
+        self.lo, self.hi = rank * k, (rank + 1) * k
+        w = weights[0]
+        xp = w.xp
+        self.chunk = xp.zeros(k, np.float32)
+        for w, at in self.members:
+            lo, hi = self._overlap(w, at)
+            if lo < hi:
+                self.chunk[lo - self.lo:hi - self.lo] = w.master().reshape(-1)[lo - at:hi - at]
+        self.view = len(weights) == 1 and w.size == padded
+        self.full = w.data.reshape(-1) if self.view else xp.zeros(padded, np.uint8)
+        self.send = self.full[self.lo:self.hi]
+        self._inv = []
+
+    def _overlap(self, w, at):
+        return max(at, self.lo), min(at + w.size, self.hi)
+
+    def parts(self):
+        """[(weight, its part of this rank's masters)] for every member (empty parts too)."""
+        out = []
+        for w, at in self.members:
+            lo, hi = self._overlap(w, at)
+            out.append((w, self.chunk[lo - self.lo:max(lo, hi) - self.lo]))
+        return out
+
+    def take(self, casts):
+        """cast_shards' (codes, scale_inv) of each member: the codes into send."""
+        self._inv = [inv for _, inv in casts]
+        for (w, at), (codes, _) in zip(self.members, casts):
+            lo, hi = self._overlap(w, at)
+            if lo < hi:
+                self.send[lo - self.lo:hi - self.lo] = codes
+
+    def refresh(self):
+        """(The masters are the optimizer's, not the weights'.)"""
+
+    def scatter(self):
+        """The gathered codes into each weight, its transposed copy and scale_inv."""
+        for (w, at), inv in zip(self.members, self._inv):
+            if not self.view:
+                w.data[...] = self.full[at:at + w.size].reshape(w.shape)
+            w.data_t[...] = w.data.T
+            w.scale_inv[...] = inv
+
+
+def _shape_of(v):
+    return "missing" if v is None else (tuple(np.shape(v)), np.asarray(v).dtype)
 
 
 def _all_gather_into(group, x, out):
@@ -215,10 +318,14 @@ def _parse_params(params):
     if not arrays:
         raise ValueError(f"{OP}: params is empty; pass at least one parameter")
     for n, p in zip(names, arrays):
-        if isinstance(p, FP8Weight):
-            raise TypeError(f"{OP}: params[{n!r}] is an FP8Weight (quantized_model_init), "
-                            "which ZeroOptimizer does not shard yet; use the plain optimizer")
-        if not (hasattr(p, "shape") and hasattr(p, "dtype") and hasattr(p, "ravel")):
+        if isinstance(p, FP8Weight) and p.block_dim:
+            raise ValueError(f"{OP}: params[{n!r}] is an FP8Weight of 128x128 blocks "
+                             "(quantized_model_init under Float8BlockScaling), which "
+                             "ZeroOptimizer does not shard: a block's scale would need its "
+                             "elements from several ranks; use the plain optimizer, or "
+                             "delayed or current scaling")
+        if not (isinstance(p, FP8Weight)
+                or hasattr(p, "shape") and hasattr(p, "dtype") and hasattr(p, "ravel")):
             raise TypeError(f"{OP}: params[{n!r}] must be a numpy or cupy array; got "
                             f"{type(p).__name__}")
     return names, arrays, keyed
