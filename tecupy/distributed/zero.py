@@ -186,6 +186,16 @@ class ZeroOptimizer:
         return self
 
 
+def _layout(params, padded, rank, size):
+    """([(parameter, its offset in the bucket)], this rank's chunk [lo, hi) of the bucket)."""
+    members, at = [], 0
+    for p in params:
+        members.append((p, at))
+        at += p.size
+    k = padded // size
+    return members, rank * k, (rank + 1) * k
+
+
 def _segment(params, padded, rank, size):
     if isinstance(params[0], FP8Weight):  # (the reducer's buckets keep them apart)
         return _FP8Segment(params, padded, rank, size)
@@ -200,10 +210,7 @@ class _Segment:
     fp8 = False
 
     def __init__(self, params, padded, rank, size):
-        self.members, at = [], 0
-        for p in params:
-            self.members.append((p, at))
-            at += p.size
+        self.members, self.lo, self.hi = _layout(params, padded, rank, size)
         p = params[0]
         self.view = len(params) == 1 and p.size == padded and p.flags.c_contiguous
         if self.view:
@@ -212,8 +219,6 @@ class _Segment:
             self.full = xp_of(p).zeros(padded, p.dtype)
             for q, at in self.members:
                 self.full[at:at + q.size] = q.ravel()
-        k = padded // size
-        self.lo, self.hi = rank * k, (rank + 1) * k
         self.chunk = self.send = self.full[self.lo:self.hi]
 
     def refresh(self):
@@ -241,15 +246,10 @@ class _FP8Segment:
     fp8 = True
 
     def __init__(self, weights, padded, rank, size):
-        self.members, at = [], 0
-        for w in weights:
-            self.members.append((w, at))
-            at += w.size
-        k = padded // size
-        self.lo, self.hi = rank * k, (rank + 1) * k
+        self.members, self.lo, self.hi = _layout(weights, padded, rank, size)
         w = weights[0]
         xp = w.xp
-        self.chunk = xp.zeros(k, np.float32)
+        self.chunk = xp.zeros(self.hi - self.lo, np.float32)
         for w, at in self.members:
             lo, hi = self._overlap(w, at)
             if lo < hi:
