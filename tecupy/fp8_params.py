@@ -173,49 +173,6 @@ class FP8Weight:
             self.scale_inv_t[...] = self.scale_inv.T
 
 
-def cast_shards(items, reduce_max):
-    """ZeroOptimizer's casts (distributed/zero.py): items [(weight, part)], part this rank's
-    share of the weight's float32 master copy (1-D, possibly empty), every weight's item on
-    every rank; reduce_max(v) maxes a float32 vector over the ranks, in place. The codes of
-    each part are those of the weight's own cast of its whole master (quantize_), element by
-    element, and so is its scale_inv: current scaling's amax is the max of the parts' amaxes;
-    delayed scaling casts with its state's scale and maxes the parts' amaxes into its
-    history's row 0 over the ranks. One reduce_max for all. -> [(codes (uint8, part's size),
-    scale_inv (float32 (1,)))] in items' order."""
-    from . import backends
-    codes, amaxes, scales = [None] * len(items), [], []
-    for j, (w, part) in enumerate(items):
-        if w.block_dim:
-            raise ValueError(f"{w!r}: FP8 weights under block scaling are cast per 128x128 "
-                             "block, which a shard's elements do not follow")
-        if isinstance(w.recipe, DelayedScaling):  # (its scale is known: cast now)
-            meta, i = w.state.slot(w.gemm, "weight")
-            amaxes.append(meta.amax_history[0, i:i + 1])  # (a view: maxed by the cast)
-            scales.append(meta.scale[i:i + 1])
-            codes[j] = _cast_part(part, scales[-1], meta.fmt, amaxes[-1])
-        else:
-            amaxes.append(tensor_amax(part))  # (0 where empty)
-            scales.append(None)
-    xp = xp_of(items[0][1])
-    v = xp.concatenate([a.reshape(1) for a in amaxes]).astype(np.float32)
-    reduce_max(v)
-    for j, (w, part) in enumerate(items):
-        if scales[j] is None:
-            scales[j] = current_scale(v[j:j + 1], w.fmt)
-            codes[j] = _cast_part(part, scales[j], w.fmt, None)
-        else:
-            amaxes[j][...] = v[j:j + 1]
-    inv = xp.empty(len(items), np.float32)
-    backends.dispatch("fp8_scale_inv", xp.concatenate(scales), inv)  # (as the cast writes it)
-    return [(c, inv[j:j + 1]) for j, c in enumerate(codes)]
-
-
-def _cast_part(part, scale, fmt, amax_out):
-    if not part.size:
-        return xp_of(part).empty(0, np.uint8)
-    return cast(part, scale, fmt, amax_out).data
-
-
 def _host(a):
     return a.get() if hasattr(a, "get") else a
 

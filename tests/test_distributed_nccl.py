@@ -418,7 +418,9 @@ def _zero_fp8_weights(g, recipe_name, hidden=64, bucket_mb=16 / 1024):
     gpu = xp is not np
     dt = bfloat16 if gpu else np.float32
     recipe = {"delayed": tecupy.recipe.DelayedScaling(amax_history_len=4),
-              "current": tecupy.recipe.Float8CurrentScaling()}[recipe_name]
+              "current": tecupy.recipe.Float8CurrentScaling(),
+              "block": tecupy.recipe.Float8BlockScaling(  # (float32 scales: any amax shows)
+                  fp8_quant_fwd_weight=tecupy.recipe.QParams(power_2_scale=False))}[recipe_name]
     mk = dict(params_dtype=dt, device="cuda" if gpu else "cpu", seed=0, hidden_dropout=0.0,
               attention_dropout=0.0)
     with tecupy.quantized_model_init(recipe=recipe):
@@ -474,7 +476,7 @@ def check_zero_fp8_weights(got):
     assert any(not np.array_equal(first[k], ref[k][0]) for k in first)
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 def test_zero_fp8_weights_equal_the_plain_optimizer(recipe):
     t0 = time.perf_counter()
     check_zero_fp8_weights(dist.spawn(_zero_fp8_weights, 2, recipe, 256, 0.25, timeout=300))

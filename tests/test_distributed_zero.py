@@ -239,11 +239,6 @@ def test_zero_errors_name_the_argument():
         with pytest.raises(ValueError, match=r"gradient 4 is \(3,\) float32; the buckets"):
             zero.step([*list(p.values())[:4], np.zeros(3, np.float32), p["p5"]])
         zero.step([np.zeros_like(a) for a in p.values()])  # (the reducer was reset)
-        with pytest.raises(ValueError, match=r"params\['weight'\] is an FP8Weight of "
-                                             r"128x128 blocks .* use the plain optimizer"):
-            with tecupy.quantized_model_init(recipe=tecupy.recipe.Float8BlockScaling()):
-                lin = tecupy.nn.Linear(16, 16, device="cpu")
-            dist.ZeroOptimizer(AdamW, lin, g)
     dist.run_threads(2, body)
 
 
@@ -278,13 +273,16 @@ def test_zero_clipped_body_over_fake_nccl():
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 @pytest.mark.parametrize("kib", [16, 1024], ids=["alone", "together"])
 def test_zero_fp8_weights_equal_the_plain_optimizer(n, recipe, kib):
     """FP8 weights (quantized_model_init) under ZeRO on the ThreadGroup: the GPU test's body
     (a TransformerLayer, 3 steps): codes, scale_inv and the masters' shards bit for bit the
     plain optimizer's; each FP8 weight in a bucket of its own (its codes gathered in place,
-    where it splits evenly) or all of them in one."""
+    where it splits evenly) or all of them in one. Block scaling: hidden 64, so qkv's
+    [192, 64] weight has 2 blocks of rows, the first split between ranks (2 ranks: rows 0-95
+    and 96-191; 3: 0-63, 64-127 and 128-191), and in one bucket the parts start and end
+    within rows."""
     from test_distributed_nccl import _zero_fp8_weights, check_zero_fp8_weights
     check_zero_fp8_weights(dist.run_threads(n, _zero_fp8_weights, recipe, 64, kib / 1024))
 
@@ -293,8 +291,9 @@ def test_zero_fp8_weights_over_fake_nccl():
     """The same body in 2 processes through NcclGroup over the fake NCCL."""
     from test_distributed_launch import FAKE
     from test_distributed_nccl import _zero_fp8_weights, check_zero_fp8_weights
-    check_zero_fp8_weights(dist.spawn(_zero_fp8_weights, 2, "delayed", 64, 16 / 1024,
-                                      backend=FAKE, timeout=120))
+    for recipe in ("delayed", "block"):
+        check_zero_fp8_weights(dist.spawn(_zero_fp8_weights, 2, recipe, 64, 16 / 1024,
+                                          backend=FAKE, timeout=120))
 
 
 def test_zero_fp8_weights_state_dict_round_trip():

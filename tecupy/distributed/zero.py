@@ -29,20 +29,22 @@ each rank's optimizer sums the squares of its shard and the group all-reduces th
 the norm and the clip factor agree with the non-sharded step's to float rounding, not bit
 for bit. `last_grad_norm` is that norm, the same on every rank.
 
-FP8 weights (quantized_model_init, per-tensor recipes) go in buckets of their own, whose
+FP8 weights (quantized_model_init) go in buckets of their own, whose
 shards are float32 master copies (the optimizer's parameters: 4 bytes per element over N,
 where the plain optimizer keeps all of it): a step casts each rank's share of every weight's
-master into codes (fp8_params.cast_shards: one all-reduce of the amaxes, max) and
+master into codes (fp8_shards.cast_shards: one all-reduce of the amaxes, max) and
 all-gathers the codes (1 byte per element); each weight's transposed copy is made from them.
-The codes, scale_inv and amax history equal the plain optimizer's bit for bit (the update
-and the cast are element by element; an amax is a max), whatever the group's size. The
-masters' shards are in state_dict (zero.fp8.bucket<b>). Not under block scaling (a 128x128
-block's scale would need its elements from several ranks).
+Under block scaling each 128x128 block's amax is maxed over the ranks, and the ranks'
+block scales after the cast (a second all-reduce). The codes, scale_inv and amax history
+equal the plain optimizer's bit for bit (the update and the cast are element by element;
+an amax is a max), whatever the group's size. The masters' shards are in state_dict
+(zero.fp8.bucket<b>).
 """
 import numpy as np
 
 from .._array import to_numpy, xp_of
-from ..fp8_params import FP8Weight, cast_shards
+from ..fp8_params import FP8Weight
+from .fp8_shards import cast_shards
 from ..optim.optimizer import Optimizer, grads_by_name
 from .data_parallel import GradientReducer, ShardedGradients
 
@@ -263,11 +265,12 @@ class _FP8Segment:
         return max(at, self.lo), min(at + w.size, self.hi)
 
     def parts(self):
-        """[(weight, its part of this rank's masters)] for every member (empty parts too)."""
+        """[(weight, its part of this rank's masters, the part's first element in the
+        weight)] for every member (empty parts too)."""
         out = []
         for w, at in self.members:
             lo, hi = self._overlap(w, at)
-            out.append((w, self.chunk[lo - self.lo:max(lo, hi) - self.lo]))
+            out.append((w, self.chunk[lo - self.lo:max(lo, hi) - self.lo], lo - at))
         return out
 
     def take(self, casts):
@@ -288,6 +291,8 @@ class _FP8Segment:
                 w.data[...] = self.full[at:at + w.size].reshape(w.shape)
             w.data_t[...] = w.data.T
             w.scale_inv[...] = inv
+            if w.block_dim:
+                w.scale_inv_t[...] = inv.T
 
 
 def _shape_of(v):
@@ -318,12 +323,6 @@ def _parse_params(params):
     if not arrays:
         raise ValueError(f"{OP}: params is empty; pass at least one parameter")
     for n, p in zip(names, arrays):
-        if isinstance(p, FP8Weight) and p.block_dim:
-            raise ValueError(f"{OP}: params[{n!r}] is an FP8Weight of 128x128 blocks "
-                             "(quantized_model_init under Float8BlockScaling), which "
-                             "ZeroOptimizer does not shard: a block's scale would need its "
-                             "elements from several ranks; use the plain optimizer, or "
-                             "delayed or current scaling")
         if not (isinstance(p, FP8Weight)
                 or hasattr(p, "shape") and hasattr(p, "dtype") and hasattr(p, "ravel")):
             raise TypeError(f"{OP}: params[{n!r}] must be a numpy or cupy array; got "
