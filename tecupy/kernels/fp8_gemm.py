@@ -131,8 +131,8 @@ def smem_bytes(config, staging=True, scale=0, pipe_k=None):
     tables of 2 rows of B factors (the k-blocks' count rounded up to 4 floats each) and
     their four barriers]."""
     bn, stages = config[:2]
-    tables = (4 * -(-pipe_k // (4 * BK)) * 4 * 4 + 4 * 8
-              if pipe_k is not None and scale == 2 else 0)
+    nk4 = -(-pipe_k // (4 * BK)) * 4 if pipe_k is not None else 0
+    tables = 2 * 2 * nk4 * 4 + 4 * 8 if pipe_k is not None and scale == 2 else 0
     pipe = 0 if pipe_k is None else stages * BM * 4 + tables
     return (stages * (BM + bn) * BK + (2 * 64 * bn * 2 if staging else 0)
             + (stages * bn * 4 if scale == 1 else 0) + 2 * stages * 8 + pipe)
