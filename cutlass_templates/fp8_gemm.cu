@@ -479,7 +479,9 @@ struct Tables {
 template <int BN>
 __device__ __forceinline__ void copy_table(const Tables& tb, const float* scale_b, int N,
                                            int nb, int t) {
-    static_assert(BN <= 256, "a tile's columns span at most 2 rows of 128x128 B factors");
+    // (a tile starts at a multiple of BN: with BN = 160 or 224 its columns could span 3)
+    static_assert(BN == 64 || BN == 128 || BN == 192 || BN == 256,
+                  "a tile's columns span at most 2 rows of 128x128 B factors");
     const int b = t & 1, last = (N - 1) / 128, first = nb * BN / 128;
     const int rows = min((nb * BN + BN - 1) / 128, last) - first + 1;
     Barrier::wait(&tb.empty[b], ((t >> 1) & 1) ^ 1);
