@@ -5,7 +5,8 @@ bit-identical to the all-reduce after it (bf16 and FP8 TransformerLayer), a TP=2
 column -> gelu -> row MLP (nn.Linear) against the single-GPU run in high precision and
 under fp8_autocast, a TP=2 TransformerLayer with and without sequence parallel against the
 single GPU (float32 and FP8 with reduce_amax), a gradient of >= bucket_mb reduced with no
-copy, ZeRO-1 (ZeroOptimizer) equal to plain data parallel (bit for bit on 2 ranks), a
+copy, ZeRO-1 (ZeroOptimizer) equal to plain data parallel (bit for bit on 2 ranks; with
+max_grad_norm; with FP8 weights under each recipe, against the plain optimizer), a
 raising rank ending every rank within 10 s, an init timeout naming the absent rank, and the
 comm-GEMM overlap of sequence parallel (shift, the rings against the collectives, a TP=2
 layer with the overlap on against it off). Skipped unless CuPy sees 2+ GPUs and loads NCCL.
