@@ -250,15 +250,14 @@ class _FP8Segment:
 
     def __init__(self, weights, padded, rank, size):
         self.members, self.lo, self.hi = _layout(weights, padded, rank, size)
-        w = weights[0]
-        xp = w.xp
+        first, xp = weights[0], weights[0].xp
         self.chunk = xp.zeros(self.hi - self.lo, np.float32)
         for w, at in self.members:
             lo, hi = self._overlap(w, at)
             if lo < hi:
                 self.chunk[lo - self.lo:hi - self.lo] = w.master().reshape(-1)[lo - at:hi - at]
-        self.view = len(weights) == 1 and w.size == padded
-        self.full = w.data.reshape(-1) if self.view else xp.zeros(padded, np.uint8)
+        self.view = len(weights) == 1 and first.size == padded
+        self.full = first.data.reshape(-1) if self.view else xp.zeros(padded, np.uint8)
         self.send = self.full[self.lo:self.hi]
         self._inv = []
 
