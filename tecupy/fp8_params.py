@@ -32,7 +32,7 @@ import contextvars
 
 import numpy as np
 
-from . import _check
+from . import _check, backends
 from ._array import xp_of
 from .autocast import active_recipe
 from .fp8 import FP8BlockTensor, FP8Tensor, cast, current_scale, dequantize
@@ -163,12 +163,16 @@ class FP8Weight:
         return self.dequantize(np.float32)
 
     def load(self, codes, scale_inv):
-        """Write saved codes [out, in] and scale_inv (as state_dict gave them) in place; the
-        transposed copy is made from them (128x128 blocks: the scales' transpose too)."""
-        xp = self.xp
-        self.data[...] = xp.asarray(codes)
-        self.data_t[...] = self.data.T
-        self.scale_inv[...] = xp.asarray(scale_inv)
+        """Write saved codes [out, in] and scale_inv (as state_dict gave them) in place."""
+        self.data[...] = self.xp.asarray(codes)
+        self.sync_copies(scale_inv)
+
+    def sync_copies(self, scale_inv):
+        """Once the row-wise codes were written in place (load, ZeroOptimizer's gather): the
+        transposed copy made from them (fp8_transpose: a tiled kernel on the GPU, not a
+        strided copy) and scale_inv written (128x128 blocks: the scales' transpose too)."""
+        self.data_t[...] = backends.dispatch("fp8_transpose", self.data)
+        self.scale_inv[...] = self.xp.asarray(scale_inv)
         if self.block_dim:
             self.scale_inv_t[...] = self.scale_inv.T
 

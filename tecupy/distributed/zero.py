@@ -42,7 +42,6 @@ an amax is a max), whatever the group's size. The masters' shards are in state_d
 """
 import numpy as np
 
-from .. import backends
 from .._array import to_numpy, xp_of
 from ..fp8_params import FP8Weight
 from .fp8_shards import cast_shards
@@ -289,10 +288,7 @@ class _FP8Segment:
         for (w, at), inv in zip(self.members, self._inv):
             if not self.view:
                 w.data[...] = self.full[at:at + w.size].reshape(w.shape)
-            w.data_t[...] = backends.dispatch("fp8_transpose", w.data)  # (a tiled kernel)
-            w.scale_inv[...] = inv
-            if w.block_dim:
-                w.scale_inv_t[...] = inv.T
+            w.sync_copies(inv)
 
 
 def _shape_of(v):
