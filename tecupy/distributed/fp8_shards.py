@@ -36,12 +36,15 @@ def cast_shards(items, reduce_max):
         else:
             amaxes.append(tensor_amax(part))  # (0 where empty)
             scales.append(None)
-    v = _reduced(xp, amaxes, reduce_max)
+    flat, starts, v = _reduced(xp, amaxes, reduce_max)
+    current = {}  # fmt -> current_scale of every reduced amax: one pass, not one per weight
     for j, (w, part, _) in enumerate(items):
         if isinstance(scales[j], _BlockShard):
             codes[j] = scales[j].cast(v[j])
         elif scales[j] is None:
-            scales[j] = current_scale(v[j], w.fmt)
+            if w.fmt not in current:
+                current[w.fmt] = current_scale(flat, w.fmt)
+            scales[j] = current[w.fmt][starts[j]:starts[j] + 1]
             codes[j] = _cast_part(part, scales[j], w.fmt, None)
         else:
             amaxes[j][...] = v[j]
@@ -50,21 +53,19 @@ def cast_shards(items, reduce_max):
     if tensor:
         backends.dispatch("fp8_scale_inv", xp.concatenate([scales[j] for j in tensor]), inv)
     blocks = [j for j, s in enumerate(scales) if isinstance(s, _BlockShard)]
-    grids = _reduced(xp, [scales[j].scale_inv for j in blocks], reduce_max) if blocks else []
+    grids = _reduced(xp, [scales[j].scale_inv for j in blocks], reduce_max)[2] if blocks else []
     out = dict(zip(tensor, (inv[k:k + 1] for k in range(len(tensor)))))
     out.update(zip(blocks, grids))
     return [(c, out[j]) for j, c in enumerate(codes)]
 
 
 def _reduced(xp, arrays, reduce_max):
-    """The arrays maxed over the ranks by one reduce_max of them end to end (new arrays)."""
+    """The arrays maxed over the ranks by one reduce_max of them end to end -> (that flat
+    vector, each array's start in it, each array's part of it in the array's shape)."""
     v = xp.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32)
     reduce_max(v)
-    out, at = [], 0
-    for a in arrays:
-        out.append(v[at:at + a.size].reshape(a.shape))
-        at += a.size
-    return out
+    starts = np.cumsum([0] + [a.size for a in arrays[:-1]]).tolist()
+    return v, starts, [v[at:at + a.size].reshape(a.shape) for at, a in zip(starts, arrays)]
 
 
 def _cast_part(part, scale, fmt, amax_out):
