@@ -746,8 +746,9 @@ __device__ __forceinline__ void mainloop_smem(uint64_t da, uint64_t db,
         f.a[0] = sa_stage[s * BM + r];
         f.a[1] = sa_stage[s * BM + r + 8];
         if constexpr (SCALE == 2) {
-#pragma unroll
-            for (int c = 0; c < BN / 64; ++c) f.b[c] = tb[row[c] + kb];
+#pragma unroll  // (BN % 128 == 0: 64-column pairs c, c + 1 share a row; one load, one product)
+            for (int c = 0; c < BN / 64; ++c)
+                f.b[c] = BN % 128 == 0 && c % 2 ? f.b[c - 1] : tb[row[c] + kb];
         } else {
             f.b = bs.sb_stage + s * BN + 2 * (threadIdx.x % 4);
         }

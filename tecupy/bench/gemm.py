@@ -17,8 +17,9 @@ M=4096, N=7168, K=16384. "block" is fp8_block_gemm_tn (factors loaded from globa
 the mainloop); the pipelined block kernel (kernels/fp8_gemm.py's BLOCK_PIPELINE, the default:
 every factor from shared memory) is timed in the same run, interleaved with it: its TF/s, its
 ratio to per-tensor split and to the other block kernel. Per row, the per-tensor GEMM, both
-block kernels and the peer are timed in the same five rounds, in turns: TF/s of the best
-round, ratios to per-tensor the median of the rounds' own ratios.
+block kernels and the peer are timed in the same six rounds, in turns (every other round in
+reverse order): TF/s of the best round, ratios to per-tensor the median of the rounds' own
+ratios.
 """
 import numpy as np
 
@@ -159,10 +160,11 @@ def _block_row(m, n, k, dim_b, notes, tensor):
     per-tensor GEMM's TF/s, ours / per-tensor, pipelined / per-tensor) of the block GEMM
     (fp8_block_gemm_tn), B in dim_b's blocks; tensor: a call of the per-tensor GEMM of this
     shape. Why torch was skipped goes into `notes`. Every kernel is timed in the same
-    ROUNDS rounds, in turns: TF/s are the best round's; the ratios to per-tensor the median
-    of each round's ratio (the clocks drift under FP8 load, from round to round: a ratio of
-    two best rounds compares two moments). The pipelined kernel (fp8_gemm.BLOCK_PIPELINE on,
-    the default) is checked equal to the other."""
+    ROUNDS rounds, in turns, every other round in reverse order: TF/s are the best round's;
+    the ratios to per-tensor the median of each round's ratio (the clocks drift under FP8
+    load, from round to round: a ratio of two best rounds compares two moments). The
+    pipelined kernel (fp8_gemm.BLOCK_PIPELINE on, the default) is checked equal to the
+    other."""
     from tecupy import bfloat16
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
@@ -189,12 +191,16 @@ def _block_row(m, n, k, dim_b, notes, tensor):
     elif not _close(cupy.from_dlpack(peer()), y):  # the scales' layout read as we mean it
         notes.add(f"cuBLASLt's output differs from ours at {m}x{n}x{k}, B {dim_b}")
     ms, pms, qms, tms = [], [], [], []
-    for _ in range(ROUNDS):
-        tms.append(gpu_time_ms(tensor, [()], calls=30))
-        ms.append(gpu_time_ms(ours, [()], calls=30))
-        qms.append(gpu_time_ms(piped, [()], calls=30))
-        if peer is not None:
-            pms.append(torch_time_ms(peer, calls=30))
+    turns = [(tms, lambda: gpu_time_ms(tensor, [()], calls=30)),
+             (ms, lambda: gpu_time_ms(ours, [()], calls=30)),
+             (qms, lambda: gpu_time_ms(piped, [()], calls=30))]
+    if peer is not None:
+        turns.append((pms, lambda: torch_time_ms(peer, calls=30)))
+    # every other round in reverse order: a kernel's place in the round moved its ratio to
+    # per-tensor by 3-4% at attention proj's shape (first in each round ran fastest; PERFLOG)
+    for r in range(ROUNDS):
+        for times, timed in (turns if r % 2 == 0 else turns[::-1]):
+            times.append(timed())
     flop = 2 * m * n * k
     nan = float("nan")
     return (first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else nan,
@@ -202,7 +208,7 @@ def _block_row(m, n, k, dim_b, notes, tensor):
             float(np.median(np.array(tms) / ms)), float(np.median(np.array(tms) / qms)))
 
 
-ROUNDS = 5  # (block rows)
+ROUNDS = 6  # (block rows: even, so that each order runs as often)
 
 
 def _close(got, want, rtol=2 ** -7):
