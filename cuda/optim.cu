@@ -126,6 +126,15 @@ __global__ void optim_prologue(const float* __restrict__ partials, long long nch
 }
 
 // ---- the updates ---------------------------------------------------------------------------
+// Every operation rounded on its own, in the reference's order (optim/reference.py): left to
+// ptxas, p * decay was fused into the update's subtraction in some unrolled copies of
+// adamw_update<float, float, ...> and in none of <float, __nv_bfloat16, ...>'s, so the same
+// gradient in float32 (a ZeroOptimizer shard of FP8 weights) or in bf16 (the plain step) gave
+// masters a few ulps apart.
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
+
 template <typename P, typename G, typename M>
 __global__ void __launch_bounds__(kThreads)
 adamw_update(const long long* __restrict__ table, int n, GradPack grads, int first, int count,
@@ -143,7 +152,7 @@ adamw_update(const long long* __restrict__ table, int n, GradPack grads, int fir
         for (int j = 0; j < kIlp; ++j) {
             const long long i = base + j * kThreads;
             if (i < ck.end) {
-                g[j] = to_float(grad[i]) * coef;
+                g[j] = mul(to_float(grad[i]), coef);
                 p[j] = master ? master[i] : to_float(param[i]);
                 mm[j] = to_float(m[i]);
                 vv[j] = to_float(v[i]);
@@ -153,10 +162,11 @@ adamw_update(const long long* __restrict__ table, int n, GradPack grads, int fir
         for (int j = 0; j < kIlp; ++j) {
             const long long i = base + j * kThreads;
             if (i >= ck.end) continue;
-            p[j] *= decay;
-            mm[j] = beta1 * mm[j] + (1.f - beta1) * g[j];
-            vv[j] = beta2 * vv[j] + (1.f - beta2) * g[j] * g[j];
-            p[j] -= step_size * (mm[j] / (sqrtf(vv[j]) / bc2_sqrt + eps));
+            p[j] = mul(p[j], decay);
+            mm[j] = add(mul(beta1, mm[j]), mul(1.f - beta1, g[j]));
+            vv[j] = add(mul(beta2, vv[j]), mul(mul(1.f - beta2, g[j]), g[j]));
+            const float denom = add(__fdiv_rn(__fsqrt_rn(vv[j]), bc2_sqrt), eps);
+            p[j] = sub(p[j], mul(step_size, __fdiv_rn(mm[j], denom)));
             m[i] = from_float<M>(mm[j]);
             v[i] = from_float<M>(vv[j]);
             if (master) master[i] = p[j];
@@ -182,7 +192,7 @@ sgd_update(const long long* __restrict__ table, int n, GradPack grads, int first
         for (int j = 0; j < kIlp; ++j) {
             const long long i = base + j * kThreads;
             if (i < ck.end) {
-                g[j] = to_float(grad[i]) * coef;
+                g[j] = mul(to_float(grad[i]), coef);
                 p[j] = master ? master[i] : to_float(param[i]);
                 b[j] = buf ? buf[i] : 0.f;
             }
@@ -191,13 +201,13 @@ sgd_update(const long long* __restrict__ table, int n, GradPack grads, int first
         for (int j = 0; j < kIlp; ++j) {
             const long long i = base + j * kThreads;
             if (i >= ck.end) continue;
-            float d = g[j] + wd * p[j];
+            float d = add(g[j], mul(wd, p[j]));
             if (buf) {
-                b[j] = momentum * b[j] + d;
+                b[j] = add(mul(momentum, b[j]), d);
                 buf[i] = b[j];
-                d = nesterov ? d + momentum * b[j] : b[j];
+                d = nesterov ? add(d, mul(momentum, b[j])) : b[j];
             }
-            p[j] -= lr * d;
+            p[j] = sub(p[j], mul(lr, d));
             if (master) master[i] = p[j];
             param[i] = from_float<P>(p[j]);
         }

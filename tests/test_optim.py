@@ -405,6 +405,39 @@ def test_fused_sgd_matches_reference(rng, dtype, nesterov):
 
 
 @gpu
+@pytest.mark.parametrize("which", ["adamw", "sgd"])
+def test_fused_step_bits_do_not_depend_on_the_gradient_dtype(rng, which):
+    """The same gradients in bf16 and in float32 step two copies of a layer to the same
+    bits: FP8 weights' float32 masters (ZeroOptimizer's shards take float32 gradients, the
+    plain optimizer bf16 ones) and bf16 parameters' masters, moments and parameters. Left to
+    ptxas, p * decay was fused into AdamW's last subtraction in some unrolled copies of the
+    float32-gradient kernel only: masters a few ulps apart (found on 2 H100s by
+    test_distributed_nccl's ZeRO test with FP8 weights); optim.cu now rounds each operation."""
+    import cupy
+    from conftest import asnp
+
+    def layer():
+        with tecupy.quantized_model_init(recipe=tecupy.recipe.Float8CurrentScaling()):
+            return tecupy.nn.LayerNormMLP(144, 400, params_dtype=BF16, device="cuda", seed=5)
+    kw = ({"lr": 1e-3, "weight_decay": 0.1} if which == "adamw" else
+          {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True})
+    cls = AdamW if which == "adamw" else SGD
+    opts = [cls(layer().named_parameters(), **kw) for _ in range(2)]
+    names = opts[0].names
+    for _ in range(3):
+        gs = {n: rng.standard_normal(p.shape).astype(BF16)
+              for n, p in zip(names, opts[0].params)}
+        opts[0].step({n: cupy.asarray(g) for n, g in gs.items()})
+        opts[1].step({n: cupy.asarray(g.astype(np.float32)) for n, g in gs.items()})
+    assert opts[0]._fp8 and any(m is not None for m in opts[0].masters)
+    a, b = (opt.state_dict() for opt in opts)
+    for k, v in a.items():
+        if hasattr(v, "shape"):
+            np.testing.assert_array_equal(asnp(b[k]).view(np.uint8), asnp(v).view(np.uint8),
+                                          err_msg=k)
+
+
+@gpu
 def test_fused_many_tensors_mixed_dtypes(rng):
     """More tensors than one launch takes, float32 and bf16 interleaved (table order groups
     them), float32 gradients for bf16 parameters, a dict of parameters."""
