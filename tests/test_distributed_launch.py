@@ -389,9 +389,17 @@ def test_launch_whole_job_and_an_uncaught_exception(tmp_path):
 def _late_rank_2(tmp_path, rank0_timeout):
     """3 ranks; rank 2 calls init_process_group only once rank 1's has timed out (0.5 s);
     rank 0's timeout is rank0_timeout. -> the launch's stdout, after checking that every rank
-    raised InitTimeout naming rank 2 (and exited with status 3) within 15 s."""
+    raised InitTimeout naming rank 2 (and exited with status 3) within 15 s. Rank 1 starts
+    once rank 0 is about to serve the store: on a loaded machine (the suite with -n 6 on an
+    H100 host) rank 0's imports ended more than 0.5 s after rank 1's, whose connection then
+    timed out (StoreTimeout) before its check-in could."""
     body = f"""
-        flag = os.path.join(os.path.dirname(__file__), "rank1_timed_out")
+        here = os.path.dirname(__file__)
+        flag, started = (os.path.join(here, f) for f in ("rank1_timed_out", "rank0_started"))
+        if rank == 0:
+            open(started, "w").close()
+        while rank == 1 and not os.path.exists(started):  # rank 0 imported: its store is up
+            time.sleep(0.02)
         while rank == 2 and not os.path.exists(flag):  # late: after rank 1 gave up
             time.sleep(0.02)
         try:
