@@ -64,6 +64,7 @@ import contextlib
 import contextvars
 import csv
 import math
+import warnings
 
 import numpy as np
 
@@ -102,6 +103,7 @@ class FP8Inspector:
         self.counted_from = {}  # label -> "input" / "codes" (producer-fused) / "input+codes"
         self._seen = {}       # this step's casts per kind (the n of current<n>, quantize<n>)
         self._token = None
+        self._warned = False  # (a stateless recipe's cast seen with modules given)
 
     def __repr__(self):
         return f"FP8Inspector(steps={len(self._rows)}, tensors={len(self.formats)})"
@@ -230,6 +232,13 @@ class FP8Inspector:
         the ones quantization.py made, and n counts this step's."""
         from .quantization import BlockQuantizer, _block_gemms, _current_gemms
         if not self._all:
+            if not self._warned:  # (else an inspector of a model records nothing, silently)
+                self._warned = True
+                warnings.warn(
+                    "FP8Inspector(modules=...) records delayed scaling's casts only (their "
+                    "FP8 states name the module); Float8CurrentScaling and Float8BlockScaling "
+                    "keep no state per module: inspect them with FP8Inspector() (every cast, "
+                    "labelled current<n>.<tensor> / block<n>.<tensor>)", stacklevel=4)
             return None
         block = isinstance(quantizer, BlockQuantizer)
         which = next((w for g in (_block_gemms if block else _current_gemms).values()

@@ -121,10 +121,12 @@ def test_inspect_suite_arguments(capsys):
             bench_main.main(["inspect", "--size", "small"])
 
 
-def test_inspect_bench_times_each_configuration(rng):
+@pytest.mark.parametrize("block", [False, True], ids=["delayed", "block"])
+def test_inspect_bench_times_each_configuration(rng, block):
     """bench inspect's measure on the CPU with a fake timer: each configuration is timed in
     each pass and keeps its fastest; "no hooks" runs without the hooks, "off" with them and
-    no inspector, "on" / "on, exact" with an inspector that sees the layer's casts."""
+    no inspector, "on" / "on, exact" with an inspector that sees the layer's casts (under
+    Float8BlockScaling an inspector of every cast: the layer's would record none)."""
     from tecupy import quantization
     from tecupy.bench import inspect as bench_inspect
     from tecupy.inspect import ACTIVE_INSPECTOR
@@ -137,7 +139,9 @@ def test_inspect_bench_times_each_configuration(rng):
         seen.append((quantization._inspected is hook, ins and ins.exact))
         t = next(times)
         return t, t / 2
-    rows, inspected = bench_inspect.measure((32, 64, 2, 16, 2), "cpu", rate, passes=2)
+    from tecupy.recipe import Float8BlockScaling
+    rows, inspected = bench_inspect.measure((32, 64, 2, 16, 2), "cpu", rate, passes=2,
+                                            recipe=Float8BlockScaling() if block else None)
     assert seen == [(False, None), (True, None), (True, False), (True, True)] * 2
     assert rows == {"no hooks": (1.0, 0.5), "off": (4.0, 2.0), "on": (3.0, 1.5),
                     "on, exact": (2.0, 1.0)}

@@ -140,10 +140,11 @@ def test_functional_state_and_current_scaling(rng):
     x = rng.standard_normal((16, 32)).astype(np.float32)
     w = rng.standard_normal((16, 32)).astype(np.float32)
     state = tecupy.FP8State()
-    with FP8Inspector({"lin": state}) as ins:
-        with tecupy.fp8_autocast():
-            tecupy.linear(x, w, fp8_state=state)
-            tecupy.linear(x, w)  # current scaling (no state): not in `modules`
+    with pytest.warns(UserWarning, match="records delayed scaling's casts only"):
+        with FP8Inspector({"lin": state}) as ins:
+            with tecupy.fp8_autocast():
+                tecupy.linear(x, w, fp8_state=state)
+                tecupy.linear(x, w)  # current scaling (no state): not in `modules`
     assert ins.labels == ["lin.gemm0.input", "lin.gemm0.weight"]
     with FP8Inspector() as ins:
         with tecupy.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
@@ -409,6 +410,26 @@ def test_block_scaling_casts_are_seen(xp, rng):
         assert got["underflow"][0] == under and 0 < under < 1, label
         assert got["overflow"][0] == over == 0 and got["numel"][0] == a.size, label
         np.testing.assert_allclose(got["rel_error"][0], rel, rtol=1e-12, err_msg=label)
+
+
+@pytest.mark.parametrize("make", [recipe.Float8CurrentScaling, recipe.Float8BlockScaling])
+def test_a_module_inspector_warns_under_a_stateless_recipe(rng, make):
+    """FP8Inspector(module) records delayed scaling's casts (their states name the module);
+    current and block scaling keep no state per module, so it records none of theirs: it
+    says so once (a warning naming FP8Inspector()) instead of an empty record."""
+    mlp = nn.LayerNormMLP(128, 256, device="cpu", seed=0)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"records delayed scaling's casts only.*"
+                      r"FP8Inspector\(\)") as caught:
+        with FP8Inspector(mlp) as ins:
+            for _ in range(2):
+                with tecupy.Tape() as tape:
+                    with tecupy.fp8_autocast(fp8_recipe=make()):
+                        y = mlp(x)
+                tape.gradient(y, mlp, output_grad=np.ones_like(y))
+                ins.step()
+    assert len([w for w in caught if "FP8Inspector" in str(w.message)]) == 1
+    assert not ins.labels
 
 
 def test_block_scaling_fused_activation_cast_counted_from_its_codes(rng):

@@ -29,7 +29,8 @@ def main(argv=None):
     p.add_argument("--recipe", choices=("tensor", "block"), default="tensor",
                    help="gemm: per-tensor FP8 (against cuBLASLt) or block-scaled FP8 "
                         "(Float8BlockScaling, against our per-tensor GEMM and torch's); "
-                        "layer: the step under Float8BlockScaling against delayed scaling")
+                        "layer: the step under Float8BlockScaling against delayed scaling; "
+                        "inspect: the inspector's cost under Float8BlockScaling")
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers must be >= 1, got {args.layers}")

@@ -1,7 +1,8 @@
-"""python -m tecupy.bench inspect [--size small|medium|full]: what FP8Inspector costs on the
-main job's TransformerLayer FP8 step (bf16, delayed scaling, forward + backward; bench
-layer's layer and timing). Issue 24's target: with the inspector off, the step within 1% of
-the step without the inspector's hooks; with it on, within 15%.
+"""python -m tecupy.bench inspect [--size small|medium|full] [--recipe block]: what FP8Inspector
+costs on the main job's TransformerLayer FP8 step (bf16, delayed scaling, or
+Float8BlockScaling with --recipe block; forward + backward; bench layer's layer and timing).
+Issue 24's target: with the inspector off, the step within 1% of the step without the
+inspector's hooks; with it on, within 15%.
 
 Rows, all in this run (GPU ms per step from CUDA events around layer.STEPS back-to-back
 steps, median of layer.ROUNDS, and host ms: bench layer's _rate), against "no hooks":
@@ -37,28 +38,30 @@ def no_hooks():
         quantization._inspected, fp8._active_inspector = saved
 
 
-def _config(name, layer):
-    """(context manager, the FP8Inspector or None) of a row."""
+def _config(name, layer, every):
+    """(context manager, the FP8Inspector or None) of a row; every: an inspector of every
+    cast (current and block scaling keep no state per module to scope it by)."""
     from tecupy.inspect import FP8Inspector
     if name == "no hooks":
         return no_hooks(), None
     if name == "off":
         return contextlib.nullcontext(), None
-    ins = FP8Inspector(layer, exact=name == "on, exact")
+    ins = FP8Inspector(None if every else layer, exact=name == "on, exact")
     return ins, ins
 
 
-def measure(shape, device, rate=_rate, passes=PASSES):
+def measure(shape, device, rate=_rate, passes=PASSES, recipe=None):
     """{row: (GPU ms, host ms)} per step of the FP8 layer step in each configuration, and
     {row: the inspector's steps and tensors} for the inspected rows. rate(step, xp) times a
-    step function (bench layer's _rate on the GPU)."""
+    step function (bench layer's _rate on the GPU); recipe: delayed scaling's by default."""
     from tecupy.__main__ import build, step
     layer, x, dy = build(shape, device)
-    xp, recipe = layer.xp, _recipe()
+    xp, recipe = layer.xp, recipe or _recipe()
+    from tecupy.recipe import DelayedScaling
     best, seen = {}, {}
     for _ in range(passes):
         for name in CONFIGS:
-            ctx, ins = _config(name, layer)
+            ctx, ins = _config(name, layer, not isinstance(recipe, DelayedScaling))
             with ctx:
                 def one():
                     step(layer, x, dy, recipe)
@@ -73,8 +76,11 @@ def measure(shape, device, rate=_rate, passes=PASSES):
 
 
 def run(args):
-    _, shape = header(args, f", FP8 delayed scaling (best of {PASSES} passes)")
-    rows, seen = measure(shape, "cuda")
+    from tecupy.recipe import Float8BlockScaling
+    block = getattr(args, "recipe", "tensor") == "block"
+    name = "Float8BlockScaling" if block else "delayed scaling"
+    _, shape = header(args, f", FP8 {name} (best of {PASSES} passes)")
+    rows, seen = measure(shape, "cuda", recipe=Float8BlockScaling() if block else None)
     base = rows["no hooks"][0]
     print(f"  {'':12s}{'ms/step':>9s}{'host ms':>9s}{'/ no hooks':>12s}  target")
     for name, (ms, host) in rows.items():
