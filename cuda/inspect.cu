@@ -22,6 +22,12 @@
 //   q [n] (uint8, the same element order: row-wise codes of a contiguous x), both read once.
 //   scale, scale_inv [1] float. VEC elements per load (16 bytes of x; x 16-byte aligned and
 //   q VEC-byte aligned when VEC > 1; the n % VEC tail element by element).
+// inspect_block_cast<T, F8, VEC>: the same for a block cast (Float8BlockScaling): x [rows,
+//   cols] and its row-wise codes, each element's scale_inv that of its row's 128 columns,
+//   sinv[(r / rdiv) * rs + (c / 128) * bs] (strides in elements: 1x128 blocks' [cols / 128,
+//   rows] with rdiv 1, 128x128 blocks' [rows / 128, cols / 128] with rdiv 128). Word 5
+//   counts |x| > max * its scale_inv (the reference's); word 1 (the smallest block scale) is
+//   the caller's. VEC > 1 only where cols % VEC == 0 (a chunk stays in one row and block).
 // inspect_codes<VEC>: a producer-fused cast counted from its codes q [n] alone: words 2 and
 //   4 the non-NaN codes (magnitude <= top, the format's max code: 0x7E E4M3, 0x7B E5M2),
 //   3 the +-0 codes, 5 the +-max codes; 0 the amax slot's value (NaN without one), 1 the
@@ -41,15 +47,35 @@ struct Stats {
     double err2, ref2;
 };
 
+// ---- where an element's scale comes from --------------------------------------------------
+struct TensorScale {  // one scale for the tensor
+    float s, sinv;
+    __device__ __forceinline__ float inv(long long) const { return sinv; }
+    template <typename F8> __device__ __forceinline__ bool saturates(float v, float) const {
+        return fabsf(v * s) > Fp8Max<F8>::value;
+    }
+};
+struct BlockScale {  // one per 128 columns of a row (inspect_block_cast, above)
+    const float* sinv;
+    long long cols, rdiv, rs, bs;
+    __device__ __forceinline__ float inv(long long i) const {
+        const long long r = i / cols;
+        return sinv[r / rdiv * rs + (i - r * cols) / 128 * bs];
+    }
+    template <typename F8> __device__ __forceinline__ bool saturates(float v, float si) const {
+        return fabsf(v) > Fp8Max<F8>::value * si;
+    }
+};
+
 // ---- one element ---------------------------------------------------------------------------
-template <typename F8>
-__device__ __forceinline__ void inspect_one(float v, unsigned char code, float s, float sinv,
-                                            bool sampled, Stats& a) {
+template <typename F8, typename S>
+__device__ __forceinline__ void inspect_one(float v, unsigned char code, const S& sc,
+                                            float sinv, bool sampled, Stats& a) {
     const bool valid = v == v, nonzero = valid && v != 0.f;
     a.valid += valid;
     a.nonzero += nonzero;
     a.flushed += nonzero && (code & 0x7F) == 0;
-    a.saturated += fabsf(v * s) > Fp8Max<F8>::value;
+    a.saturated += sc.template saturates<F8>(v, sinv);
     a.amax = fmaxf(a.amax, fabsf(v));
     if (sampled && fabsf(v) < kInf) {  // finite x only
         F8 q;
@@ -104,15 +130,13 @@ __device__ void add_record(unsigned long long (&c)[4], float m, double e, double
 }
 
 // ---- a cast with its input -------------------------------------------------------------------
-template <typename T, typename F8, int VEC>
-__global__ void __launch_bounds__(256)
-inspect_cast(const T* __restrict__ x, const unsigned char* __restrict__ q,
-             const float* __restrict__ scale, const float* __restrict__ scale_inv,
-             long long* __restrict__ acc, int row, long long n, long long stride) {
-    PDL_WAIT();
-    long long* rec = acc + 8LL * row;
-    const float s = scale[0], sinv = scale_inv[0];
-    if (blockIdx.x == 0 && threadIdx.x == 0) rec[1] = __double_as_longlong((double)s);
+// This thread's elements of x and q (a grid-stride loop over VEC-element chunks, each with
+// one scale_inv), then the block's totals into rec.
+template <typename T, typename F8, int VEC, typename S>
+__device__ __forceinline__ void inspect_range(const T* __restrict__ x,
+                                              const unsigned char* __restrict__ q,
+                                              const S& sc, long long* rec, long long n,
+                                              long long stride) {
     Stats a = {0u, 0u, 0u, 0u, 0.f, 0.0, 0.0};
     const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long threads = (long long)gridDim.x * blockDim.x, chunks = n / VEC;
@@ -123,6 +147,7 @@ inspect_cast(const T* __restrict__ x, const unsigned char* __restrict__ q,
     for (long long c = tid; c < chunks; c += threads) {
         const Vec<T, VEC> xv = load_vec<VEC>(x + c * VEC);
         const Vec<unsigned char, VEC> qv = load_vec<VEC>(q + c * VEC);
+        const float sinv = sc.inv(c * VEC);
         float v[VEC];
         unpack(xv, v);
         int next = r == 0 ? 0 : (stride - r < VEC ? (int)(stride - r) : VEC);
@@ -130,16 +155,39 @@ inspect_cast(const T* __restrict__ x, const unsigned char* __restrict__ q,
         for (int j = 0; j < VEC; ++j) {
             const bool sampled = j == next;
             if (sampled) next += every;
-            inspect_one<F8>(v[j], qv.v[j], s, sinv, sampled, a);
+            inspect_one<F8>(v[j], qv.v[j], sc, sinv, sampled, a);
         }
         r += step;
         if (r >= stride) r -= stride;
     }
     for (long long i = chunks * VEC + tid; i < n; i += threads)  // the n % VEC tail
-        inspect_one<F8>(to_float(x[i]), q[i], s, sinv, i % stride == 0, a);
+        inspect_one<F8>(to_float(x[i]), q[i], sc, sc.inv(i), i % stride == 0, a);
     PDL_TRIGGER();
     unsigned long long c[4] = {a.nonzero, a.flushed, a.valid, a.saturated};
     add_record(c, a.amax, a.err2, a.ref2, rec);
+}
+
+template <typename T, typename F8, int VEC>
+__global__ void __launch_bounds__(256)
+inspect_cast(const T* __restrict__ x, const unsigned char* __restrict__ q,
+             const float* __restrict__ scale, const float* __restrict__ scale_inv,
+             long long* __restrict__ acc, int row, long long n, long long stride) {
+    PDL_WAIT();
+    long long* rec = acc + 8LL * row;
+    const float s = scale[0];
+    if (blockIdx.x == 0 && threadIdx.x == 0) rec[1] = __double_as_longlong((double)s);
+    inspect_range<T, F8, VEC>(x, q, TensorScale{s, scale_inv[0]}, rec, n, stride);
+}
+
+template <typename T, typename F8, int VEC>
+__global__ void __launch_bounds__(256)
+inspect_block_cast(const T* __restrict__ x, const unsigned char* __restrict__ q,
+                   const float* __restrict__ sinv, long long cols, long long rdiv,
+                   long long rs, long long bs, long long* __restrict__ acc, int row,
+                   long long n, long long stride) {
+    PDL_WAIT();
+    inspect_range<T, F8, VEC>(x, q, BlockScale{sinv, cols, rdiv, rs, bs}, acc + 8LL * row, n,
+                              stride);
 }
 
 // ---- a producer-fused cast: its codes only -----------------------------------------------------

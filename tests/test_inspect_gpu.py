@@ -253,6 +253,44 @@ def test_inspect_cast_kernel_adds_into_its_row(rng):
     _same_record(got, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, tecupy.bfloat16])
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 5), (37, 91), (129, 384), (300, 1030)], ids=str)
+def test_inspect_block_cast_kernel_equals_reference(rng, dtype, fmt, dim, shape):
+    """The block cast's kernel (one pass, each element's scale_inv read in place through
+    the layout's strides) against the reference's array ops: fresh data with NaN, inf,
+    zeros and values spanning 2^40 (flushed in their blocks); the real block quantize's
+    codes; strides and offsets as above; the scales as a transposed view too (1x128: the
+    [cols/128, rows] layout from a [rows, cols/128] array); rows outside the record kept."""
+    import cupy
+    from test_kernels_inspect import special_input
+    from tecupy import backends
+    from tecupy.kernels import inspect as cuda_impl
+    from tecupy.quantization import BlockQuantizer
+    from tecupy.reference import inspect as ref_impl
+    n = int(np.prod(shape))
+    x = special_input(rng, fmt, 1.0, n, np.float32).reshape(shape)
+    x *= (2.0 ** rng.integers(-20, 20, shape)).astype(np.float32)
+    x = x.astype(dtype)
+    q = BlockQuantizer(fmt, dim, tecupy.recipe.QParams(power_2_scale=False))
+    t = q.quantize(cupy.asarray(x))
+    codes, inv = to_numpy(t.data), to_numpy(t.scale_inv)
+    views = [t.scale_inv]
+    if dim == 1:
+        views.append(cupy.ascontiguousarray(t.scale_inv.T).T)
+    assert backends.chosen("inspect_block_cast", cupy.asarray(x), t.data, fmt, t.scale_inv,
+                           _accumulators(cupy), 1, 1) == "cuda"
+    for stride in (1, 3, -(-n // 700), n + 5):
+        want = _accumulators(np)
+        ref_impl.inspect_block_cast(x, codes, fmt, inv, want, 1, stride)
+        for (x_off, q_off), sinv in zip(((0, 0), (1, 3)), views + views[:1]):
+            got = _accumulators(cupy)
+            cuda_impl.inspect_block_cast(_on_gpu(x, x_off), _on_gpu(codes, q_off), fmt, sinv,
+                                         got, 1, stride)
+            _same_record(got, want)
+
+
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 4099, 1_000_003])
 @pytest.mark.parametrize("offset", [0, 5])

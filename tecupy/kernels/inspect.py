@@ -13,8 +13,9 @@ THREADS = 256  # per block; the grid: as many blocks as are resident at once (in
 # 38 registers for sm_90a, 6 blocks per SM, ~800 on an H100), each ending in 7 atomics
 # the magnitude code of each format's max (0x7E: 448 in E4M3, 0x7B: 57344 in E5M2)
 MAX_CODE = {"e4m3": 0x7E, "e5m2": 0x7B}
-loader.declare(FILE, [f"inspect_cast<{CTYPE[d]}, {f}, {v}>" for d in LOW_PRECISION
-                      for f in FP8TYPE.values() for v in (1, _VECS[CTYPE[d]])]
+loader.declare(FILE, [f"{k}<{CTYPE[d]}, {f}, {v}>" for k in ("inspect_cast", "inspect_block_cast")
+                      for d in LOW_PRECISION for f in FP8TYPE.values()
+                      for v in (1, _VECS[CTYPE[d]])]
                + ["inspect_codes<1>", "inspect_codes<16>"])
 
 
@@ -41,6 +42,35 @@ def inspect_cast(x, codes, fmt, scale, scale_inv, acc, row, stride):
     launch(k, (grid_1d(n, v, THREADS, resident_blocks(k, THREADS, 0)),), (THREADS,),
            (x, codes, scale, scale_inv, acc, np.int32(row), np.int64(n),
             np.int64(max(1, stride))))
+
+
+@backends.register("inspect_block_cast", "cuda", supports=on_gpu_low_precision)
+def inspect_block_cast(x, codes, fmt, scale_inv, acc, row, stride):
+    """inspect_cast of a block cast (Float8BlockScaling; the reference's docstring): x
+    [rows, cols] and its row-wise codes, scale_inv in its 1x128 or 128x128 layout (read in
+    place through its strides); one pass over x and codes, plus a max over scale_inv for
+    word 1 (the smallest block scale)."""
+    from ..reference.block_scaling import block_dim_of
+    if codes.shape != x.shape or x.ndim != 2:
+        raise ValueError(f"inspect_block_cast: codes {codes.shape} for x {x.shape} (2-D)")
+    x, codes = _contiguous(x), _contiguous(codes)
+    rows, cols = x.shape
+    r_stride, b_stride = (s // 4 for s in scale_inv.strides)
+    if block_dim_of(x.shape, scale_inv.shape, "inspect_block_cast") == 1:  # [cols/128, rows]
+        rdiv, r_stride, b_stride = 1, b_stride, r_stride
+    else:                                                                # [rows/128, cols/128]
+        rdiv = 128
+    acc[row, 1:2] = (1.0 / scale_inv.max().astype(np.float64)).reshape(1).view(np.int64) \
+        if scale_inv.size else np.array([np.nan]).view(np.int64)
+    t = CTYPE[x.dtype]
+    v = _VECS[t]
+    if x.data.ptr % 16 or codes.data.ptr % v or cols % v:  # (a chunk in one row and block)
+        v = 1
+    k = loader.function(FILE, f"inspect_block_cast<{t}, {FP8TYPE[fmt.name]}, {v}>")
+    n = x.size
+    launch(k, (grid_1d(n, v, THREADS, resident_blocks(k, THREADS, 0)),), (THREADS,),
+           (x, codes, scale_inv, np.int64(cols), np.int64(rdiv), np.int64(r_stride),
+            np.int64(b_stride), acc, np.int32(row), np.int64(n), np.int64(max(1, stride))))
 
 
 @backends.register("inspect_codes", "cuda", supports=on_gpu)
