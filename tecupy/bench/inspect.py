@@ -56,9 +56,9 @@ def measure(shape, device, rate=_rate, passes=PASSES, recipe=None):
     {row: the inspector's steps and tensors} for the inspected rows. rate(step, xp) times a
     step function (bench layer's _rate on the GPU); recipe: delayed scaling's by default."""
     from tecupy.__main__ import build, step
+    from tecupy.recipe import DelayedScaling
     layer, x, dy = build(shape, device)
     xp, recipe = layer.xp, recipe or _recipe()
-    from tecupy.recipe import DelayedScaling
     rate(lambda: step(layer, x, dy, recipe), xp)  # untimed: the first config timed on a cool
     best, seen = {}, {}                           # GPU ran ~2% faster (in either order)
     for p in range(passes):  # every other pass in reverse

@@ -54,7 +54,7 @@ def inspect_block_cast(x, codes, fmt, scale_inv, acc, row, stride):
     if codes.shape != x.shape or x.ndim != 2:
         raise ValueError(f"inspect_block_cast: codes {codes.shape} for x {x.shape} (2-D)")
     x, codes = _contiguous(x), _contiguous(codes)
-    rows, cols = x.shape
+    cols = x.shape[1]
     r_stride, b_stride = (s // 4 for s in scale_inv.strides)
     if block_dim_of(x.shape, scale_inv.shape, "inspect_block_cast") == 1:  # [cols/128, rows]
         rdiv, r_stride, b_stride = 1, b_stride, r_stride
