@@ -99,16 +99,15 @@ def timed(ks, iters, rounds, sustain):
         for _ in range(10):
             first()
         cupy.cuda.Device().synchronize()
+    from tecupy.bench.timing import in_turns
     times = {name: [] for name in ks}
-    turns = list(ks.items())
-    for r in range(rounds):  # every other round in reverse: a kernel's place counts (3-4%)
-        for name, call in (turns if r % 2 == 0 else turns[::-1]):
-            start = cupy.cuda.get_current_stream().record()
-            for _ in range(iters):
-                call()
-            end = cupy.cuda.get_current_stream().record()
-            end.synchronize()
-            times[name].append(cupy.cuda.get_elapsed_time(start, end) / iters)
+    for name, call in in_turns(ks.items(), rounds):
+        start = cupy.cuda.get_current_stream().record()
+        for _ in range(iters):
+            call()
+        end = cupy.cuda.get_current_stream().record()
+        end.synchronize()
+        times[name].append(cupy.cuda.get_elapsed_time(start, end) / iters)
     return times
 
 

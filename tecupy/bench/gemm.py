@@ -23,7 +23,7 @@ ratios.
 """
 import numpy as np
 
-from .timing import first_call, flushed_ms, gpu_name, gpu_time_ms, torch_time_ms
+from .timing import first_call, flushed_ms, gpu_name, gpu_time_ms, in_turns, torch_time_ms
 
 SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
           ("qkv", 8192, 12288, 4096), ("proj", 8192, 4096, 4096),
@@ -196,11 +196,8 @@ def _block_row(m, n, k, dim_b, notes, tensor):
              (qms, lambda: gpu_time_ms(piped, [()], calls=30))]
     if peer is not None:
         turns.append((pms, lambda: torch_time_ms(peer, calls=30)))
-    # every other round in reverse order: a kernel's place in the round moved its ratio to
-    # per-tensor by 3-4% at attention proj's shape (first in each round ran fastest; PERFLOG)
-    for r in range(ROUNDS):
-        for times, timed in (turns if r % 2 == 0 else turns[::-1]):
-            times.append(timed())
+    for times, timed in in_turns(turns, ROUNDS):
+        times.append(timed())
     flop = 2 * m * n * k
     nan = float("nan")
     return (first, flop / min(ms) / 1e9, flop / min(pms) / 1e9 if pms else nan,

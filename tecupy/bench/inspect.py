@@ -20,6 +20,7 @@ them.
 import contextlib
 
 from .layer import _rate, _recipe, header
+from .timing import in_turns
 
 PASSES = 2
 CONFIGS = ("no hooks", "off", "on", "on, exact")
@@ -61,19 +62,18 @@ def measure(shape, device, rate=_rate, passes=PASSES, recipe=None):
     xp, recipe = layer.xp, recipe or _recipe()
     rate(lambda: step(layer, x, dy, recipe), xp)  # untimed: the first config timed on a cool
     best, seen = {}, {}                           # GPU ran ~2% faster (in either order)
-    for p in range(passes):  # every other pass in reverse
-        for name in (CONFIGS if p % 2 == 0 else CONFIGS[::-1]):
-            ctx, ins = _config(name, layer, not isinstance(recipe, DelayedScaling))
-            with ctx:
-                def one():
-                    step(layer, x, dy, recipe)
-                    if ins is not None:
-                        ins.step()
-                ms, host = rate(one, xp)
-            if ins is not None:
-                seen[name] = (ins.steps, len(ins.labels))
-            old = best.get(name)
-            best[name] = (ms, host) if old is None or ms < old[0] else old
+    for name in in_turns(CONFIGS, passes):
+        ctx, ins = _config(name, layer, not isinstance(recipe, DelayedScaling))
+        with ctx:
+            def one():
+                step(layer, x, dy, recipe)
+                if ins is not None:
+                    ins.step()
+            ms, host = rate(one, xp)
+        if ins is not None:
+            seen[name] = (ins.steps, len(ins.labels))
+        old = best.get(name)
+        best[name] = (ms, host) if old is None or ms < old[0] else old
     return best, seen
 
 

@@ -27,6 +27,15 @@ def once_ms(fn, xp=np):
     return start.elapsed_time(stop) if torch else xp.cuda.get_elapsed_time(start, stop)
 
 
+def in_turns(items, rounds):
+    """Each of `items` once per round, every other round in reverse order: a timing's place
+    in its round moves it (on an H100 the first of a round ran up to 3-4% faster under FP8
+    load: PERFLOG.md, session 30), so each place is taken as often by every item."""
+    items = list(items)
+    for r in range(rounds):
+        yield from (items if r % 2 == 0 else items[::-1])
+
+
 def time_ms(fn, xp=np, warmup=1, repeat=3):
     """Median milliseconds of fn() over `repeat` runs after `warmup` runs."""
     for _ in range(warmup):
