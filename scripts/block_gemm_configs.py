@@ -90,16 +90,10 @@ def timed(ks, iters, rounds, sustain):
     of each kernel in turns, every other round in reverse order (CUDA events), after
     `sustain` seconds of the first kernel alone (the clocks under sustained load, as the
     GEMM bench's later shapes run)."""
-    import time
-
     import cupy
-    first = next(iter(ks.values()))
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < sustain:
-        for _ in range(10):
-            first()
-        cupy.cuda.Device().synchronize()
     from tecupy.bench.timing import in_turns
+    from tecupy.bench.timing import sustain as load
+    load(next(iter(ks.values())), sustain)
     times = {name: [] for name in ks}
     for name, call in in_turns(ks.items(), rounds):
         start = cupy.cuda.get_current_stream().record()

@@ -36,6 +36,20 @@ def in_turns(items, rounds):
         yield from (items if r % 2 == 0 else items[::-1])
 
 
+def sustain(fn, seconds, xp=None):
+    """Call fn() back to back for `seconds` (synchronizing every 10 calls) before timing it:
+    an FP8 GEMM's clocks sink for a few seconds under load toward the power cap, and the
+    rounds timed during that slide compare moments more than kernels (PERFLOG.md, sessions
+    27 and 31)."""
+    if xp is None:
+        import cupy as xp
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            fn()
+        _synchronize(xp)
+
+
 def time_ms(fn, xp=np, warmup=1, repeat=3):
     """Median milliseconds of fn() over `repeat` runs after `warmup` runs."""
     for _ in range(warmup):
