@@ -94,17 +94,22 @@ def test_default_config_short_k(m, n, k, want):
     assert K.default_config(8192, 4096, True, sms=132)[0] == 192  # (no K: as before)
 
 
-@pytest.mark.parametrize("m, n, k, want", [(8192, 4096, 4096, 256), (8192, 4096, 16384, 192),
-                                           (8192, 12288, 4096, 256)])
+@pytest.mark.parametrize("m, n, k, want", [
+    (8192, 4096, 4096, (256, 256)), (8192, 12288, 4096, (256, 256)),  # short K: as split
+    (8192, 4096, 16384, (256, 192)),  # long K: 128x128 B at 0.98, 1x128 B split's 0.96
+    (4096, 8192, 16384, (256, 192)), (8192, 8192, 8192, (192, 192))])
 def test_block_gemm_tile_follows_k(monkeypatch, m, n, k, want):
     """The block-scaled GEMM takes the per-tensor split GEMM's tile for its K: 256-wide at
     attention proj's 8192 x 4096 x 4096 (1.01-1.04x the 192-wide tile's median TFLOP/s on
-    an H100, PERFLOG.md session 28), 192-wide there once K is long."""
+    an H100, PERFLOG.md session 28); with longer K, B in 128x128 blocks (want[0]) takes the
+    256-wide tile where its 0.98 speed makes it the cheaper (fc2's shape: 1.05-1.08x,
+    session 31), B in 1x128 blocks (want[1]) split's model."""
     from tecupy.fp8 import E4M3
     from tecupy.kernels import block_scaling as B
     from tecupy.kernels import fp8_gemm as K
     monkeypatch.setattr(K, "sm_count", lambda: 132)
     monkeypatch.setattr(K, "_plan", lambda config, *args, **kwargs: config)
-    for dim_b in (1, 2):
+    for dim_b, bn in zip((2, 1), want):
         config, _ = B._gemm_plan(m, n, k, E4M3, E4M3, dim_b, np.float32, True, False, None)
-        assert config == (want, 3 if want == 256 else 4, True, 1)
+        assert config == (bn, 3 if bn == 256 else 4, True, 1), dim_b
+    assert K.default_config(m, n, True, sms=132, k=k)[0] == want[1]  # (per tensor: split's)

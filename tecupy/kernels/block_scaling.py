@@ -273,13 +273,13 @@ def pipe_b_factors(scale_inv):
 
 def _gemm_plan(m, n, k, a_fmt, b_fmt, dim_b, out_dtype, no_bias, accumulate, act):
     """(launch plan, pipelined?): the per-tensor split GEMM's default tile for this shape,
-    K included (the block factors cost a multiply per promoted element, the same for every
-    tile; with K <= SHORT_K the 256-wide tile's 1.0 speed holds for block scaling too: H100,
-    PERFLOG.md session 28), as a block-scaled kernel; the pipelined one
+    K included (with K <= SHORT_K the 256-wide tile's 1.0 speed holds for block scaling too:
+    H100, PERFLOG.md session 28; with longer K and 128x128 B, BLOCK_LONG_K_SPEED's 0.98:
+    session 31), as a block-scaled kernel; the pipelined one
     (fp8_block_gemm_pipe_tn) where BLOCK_PIPELINE is on and it takes the call: M % 4 == 0
     (A's factor rows go by 16-byte bulk copies) and, with B in 128x128 blocks, its B-factor
     tables (two of 2 x K / 128 floats) fit in shared memory."""
-    config = G.default_config(m, n, True, k=k)
+    config = G.default_config(m, n, True, k=k, block=dim_b == 2)
     staged = not isinstance(out_dtype, FP8Format) and G.tma_store(out_dtype, act, accumulate,
                                                                   config[0])
     pipe = (G.BLOCK_PIPELINE and m % 4 == 0

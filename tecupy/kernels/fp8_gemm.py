@@ -49,6 +49,12 @@ DEFAULTS = {False: [(CONFIGS[False], 1.0)],
 # dgrads at 8192 x 4096, the medium layer's qkv wgrad); with K >= 6144 the 192-wide ones won
 # as modelled. The per-tensor GEMM passes K; block scaling's GEMMs keep the model above.
 SHORT_K, SHORT_K_SPEED = 4096, {(256, 3, True, 1): 1.0}
+# The block-scaled kernel with 128x128 B (block_scaling) and K > SHORT_K: 256-wide tiles at
+# 0.98 of the 192-wide ones' speed, not 0.96. 256 x 3 ran 2-8% faster at the five shapes
+# where that flips the choice (fc2's 8192 x 4096 x 16384, 4096 x 8192 x 16384, 16384 x 4096
+# x 8192, 2048 x 16384 x 8192, 8192 x 4096 x 8192), and 192 x 4 stayed 8% faster at 8192^3
+# (H100, PERFLOG.md session 31). Not measured for 1x128 B (wgrad), which keeps the model.
+BLOCK_LONG_K_SPEED = {(256, 3, True, 1): 0.98}
 CANDIDATES = {False: [(256, 3, False, 1), (256, 3, False, 2), (128, 6, False, 2)],
               True: [(192, 4, True, 1), (256, 3, True, 1), (128, 6, True, 1),
                      (256, 3, True, 2)]}
@@ -300,20 +306,24 @@ def _shape_plan(m, n, k, a_fmt, b_fmt, split, out_dtype, no_bias, accumulate, ac
     return _plan(config, a_fmt, b_fmt, out_dtype, no_bias, accumulate, act, m, n, k)
 
 
-_defaults = {}  # (M, N, split, SMs, K <= SHORT_K) -> config
+_defaults = {}  # (M, N, split, SMs, K <= SHORT_K, block) -> config
 
 
-def default_config(m, n, split, sms=None, k=None):
+def default_config(m, n, split, sms=None, k=None, block=False):
     """The default configuration for an M x N output (see DEFAULTS), with K where the
-    caller knows it (SHORT_K)."""
+    caller knows it (SHORT_K); block: for the block-scaled kernel with 128x128 B
+    (BLOCK_LONG_K_SPEED)."""
     sms = sms or sm_count()
     short = k is not None and k <= SHORT_K
-    key = (m, n, split, sms, short)
+    block = bool(block) and k is not None and not short
+    key = (m, n, split, sms, short, block)
     if key not in _defaults:
         def cost(item):
             config, speed = item
             if short:
                 speed = SHORT_K_SPEED.get(config, speed)
+            elif block:
+                speed = BLOCK_LONG_K_SPEED.get(config, speed)
             tiles = -(-m // BM) * -(-n // config[0])
             return -(-tiles // sms) * config[0] / speed, -config[0]
         _defaults[key] = min(DEFAULTS[split], key=cost)[0]
