@@ -53,7 +53,8 @@ SHORT_K, SHORT_K_SPEED = 4096, {(256, 3, True, 1): 1.0}
 # 0.98 of the 192-wide ones' speed, not 0.96. 256 x 3 ran 2-8% faster at the five shapes
 # where that flips the choice (fc2's 8192 x 4096 x 16384, 4096 x 8192 x 16384, 16384 x 4096
 # x 8192, 2048 x 16384 x 8192, 8192 x 4096 x 8192), and 192 x 4 stayed 8% faster at 8192^3
-# (H100, PERFLOG.md session 31). Not measured for 1x128 B (wgrad), which keeps the model.
+# (H100, PERFLOG.md session 31). 1x128 B (wgrad) keeps the model: 192 x 4 ran 2% faster
+# there at 16384 x 4096 x 8192, the shape it would have flipped.
 BLOCK_LONG_K_SPEED = {(256, 3, True, 1): 0.98}
 CANDIDATES = {False: [(256, 3, False, 1), (256, 3, False, 2), (128, 6, False, 2)],
               True: [(192, 4, True, 1), (256, 3, True, 1), (128, 6, True, 1),
