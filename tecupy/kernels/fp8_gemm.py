@@ -47,7 +47,7 @@ DEFAULTS = {False: [(CONFIGS[False], 1.0)],
 # layer's split GEMMs (scripts/gemm_layer_tune.py, PERFLOG.md session 23): with K 3072-4096
 # the 256-wide tiles ran 0-6% faster where the 0.96 model chose 192 (tensor-parallel ranks'
 # dgrads at 8192 x 4096, the medium layer's qkv wgrad); with K >= 6144 the 192-wide ones won
-# as modelled. The per-tensor GEMM passes K; block scaling's GEMMs keep the model above.
+# as modelled. The per-tensor and block-scaled GEMMs pass K (block scaling since session 28).
 SHORT_K, SHORT_K_SPEED = 4096, {(256, 3, True, 1): 1.0}
 # The block-scaled kernel with 128x128 B (block_scaling) and K > SHORT_K: 256-wide tiles at
 # 0.98 of the 192-wide ones' speed, not 0.96. 256 x 3 ran 2-8% faster at the five shapes
