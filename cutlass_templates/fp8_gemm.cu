@@ -11,7 +11,8 @@
 //   FP8 D: codes of D * *scale_out (saturated), and *amax_out = max(*amax_out, amax(D)).
 //
 // "TN": both operands K-major uint8 codes (E4M3 or E5M2; the wgmma atom MMA names the pair).
-// alpha and bias are applied in float32 once, in the epilogue; D is rounded once to TOut.
+// alpha and bias are applied in float32 once, in the epilogue, as one FMA (alpha acc + bias
+// rounded once, written as fmaf so that no instantiation differs); D is rounded once to TOut.
 // bias is in D's type for a 16-bit D (bf16, half), float otherwise (bias_t).
 // Scales are read from device memory (no host sync).
 //
@@ -223,7 +224,8 @@ __device__ __forceinline__ void epilogue(const float (&acc)[BN / 2], const Epilo
             const int r = r0 + 8 * h;
             if (r >= e.M) continue;
             const long long at = (long long)r * e.N + c;
-            float v0 = e.alpha * acc[4 * j + 2 * h] + b0, v1 = e.alpha * acc[4 * j + 2 * h + 1] + b1;
+            float v0 = fmaf(e.alpha, acc[4 * j + 2 * h], b0);
+            float v1 = fmaf(e.alpha, acc[4 * j + 2 * h + 1], b1);
             if (ACCUM) {
                 const float2 o = *reinterpret_cast<const float2*>(e.d + at);
                 v0 += o.x;
@@ -308,7 +310,8 @@ constexpr bool kTmaStore =
 // Two roundings, not one: the unfused path rounds the GEMM's output to T, then the add
 // kernel adds two T values in float and rounds again; so the fused result is that one bit
 // for bit (fused or not, a layer's outputs and gradients do not change). alpha acc + bias
-// is written as the plain epilogue writes it (so it contracts to the same FMA).
+// is one FMA here as in every epilogue, written out (fmaf): left to ptxas's contraction,
+// two instantiations of one expression may round differently (PERFLOG.md, session 30).
 // Staging layout as epilogue_tma's (below).
 template <int BN, class TOut, int EPI>
 __device__ __forceinline__ void residual_to_stage(const float (&acc)[BN / 2],
@@ -335,8 +338,8 @@ __device__ __forceinline__ void residual_to_stage(const float (&acc)[BN / 2],
                 const int unit = ((c % 64) / 8) ^ (r % 8);
                 uint8_t* p = stage + (c / 64) * 64 * 128 + r * 128 + unit * 16 + (c % 8) * 2;
                 store2(reinterpret_cast<TOut*>(p),
-                       round_to<TOut>(e.alpha * acc[i] + b0) + x[j][h].x,
-                       round_to<TOut>(e.alpha * acc[i + 1] + b1) + x[j][h].y);
+                       round_to<TOut>(fmaf(e.alpha, acc[i], b0)) + x[j][h].x,
+                       round_to<TOut>(fmaf(e.alpha, acc[i + 1], b1)) + x[j][h].y);
             }
         }
     }
@@ -369,8 +372,8 @@ __device__ __forceinline__ void epilogue_tma(const float (&acc)[BN / 2], const E
             const int r = 16 * warp + lane / 4 + 8 * h;
             const int unit = ((c % 64) / 8) ^ (r % 8);
             uint8_t* p = stage + (c / 64) * 64 * 128 + r * 128 + unit * 16 + (c % 8) * 2;
-            store2(reinterpret_cast<TOut*>(p), e.alpha * acc[4 * j + 2 * h] + b0,
-                   e.alpha * acc[4 * j + 2 * h + 1] + b1);
+            store2(reinterpret_cast<TOut*>(p), fmaf(e.alpha, acc[4 * j + 2 * h], b0),
+                   fmaf(e.alpha, acc[4 * j + 2 * h + 1], b1));
         }
     }
     }
